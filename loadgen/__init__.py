@@ -1,0 +1,1 @@
+"""Trace replay and synthetic load against OpenAI-compatible servers (planned; see DESIGN.md)."""

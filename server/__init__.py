@@ -1,0 +1,1 @@
+"""hetserve's daemon: HTTP API, engine loop, scheduler and the backends it drives."""

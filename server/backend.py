@@ -1,0 +1,78 @@
+"""The contract between the engine and a backend: one dataclass per direction plus a Protocol.
+
+Every step the scheduler sends a `StepInput` naming, per sequence, which tokens to run and
+where their KV lives; the backend runs them and returns a `StepOutput` with one sampled token
+for each sequence whose chunk reached the end of its known tokens. Nothing here imports torch,
+so the scheduler and its tests run without a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass kept; 1 keeps everything."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps everything."""
+    seed: int = 0
+    """Seed of this request's random stream (drawn at arrival when the client gives none)."""
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a step."""
+
+    seq_id: int
+    """Engine-wide sequence id."""
+    token_ids: tuple[int, ...]
+    """Tokens whose KV is computed this step (a prefill chunk, or the last sampled token)."""
+    start_pos: int
+    """Position of token_ids[0]; tokens before it are already in the KV store."""
+    block_table: tuple[int, ...]
+    """Physical KV block ids covering positions [0, start_pos + len(token_ids))."""
+    sampling: SamplingParams | None
+    """Set when this chunk ends at the sequence's last token: sample the next one."""
+    output_index: int = 0
+    """Index among the request's outputs of the token to sample (keys its random stream)."""
+
+
+@dataclass(frozen=True)
+class StepInput:
+    chunks: tuple[SeqChunk, ...]
+    """Work of this step; decodes and prefill chunks mixed, at most the token budget in total."""
+    freed_seq_ids: tuple[int, ...] = ()
+    """Sequences finished or preempted since the last step: drop any per-sequence state."""
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    sampled: dict[int, int]
+    """seq_id -> next token, for every chunk that had `sampling` set."""
+    timings_s: dict[str, float] = field(default_factory=dict)
+    """Where the step's time went (e.g. accelerator, cpu_attn), for metrics."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """KV geometry a backend offers; the scheduler's block manager allocates within it."""
+
+    block_size: int
+    """Tokens per block."""
+    num_blocks: int
+    """Blocks in the store."""
+    bytes_per_block: int
+    """Bytes one block takes, K and V of every layer, including any scales."""
+
+
+class Backend(Protocol):
+    kv_spec: KVSpec
+    max_model_len: int
+
+    def step(self, inp: StepInput) -> StepOutput: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,80 @@
+"""`hetserve` command line: `hetserve serve` starts the daemon."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from pathlib import Path
+
+from server.config import ServeConfig, add_arguments, from_args
+
+log = logging.getLogger("hetserve")
+
+
+def build_engine(cfg: ServeConfig):
+    """Load the model and KV store; returns (engine, served model name, max model length)."""
+    from gpu_model.loader import default_model_path, resolve_model_dir
+    from gpu_model.tokenizer import Tokenizer
+    from server.engine import Engine
+    from server.hetero import HeteroBackend
+    from server.scheduler import SchedulerConfig
+
+    model_dir = resolve_model_dir(cfg.model, Path(cfg.model_cache_dir).expanduser())
+    backend = HeteroBackend(model_dir, device=cfg.device, dtype=cfg.dtype, kv_format=cfg.kv_format,
+                            kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
+                            max_model_len=cfg.max_model_len)
+    tokenizer = Tokenizer(model_dir, backend.model.cfg.eos_token_ids)
+    engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+    name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
+    return engine, name, backend.max_model_len
+
+
+def warm_up(engine) -> None:
+    """Run one tiny request so kernels are compiled (or loaded from Numba's cache) before /health is ok."""
+    from server.backend import SamplingParams
+    from server.engine import EngineRequest
+
+    done = threading.Event()
+    engine.submit(EngineRequest("warmup", [1, 2, 3], SamplingParams(temperature=0.0), 2,
+                                on_event=lambda ev: ev.finish_reason and done.set()))
+    if not done.wait(timeout=300):
+        raise RuntimeError("warm-up request did not finish in 300 s")
+
+
+def serve(cfg: ServeConfig) -> None:
+    import uvicorn
+
+    from server.api import ServerState, create_app
+
+    engine, name, max_model_len = build_engine(cfg)
+    engine.start()
+    warm_up(engine)
+    log.info("serving %s on http://%s:%d (max_model_len %d)", name, cfg.host, cfg.port, max_model_len)
+    try:
+        uvicorn.run(create_app(ServerState(engine, name, max_model_len)), host=cfg.host, port=cfg.port,
+                    log_level=cfg.log_level)
+    finally:
+        engine.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hetserve", description="Heterogeneous LLM serving daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
+                             description="Start the OpenAI-compatible HTTP server. Options may also come from "
+                                         "a YAML file (--config); flags override the file.")
+    add_arguments(p_serve)
+    args = parser.parse_args(argv)
+    try:
+        cfg = from_args(args)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        serve(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

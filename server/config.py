@@ -1,0 +1,106 @@
+"""Server configuration: one frozen dataclass, filled from a YAML file and/or CLI flags.
+
+Every field carries its help text in `metadata`; the CLI builds one flag per field from it,
+so `hetserve serve --help` always documents every option.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB', '512MB', '1e9' or an int -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size (examples: 2GiB, 512MB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = _opt(None, "GGUF file or safetensors directory of a Llama-architecture model (default: bundled SmolLM2-135M-Instruct)")
+    served_model_name: str | None = _opt(None, "name clients pass as `model` (default: the model file's stem)")
+    model_cache_dir: str = _opt("~/.cache/hetserve/models", "where dequantized GGUF weights are cached")
+    host: str = _opt("127.0.0.1", "address to bind; 0.0.0.0 exposes the server to the network")
+    port: int = _opt(8000, "TCP port")
+    device: str = _opt("auto", "where the linear layers run: auto (cuda if present), cuda or cpu")
+    dtype: str = _opt("auto", "model dtype: auto (float32 on cpu, bfloat16 on cuda), float32, float16, bfloat16")
+    kv_format: str = _opt("fp16", "KV cache format in the CPU store: fp16 or fp32")
+    kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB (overrides --kv-cache-fraction)", parse=parse_bytes)
+    kv_cache_fraction: float = _opt(0.25, "KV cache capacity as a fraction of total RAM")
+    block_size: int = _opt(16, "tokens per KV block")
+    max_num_seqs: int = _opt(64, "most requests in the running batch")
+    max_num_batched_tokens: int = _opt(512, "token budget of one step (decodes plus prefill chunks)")
+    max_model_len: int | None = _opt(None, "longest prompt plus output in tokens (default: the model's context)")
+    executor: str = _opt("local", "how workers run: local (one process)")
+    log_level: str = _opt("info", "debug, info, warning or error")
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, not {self.device!r}"),
+            (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
+            (self.kv_format in ("fp16", "fp32"), f"kv_format must be fp16 or fp32, not {self.kv_format!r}"),
+            (self.executor == "local", f"executor must be local, not {self.executor!r}"),
+            (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
+            (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
+            (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
+            (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
+            (self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1"),
+            (0 < self.port < 65536, f"port {self.port} out of range"),
+            (self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def kv_capacity_bytes(self) -> int:
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * self.kv_cache_fraction)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides) -> "ServeConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of option: value")
+        data = {k.replace("-", "_"): v for k, v in data.items()}
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}")
+        for k, v in data.items():
+            parse = names[k].metadata.get("parse")
+            if parse and v is not None:
+                data[k] = parse(v)
+        return cls(**{**data, **overrides})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file with any of the options below (flags override it)")
+    for f in dataclasses.fields(ServeConfig):
+        kind = f.metadata.get("parse") or {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
+                            help=f"{f.metadata['help']} (default: {f.default})")
+
+
+def from_args(args: argparse.Namespace) -> ServeConfig:
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig) if getattr(args, f.name) is not None}
+    if args.config:
+        return ServeConfig.from_file(args.config, **overrides)
+    return ServeConfig(**overrides)

@@ -1,0 +1,174 @@
+"""The engine loop: one thread owns the backend and steps it; HTTP handlers only submit
+requests and receive events.
+
+    step(): schedule -> backend.step -> apply tokens (detokenize, check stops, emit events)
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Callable
+
+from server.backend import Backend, SamplingParams
+from server.block_manager import BlockManager
+from server.detokenizer import IncrementalDetokenizer
+from server.scheduler import Scheduler, SchedulerConfig, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """What a request produced since its last event."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    """None while running; then stop, length, abort or error."""
+    error: str | None = None
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    on_event: Callable[[RequestEvent], None]
+    """Called on the engine thread; must not block."""
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    arrival_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Live:
+    req: EngineRequest
+    seq: Sequence
+    detok: IncrementalDetokenizer
+
+
+class Engine:
+    def __init__(self, backend: Backend, tokenizer, sched_cfg: SchedulerConfig):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.blocks = BlockManager(backend.kv_spec)
+        self.scheduler = Scheduler(sched_cfg, self.blocks)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}
+        self._by_request_id: dict[str, int] = {}
+        self._seq_ids = count()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hetserve-engine", daemon=True)
+        self.last_step_timings_s: dict[str, float] = {}
+
+    # ---- called from any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, req: EngineRequest) -> None:
+        self._inbox.put(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- engine thread
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.scheduler.has_work())
+            if self.scheduler.has_work():
+                try:
+                    self.step()
+                except Exception as exc:  # a failed step must not take the server down
+                    log.exception("engine step failed")
+                    for live in list(self._live.values()):
+                        self._finish(live, "error", error=f"engine step failed: {exc}")
+        for live in list(self._live.values()):
+            self._finish(live, "abort", error="server shutting down")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                self._add(payload)
+            elif kind == "abort" and payload in self._by_request_id:
+                self._finish(self._live[self._by_request_id[payload]], "abort")
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, req: EngineRequest) -> None:
+        seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), req.sampling)
+        self._live[seq.seq_id] = _Live(req, seq, IncrementalDetokenizer(self.tokenizer.decode, req.stop))
+        self._by_request_id[req.request_id] = seq.seq_id
+        self.scheduler.add(seq)
+
+    def step(self) -> None:
+        inp = self.scheduler.schedule()
+        for seq in self.scheduler.too_long:
+            self._finish(self._live[seq.seq_id], "length")
+        self.scheduler.too_long.clear()
+        if not inp.chunks:
+            return
+        out = self.backend.step(inp)
+        self.last_step_timings_s = out.timings_s
+        for seq, token in self.scheduler.update(out):
+            self._on_token(self._live[seq.seq_id], token)
+
+    def _on_token(self, live: _Live, token: int) -> None:
+        req, seq = live.req, live.seq
+        reason = None
+        if not req.ignore_eos and token in self.tokenizer.eos_token_ids:
+            reason, text = "stop", ""
+        else:
+            text = live.detok.add(token)
+            if live.detok.is_stopped:
+                reason = "stop"
+        if reason is None and (len(seq.output_token_ids) >= req.max_tokens or seq.num_tokens >= self.backend.max_model_len):
+            reason = "length"
+        if reason is None:
+            req.on_event(self._event(live, text, (token,)))
+        else:
+            self._finish(live, reason, text=text, token_ids=(token,))
+
+    def _event(self, live: _Live, text: str, token_ids: tuple[int, ...], reason: str | None = None,
+               error: str | None = None) -> RequestEvent:
+        return RequestEvent(live.req.request_id, text, token_ids, len(live.seq.prompt_token_ids),
+                            len(live.seq.output_token_ids), reason, error)
+
+    def _finish(self, live: _Live, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
+                error: str | None = None) -> None:
+        self.scheduler.finish(live.seq)
+        del self._live[live.seq.seq_id]
+        del self._by_request_id[live.req.request_id]
+        if reason != "error":
+            text += live.detok.flush()
+        live.req.on_event(self._event(live, text, token_ids, reason, error))

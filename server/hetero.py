@@ -1,0 +1,81 @@
+"""The hetero backend, local executor: model linears on the accelerator (or CPU), attention and
+the whole KV cache on CPU workers, all in this process."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from cpu_attn.kv_store import PagedKVStore
+from cpu_attn.worker import AttentionWorker, ChunkLayout
+from gpu_model.loader import load_model
+from gpu_model.worker import ModelWorker
+from server.backend import KVSpec, StepInput, StepOutput
+
+log = logging.getLogger(__name__)
+
+KV_DTYPES = {"fp16": "float16", "fp32": "float32"}
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            log.info("CUDA is not available: the linear layers run on the CPU")
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+    return device
+
+
+def pick_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return getattr(torch, dtype)
+
+
+class HeteroBackend:
+    def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str,
+                 kv_capacity_bytes: int, block_size: int, max_model_len: int | None):
+        device = pick_device(device)
+        self.model_dir = model_dir
+        self.model = load_model(model_dir, device, pick_dtype(dtype, device))
+        cfg = self.model.cfg
+        kv_dtype = KV_DTYPES[kv_format]
+        per_block = PagedKVStore.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
+        num_blocks = kv_capacity_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV capacity {kv_capacity_bytes} B is below one block ({per_block} B)")
+        store = PagedKVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, num_blocks, kv_dtype)
+        self.kv_spec = KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=per_block)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.model_worker = ModelWorker(self.model)
+        self.attn_worker = AttentionWorker(store, cfg.num_heads, cfg.head_dim)
+        log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s", num_blocks, block_size,
+                 num_blocks * per_block / 2**20, kv_format, device)
+
+    def step(self, inp: StepInput) -> StepOutput:
+        t0 = time.perf_counter()
+        token_ids, positions, sample_rows, params, output_indices = [], [], [], [], []
+        for c in inp.chunks:
+            token_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
+            if c.sampling is not None:
+                sample_rows.append(len(token_ids) - 1)
+                params.append(c.sampling)
+                output_indices.append(c.output_index)
+        self.attn_worker.begin_step([ChunkLayout(len(c.token_ids), c.start_pos, c.block_table) for c in inp.chunks])
+        if not token_ids:
+            return StepOutput(sampled={})
+        tokens, accel_s = self.model_worker.step(token_ids, positions, sample_rows, params, output_indices,
+                                                 self.attn_worker.attend)
+        sampled_ids = [c.seq_id for c in inp.chunks if c.sampling is not None]
+        return StepOutput(
+            sampled=dict(zip(sampled_ids, tokens)),
+            timings_s={"accelerator": accel_s, "cpu_attn": self.attn_worker.take_busy_s(),
+                       "step": time.perf_counter() - t0},
+        )
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,139 @@
+"""OpenAI-compatible request bodies, their validation, and the error shape.
+
+Types are checked by pydantic (422 on a malformed body); values by `check_*` (400 with the
+parameter named). Known OpenAI parameters hetserve does not implement are refused with 400
+when set to anything but their neutral value, never silently ignored.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    # known but unimplemented: accepted only at their neutral values
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256
+_NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "logprobs": None,
+            "echo": False, "best_of": None, "suffix": None, "top_logprobs": None}
+ROLES = ("system", "user", "assistant", "developer")
+
+
+def check_common(req: _Common) -> None:
+    if req.model_extra:
+        name = sorted(req.model_extra)[0]
+        raise APIError(400, f"unsupported parameter {name!r}", param=name, code="unsupported_parameter")
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(req, name, neutral)
+        if value != neutral and not (name == "logprobs" and value is False):
+            raise APIError(400, f"parameter {name!r} is not supported (leave it at {neutral!r})", param=name,
+                           code="unsupported_parameter")
+    if not 0.0 <= req.temperature <= 2.0:
+        raise APIError(400, f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
+    if not 0.0 < req.top_p <= 1.0:
+        raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    if req.top_k < -1:
+        raise APIError(400, f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}", param="top_k")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {req.max_tokens}", param="max_tokens")
+    stops = stop_list(req)
+    if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop")
+
+
+def stop_list(req: _Common) -> list[str]:
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Validated messages as plain {role, content} dicts for the chat template."""
+    if req.max_completion_tokens is not None:
+        if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+        if req.max_completion_tokens < 1:
+            raise APIError(400, "max_completion_tokens must be at least 1", param="max_completion_tokens")
+    if not req.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            raise APIError(400, f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}", param=f"messages[{i}].role")
+        content = m.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
+            content = "".join(part["text"] for part in content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "send one prompt per request (batched prompts are not supported)", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return prompt
+

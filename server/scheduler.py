@@ -1,0 +1,163 @@
+"""Continuous batching: who runs each step, with how many tokens. Pure Python.
+
+Every step: running sequences first (a decode takes one token, an unfinished prefill the
+next chunk), then waiting sequences are admitted while the token budget, the running limit
+and KV blocks allow. When a running sequence needs a block and none is free, the most
+recently arrived running sequence is preempted: its blocks are freed and it goes back to the
+front of the queue, to be recomputed from its prompt plus what it has generated so far.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from server.backend import SamplingParams, SeqChunk, StepInput, StepOutput
+from server.block_manager import BlockManager
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Tokens whose KV is in the store."""
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> tuple[int, ...]:
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return tuple(self.prompt_token_ids[start:stop])
+        return tuple((self.prompt_token_ids + self.output_token_ids)[start:stop])
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most sequences in the running batch."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: decodes plus prefill chunks."""
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
+        self.cfg = cfg
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._freed: list[int] = []
+        self._scheduled: list[tuple[Sequence, int]] = []
+        self.too_long: list[Sequence] = []
+        """Sequences that cannot fit the whole KV store even alone; the engine ends them."""
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence for good (done, aborted or failed) and release its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.seq_id)
+        self._freed.append(seq.seq_id)
+        seq.num_computed = 0
+
+    def _preempt_last(self) -> Sequence:
+        victim = self.running.pop()
+        self._release(victim)
+        victim.status = SeqStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        stop = seq.num_computed + n
+        table = self.blocks.allocate(seq.seq_id, stop)
+        self._scheduled.append((seq, n))
+        is_last = stop == seq.num_tokens
+        return SeqChunk(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_slice(seq.num_computed, stop),
+            start_pos=seq.num_computed,
+            block_table=table,
+            sampling=seq.sampling if is_last else None,
+            output_index=len(seq.output_token_ids),
+        )
+
+    def schedule(self) -> StepInput:
+        budget = self.cfg.max_num_batched_tokens
+        chunks: list[SeqChunk] = []
+        self._scheduled = []
+        is_preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.can_hold(seq.seq_id, seq.num_computed + n):
+                is_preempted = True
+                if self.running[-1] is seq and len(self.running) == 1:
+                    # alone and still too big: it can never fit
+                    self.running.pop()
+                    self._release(seq)
+                    seq.status = SeqStatus.FINISHED
+                    self.too_long.append(seq)
+                    break
+                if self._preempt_last() is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not is_preempted and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.can_hold(seq.seq_id, seq.num_computed + n):
+                if self.blocks.num_missing(seq.seq_id, seq.num_computed + n) > self.blocks.spec.num_blocks:
+                    self.waiting.popleft()
+                    seq.status = SeqStatus.FINISHED
+                    self.too_long.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        freed, self._freed = tuple(self._freed), []
+        return StepInput(chunks=tuple(chunks), freed_seq_ids=freed)
+
+    def update(self, out: StepOutput) -> list[tuple[Sequence, int]]:
+        """Apply a step's results; returns (sequence, new token) for every sampled token."""
+        new_tokens = []
+        for seq, n in self._scheduled:
+            seq.num_computed += n
+            token = out.sampled.get(seq.seq_id)
+            if token is not None:
+                seq.output_token_ids.append(token)
+                new_tokens.append((seq, token))
+        self._scheduled = []
+        return new_tokens

@@ -1,0 +1,59 @@
+"""Shared fixtures: a real hetserve server (real model, real HTTP) running in this process."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from server.config import ServeConfig
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """The daemon's real parts (engine thread + uvicorn) on a free loopback port."""
+
+    def __init__(self, cfg: ServeConfig):
+        import uvicorn
+
+        from server.api import ServerState, create_app
+        from server.cli import build_engine, warm_up
+
+        self.engine, self.model_name, max_model_len = build_engine(cfg)
+        self.engine.start()
+        warm_up(self.engine)
+        self.port = free_port()
+        app = create_app(ServerState(self.engine, self.model_name, max_model_len))
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.engine.stop()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """Default model, exact fp32 KV (so greedy output can be compared with HF transformers)."""
+    srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=512 * 2**20, max_num_seqs=64))
+    yield srv
+    srv.close()

@@ -1,0 +1,46 @@
+import argparse
+
+import pytest
+
+from server.config import ServeConfig, add_arguments, from_args, parse_bytes
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return from_args(p.parse_args(argv))
+
+
+def test_sizes():
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes(7) == 7
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+def test_flags_override_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("port: 9000\nkv-cache-bytes: 1GiB\nmax_num_seqs: 4\n")
+    cfg = parse(["--config", str(f), "--port", "9100"])
+    assert (cfg.port, cfg.kv_cache_bytes, cfg.max_num_seqs) == (9100, 2**30, 4)
+    assert cfg.kv_capacity_bytes() == 2**30
+
+
+def test_bad_values_are_refused_with_a_message(tmp_path):
+    with pytest.raises(ValueError, match="kv_format"):
+        ServeConfig(kv_format="int3")
+    f = tmp_path / "c.yaml"
+    f.write_text("colour: blue\n")
+    with pytest.raises(ValueError, match="unknown option"):
+        ServeConfig.from_file(f)
+
+
+def test_every_option_is_documented_in_help(capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    import dataclasses
+
+    for f in dataclasses.fields(ServeConfig):
+        assert "--" + f.name.replace("_", "-") in out

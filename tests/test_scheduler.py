@@ -1,0 +1,99 @@
+"""Scheduler and block accounting, without a model."""
+import pytest
+
+from server.backend import KVSpec, SamplingParams, StepOutput
+from server.block_manager import BlockManager
+from server.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=16):
+    blocks = BlockManager(KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=100))
+    return Scheduler(SchedulerConfig(max_num_seqs, budget), blocks), blocks
+
+
+def run_step(s: Scheduler, next_token=7):
+    inp = s.schedule()
+    out = StepOutput(sampled={c.seq_id: next_token for c in inp.chunks if c.sampling is not None})
+    return inp, s.update(out)
+
+
+def test_block_manager_exact_accounting():
+    bm = BlockManager(KVSpec(block_size=4, num_blocks=5, bytes_per_block=100))
+    assert bm.allocate(0, 5) == (0, 1)
+    assert bm.allocate(1, 4) == (2,)
+    assert bm.allocate(0, 8) == (0, 1)
+    assert bm.allocate(0, 9) == (0, 1, 3)
+    assert bm.used_bytes == 400 and bm.capacity_bytes == 500
+    with pytest.raises(MemoryError):
+        bm.allocate(1, 12)
+    bm.free(0)
+    assert bm.num_free_blocks == 4 and bm.used_bytes == 100
+    bm.free(1)
+    assert bm.used_bytes == 0
+
+
+def test_prefill_is_chunked_under_the_token_budget_and_decodes_join():
+    s, _ = make(budget=6)
+    s.add(Sequence(0, list(range(10)), GREEDY))
+    s.add(Sequence(1, [1, 2], GREEDY))
+    inp, new = run_step(s)
+    assert [(c.seq_id, c.start_pos, len(c.token_ids), c.sampling) for c in inp.chunks] == [(0, 0, 6, None)]
+    assert new == []
+    inp, new = run_step(s)
+    # seq 0 finishes its prompt (4 tokens) and samples; seq 1 is admitted with the remaining budget
+    assert [(c.seq_id, c.start_pos, len(c.token_ids)) for c in inp.chunks] == [(0, 6, 4), (1, 0, 2)]
+    assert [(q.seq_id, t) for q, t in new] == [(0, 7), (1, 7)]
+    inp, _ = run_step(s)
+    assert [(c.seq_id, c.start_pos, c.token_ids, c.output_index) for c in inp.chunks] == [(0, 10, (7,), 1), (1, 2, (7,), 1)]
+
+
+def test_block_tables_cover_positions():
+    s, _ = make(block_size=4)
+    s.add(Sequence(0, list(range(9)), GREEDY))
+    inp, _ = run_step(s)
+    assert len(inp.chunks[0].block_table) == 3  # 9 tokens in blocks of 4
+
+
+def test_preemption_frees_the_latest_and_recomputes_it():
+    s, blocks = make(num_blocks=4, block_size=4, budget=64)
+    s.add(Sequence(0, [1] * 7, GREEDY))  # 2 blocks
+    s.add(Sequence(1, [2] * 7, GREEDY))  # 2 blocks
+    run_step(s)
+    assert blocks.num_free_blocks == 0
+    run_step(s)  # both now hold 8 tokens: still 2 blocks each
+    inp, new = run_step(s)  # seq 0 needs a third block: seq 1 (latest) is preempted
+    assert s.num_preemptions == 1
+    assert [c.seq_id for c in inp.chunks] == [0]
+    assert inp.freed_seq_ids == (1,)
+    s1 = s.waiting[0]
+    assert s1.seq_id == 1 and s1.status is SeqStatus.WAITING and s1.num_computed == 0
+    assert s1.output_token_ids == [7, 7]
+    s.finish(s.running[0])
+    inp, new = run_step(s)
+    # recompute: prompt plus both generated tokens, then sample the third output
+    assert inp.chunks[0].token_ids == (2,) * 7 + (7, 7)
+    assert inp.chunks[0].output_index == 2
+    s.finish(s1)
+    assert blocks.used_bytes == 0
+
+
+def test_sequence_larger_than_the_store_is_reported_not_looped():
+    s, blocks = make(num_blocks=2, block_size=4, budget=64)
+    s.add(Sequence(0, [1] * 12, GREEDY))
+    inp = s.schedule()
+    assert inp.chunks == () and [q.seq_id for q in s.too_long] == [0]
+    s.too_long.clear()
+    s.add(Sequence(1, [1] * 7, GREEDY))
+    for _ in range(3):
+        run_step(s)
+    assert [q.seq_id for q in s.too_long] == [1] and blocks.used_bytes == 0 and not s.running
+
+
+def test_max_num_seqs_limits_admission():
+    s, _ = make(max_num_seqs=2)
+    for i in range(3):
+        s.add(Sequence(i, [1, 2], GREEDY))
+    inp, _ = run_step(s)
+    assert [c.seq_id for c in inp.chunks] == [0, 1] and len(s.waiting) == 1
