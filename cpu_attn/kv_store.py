@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpu_attn.kernels import FP16_TABLE, paged_decode_attention, write_kv
+from cpu_attn.kernels import paged_decode_attention, write_kv
 
 # fp16 is kept as raw uint16 bits (Numba has no CPU float16); see kernels.py
 _STORAGE = {"float16": np.uint16, "float32": np.float32}
 _ITEMSIZE = {"float16": 2, "float32": 4}
-_NO_TABLE = np.zeros(0, dtype=np.float32)
 
 
 class PagedKVStore:
@@ -38,7 +37,6 @@ class PagedKVStore:
         # np.zeros maps fresh pages lazily: a large capacity costs RAM only once blocks are written
         self.k = np.zeros(shape, dtype=_STORAGE[dtype])
         self.v = np.zeros(shape, dtype=_STORAGE[dtype])
-        self._table = FP16_TABLE if dtype == "float16" else _NO_TABLE
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: str) -> int:
@@ -80,7 +78,7 @@ class PagedKVStore:
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
         paged_decode_attention(
             np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables, seq_lens,
-            np.float32(scale), self._table, out, lse,
+            np.float32(scale), out, lse,
             np.empty((work, group, self.block_size), np.float32), np.empty((work, head_dim), np.float32),
             np.empty((work, group), np.float32), np.empty((work, group), np.float32))
         return out, lse

@@ -1,0 +1,32 @@
+"""A KV store too small for the load: requests are preempted and recomputed, never lost, and
+greedy output does not change."""
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from server.config import ServeConfig
+from tests.conftest import RunningServer
+
+BYTES_PER_BLOCK_FP32 = 2 * 30 * 3 * 16 * 64 * 4  # SmolLM2-135M, block_size 16
+
+
+def complete(url, i):
+    body = {"prompt": f"Request {i}. Tell me about the history of the number {i * 37}.", "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_small_kv_forces_preemption_with_identical_greedy_text(server):
+    reference = [complete(server.url, i) for i in range(8)]
+    small = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=20 * BYTES_PER_BLOCK_FP32))
+    try:
+        assert small.engine.blocks.spec.num_blocks == 20  # 320 tokens for 8 x ~65
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda i: complete(small.url, i), range(8)))
+        assert small.engine.scheduler.num_preemptions > 0
+        assert texts == reference
+        assert small.engine.blocks.used_bytes == 0
+    finally:
+        small.close()
