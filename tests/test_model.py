@@ -8,6 +8,7 @@ from server.backend import KVSpec, SamplingParams, SeqChunk, StepInput
 from server.block_manager import BlockManager
 
 GREEDY = SamplingParams(temperature=0.0)
+PROMPTS_TINY = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [2, 71, 82], [7]]
 
 
 def tiny_model_dir(tmp_path, **overrides):
@@ -21,11 +22,11 @@ def tiny_model_dir(tmp_path, **overrides):
     return tmp_path, hf
 
 
-def greedy_through_backend(model_dir, prompts, num_new, chunk=5):
+def greedy_through_backend(model_dir, prompts, num_new, chunk=5, device="cpu", dtype="float32"):
     """Prefill in chunks of `chunk` tokens, then decode all sequences in one batch per step."""
     from server.hetero import HeteroBackend
 
-    backend = HeteroBackend(model_dir, device="cpu", dtype="float32", kv_format="fp32", kv_capacity_bytes=2**22,
+    backend = HeteroBackend(model_dir, device=device, dtype=dtype, kv_format="fp32", kv_capacity_bytes=2**22,
                             block_size=4, max_model_len=None)
     blocks = BlockManager(backend.kv_spec)
     tokens = [list(p) for p in prompts]
@@ -64,9 +65,8 @@ def hf_greedy(hf, prompt, num_new):
 ])
 def test_batched_chunked_decode_matches_hf(tmp_path, overrides):
     model_dir, hf = tiny_model_dir(tmp_path, **overrides)
-    prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [2, 71, 82], [7]]
-    ours = greedy_through_backend(model_dir, prompts, num_new=10)
-    assert ours == [hf_greedy(hf, p, 10) for p in prompts]
+    ours = greedy_through_backend(model_dir, PROMPTS_TINY, num_new=10)
+    assert ours == [hf_greedy(hf, p, 10) for p in PROMPTS_TINY]
 
 
 def test_loader_rejects_what_it_cannot_load(tmp_path):
