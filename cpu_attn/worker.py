@@ -78,10 +78,14 @@ class AttentionWorker:
         plan = self._plan
         assert plan is not None, "begin_step must come first"
         self.store.write(layer, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy())
-        out = torch.empty_like(q)
+        if not plan.prefills:  # decode-only step: the kernel's output is the whole answer
+            o, _ = self.store.decode_attention(layer, q.numpy(), plan.block_tables, plan.seq_lens, self.scale)
+            self.busy_s += time.perf_counter() - t0
+            return torch.from_numpy(o).reshape(q.shape[0], -1)
+        out = torch.empty(q.shape, dtype=q.dtype)
         if len(plan.decode_rows):
-            q_dec = q[plan.decode_rows].contiguous().numpy()
-            o, _ = self.store.decode_attention(layer, q_dec, plan.block_tables, plan.seq_lens, self.scale)
+            o, _ = self.store.decode_attention(layer, q[plan.decode_rows].numpy(), plan.block_tables, plan.seq_lens,
+                                               self.scale)
             out[plan.decode_rows] = torch.from_numpy(o)
         for first, n, start, table in plan.prefills:
             if start == 0:

@@ -93,12 +93,11 @@ class LlamaModel(nn.Module):
         """x: [T, hidden] -> q: [T, Hq, D], k: [T, Hkv, D] (post-RoPE), v: [T, Hkv, D]"""
         cfg, layer = self.cfg, self.layers[i]
         qkv = layer.qkv(rms_norm(x, layer.attn_norm, cfg.rms_norm_eps))
-        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = qkv.split([q_out, kv_out, kv_out], dim=-1)
-        T = x.shape[0]
-        q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        return q, k, v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        T, num_qk = x.shape[0], cfg.num_heads + cfg.num_kv_heads
+        # q and k sit side by side in the fused projection: rotate both in one pass
+        qk = apply_rope(qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim), cos, sin)
+        v = qkv[:, num_qk * cfg.head_dim :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
 
     def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] (layer input), attn: [T, Hq * D] -> next layer input [T, hidden]"""

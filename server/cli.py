@@ -36,7 +36,8 @@ def warm_up(engine) -> None:
     from server.engine import EngineRequest
 
     done = threading.Event()
-    engine.submit(EngineRequest("warmup", [1, 2, 3], SamplingParams(temperature=0.0), 2,
+    # a prompt long enough to take the prefill path's larger kernels, then decode steps
+    engine.submit(EngineRequest("warmup", list(range(1, 129)), SamplingParams(temperature=0.0), 4,
                                 on_event=lambda ev: ev.finish_reason and done.set()))
     if not done.wait(timeout=300):
         raise RuntimeError("warm-up request did not finish in 300 s")
