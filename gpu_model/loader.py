@@ -22,11 +22,13 @@ from safetensors.torch import load_file
 
 from gpu_model.config import ModelConfig
 from gpu_model.model import LlamaModel, rope_inv_freq
+from gpu_model.quant import load_quant, read_gguf_quant, save_quant
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.path.expanduser("~/.cache/hetserve/models"))
+QUANT_FILE = "gguf_blocks.safetensors"
 
 
 class ModelLoadError(Exception):
@@ -62,7 +64,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     sd = {k: v.contiguous() for k, v in hf.state_dict().items() if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
     save_file(sd, tmp / "model.safetensors")
+    _save_gguf_blocks(gguf, tmp)
     tmp.rename(out)
+
+
+def _save_gguf_blocks(gguf: Path, model_dir: Path) -> None:
+    cfg = ModelConfig.from_dir(model_dir)
+    save_quant(read_gguf_quant(gguf, cfg.num_heads, cfg.num_kv_heads), model_dir / QUANT_FILE)
 
 
 def resolve_model_dir(model_path: str | Path | None, cache_dir: str | Path | None = None) -> Path:
@@ -79,10 +87,15 @@ def resolve_model_dir(model_path: str | Path | None, cache_dir: str | Path | Non
     out = Path(cache_dir or DEFAULT_CACHE_DIR) / f"{path.stem}-{_cache_key(path)}"
     if not out.exists():
         _convert_gguf(path, out)
+    elif not (out / QUANT_FILE).exists():  # a cache written before blocks were kept
+        _save_gguf_blocks(path, out)
     return out
 
 
-def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
+def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               quant_max_tokens: int = 16) -> LlamaModel:
+    """Load weights; on the CPU in float32, a GGUF's own blocks also serve steps of at most
+    `quant_max_tokens` tokens (bandwidth-bound decode), see gpu_model/quant.py."""
     cfg = ModelConfig.from_dir(model_dir)
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -92,5 +105,8 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     model = model.to_empty(device=device)
     model.inv_freq.copy_(rope_inv_freq(cfg))
     model.load_hf_state_dict(sd)
-    return model.to(dtype).eval().requires_grad_(False)
+    model = model.to(dtype).eval().requires_grad_(False)
+    if (model_dir / QUANT_FILE).exists() and device == "cpu" and dtype == torch.float32 and quant_max_tokens > 0:
+        model.attach_quant(load_quant(model_dir / QUANT_FILE), quant_max_tokens)
+    return model
 

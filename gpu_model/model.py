@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gpu_model.config import ModelConfig
+from gpu_model.quant import QuantWeight, quant_matmul
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -70,6 +71,16 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.quant: dict[str, QuantWeight] = {}
+        """Block-quantized copies of linears ("layers.3.qkv", "head"), used for small batches."""
+        self.quant_max_tokens = 0
+        """Steps with at most this many tokens use `quant` (set by the loader; 0 = never)."""
+
+    def _linear(self, key: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q = self.quant.get(key)
+        if q is not None and x.shape[0] <= self.quant_max_tokens:
+            return quant_matmul(x, q)
+        return nn.functional.linear(x, weight)
 
     @property
     def device(self) -> torch.device:
@@ -92,7 +103,7 @@ class LlamaModel(nn.Module):
     def pre_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, hidden] -> q: [T, Hq, D], k: [T, Hkv, D] (post-RoPE), v: [T, Hkv, D]"""
         cfg, layer = self.cfg, self.layers[i]
-        qkv = layer.qkv(rms_norm(x, layer.attn_norm, cfg.rms_norm_eps))
+        qkv = self._linear(f"layers.{i}.qkv", layer.qkv.weight, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps))
         T, num_qk = x.shape[0], cfg.num_heads + cfg.num_kv_heads
         # q and k sit side by side in the fused projection: rotate both in one pass
         qk = apply_rope(qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim), cos, sin)
@@ -102,15 +113,16 @@ class LlamaModel(nn.Module):
     def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] (layer input), attn: [T, Hq * D] -> next layer input [T, hidden]"""
         layer = self.layers[i]
-        h = x + layer.o(attn)
-        gate, up = layer.gate_up(rms_norm(h, layer.mlp_norm, self.cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return h + layer.down(nn.functional.silu(gate) * up)
+        h = x + self._linear(f"layers.{i}.o", layer.o.weight, attn)
+        normed = rms_norm(h, layer.mlp_norm, self.cfg.rms_norm_eps)
+        gate, up = self._linear(f"layers.{i}.gate_up", layer.gate_up.weight, normed).chunk(2, dim=-1)
+        return h + self._linear(f"layers.{i}.down", layer.down.weight, nn.functional.silu(gate) * up)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> [N, vocab] in float32."""
         h = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (h @ w.T).float()
+        return self._linear("head", w, h).float()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in Hugging Face's LlamaForCausalLM, fusing qkv and gate|up."""
@@ -126,3 +138,22 @@ class LlamaModel(nn.Module):
         if self.lm_head is not None:
             own["lm_head.weight"] = sd["lm_head.weight"]
         self.load_state_dict(own, strict=True)
+
+    def attach_quant(self, sd: dict[str, QuantWeight], max_tokens: int) -> None:
+        """Use GGUF blocks (Hugging Face names) for steps of at most `max_tokens` tokens."""
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            fused = {
+                "qkv": [sd.get(p + f"self_attn.{n}_proj.weight") for n in "qkv"],
+                "gate_up": [sd.get(p + "mlp.gate_proj.weight"), sd.get(p + "mlp.up_proj.weight")],
+                "o": [sd.get(p + "self_attn.o_proj.weight")],
+                "down": [sd.get(p + "mlp.down_proj.weight")],
+            }
+            for key, parts in fused.items():
+                w = QuantWeight.concat(parts)
+                if w is not None:
+                    self.quant[f"layers.{i}.{key}"] = w
+        head = sd.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+        if head is not None:
+            self.quant["head"] = head
+        self.quant_max_tokens = max_tokens

@@ -23,7 +23,7 @@ def build_engine(cfg: ServeConfig):
     model_dir = resolve_model_dir(cfg.model, Path(cfg.model_cache_dir).expanduser())
     backend = HeteroBackend(model_dir, device=cfg.device, dtype=cfg.dtype, kv_format=cfg.kv_format,
                             kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
-                            max_model_len=cfg.max_model_len)
+                            max_model_len=cfg.max_model_len, gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens)
     tokenizer = Tokenizer(model_dir, backend.model.cfg.eos_token_ids)
     engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]

@@ -41,6 +41,8 @@ class ServeConfig:
     port: int = _opt(8000, "TCP port")
     device: str = _opt("auto", "where the linear layers run: auto (cuda if present), cuda or cpu")
     dtype: str = _opt("auto", "model dtype: auto (float32 on cpu, bfloat16 on cuda), float32, float16, bfloat16")
+    gguf_blocks_max_tokens: int = _opt(16, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
+                                           "own Q4_1/Q8_0 blocks instead of the fp32 copy (0 = never)")
     kv_format: str = _opt("fp16", "KV cache format in the CPU store: fp16 or fp32")
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB (overrides --kv-cache-fraction)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity as a fraction of total RAM")
@@ -61,6 +63,7 @@ class ServeConfig:
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
+            (self.gguf_blocks_max_tokens >= 0, "gguf_blocks_max_tokens must be >= 0"),
             (self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1"),
             (0 < self.port < 65536, f"port {self.port} out of range"),
             (self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}"),

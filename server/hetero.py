@@ -37,10 +37,11 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
 
 class HeteroBackend:
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str,
-                 kv_capacity_bytes: int, block_size: int, max_model_len: int | None):
+                 kv_capacity_bytes: int, block_size: int, max_model_len: int | None,
+                 gguf_blocks_max_tokens: int = 16):
         device = pick_device(device)
         self.model_dir = model_dir
-        self.model = load_model(model_dir, device, pick_dtype(dtype, device))
+        self.model = load_model(model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens)
         cfg = self.model.cfg
         kv_dtype = KV_DTYPES[kv_format]
         per_block = PagedKVStore.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)

@@ -1,0 +1,176 @@
+"""GGUF Q4_1 / Q8_0 weights kept in their blocks, for small-batch (decode) matmuls on the CPU.
+
+A decode step at small batch is bound by reading weights: fp32 costs 4 bytes a weight, these
+blocks about 0.75 (Q4_1) or 1.1 (Q8_0). Values are exactly the GGUF's (d * q + m in float32,
+which is also what the dequantized fp32 copy holds); only the order of the sums differs from a
+BLAS matmul. Large batches (prefill) keep using the dense fp32 copy.
+
+    Q4_1 block (32 weights): d fp16 | m fp16 | 16 bytes, weight j = low nibble of byte j,
+                             weight j + 16 = high nibble of byte j; value = d * q + m
+    Q8_0 block (32 weights): d fp16 | 32 int8; value = d * q
+
+Stored per weight (Hugging Face name, rows in HF order): `.scales` [N, K/32] f32, `.mins`
+[N, K/32] f32 (Q4_1), `.qs` [N, K/32, 16] uint8 (Q4_1) or [N, K/32, 32] int8 (Q8_0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from numba import get_num_threads, get_thread_id, njit, prange
+
+_FAST = {"reassoc", "contract", "arcp", "nsz"}
+BLOCK = 32
+GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    kind: str  # "q4_1" or "q8_0"
+    scales: np.ndarray  # [N, K/32] float32
+    mins: np.ndarray | None  # [N, K/32] float32 (q4_1 only)
+    qs: np.ndarray  # [N, K/32, 16] uint8 (q4_1) or [N, K/32, 32] int8 (q8_0)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+    @staticmethod
+    def concat(parts: list["QuantWeight"]) -> "QuantWeight | None":
+        """Stack output rows (fused projections); None when the parts do not share a format."""
+        if any(p is None or p.kind != parts[0].kind for p in parts):
+            return None
+        cat = lambda xs: np.ascontiguousarray(np.concatenate(xs))  # noqa: E731
+        mins = cat([p.mins for p in parts]) if parts[0].kind == "q4_1" else None
+        return QuantWeight(parts[0].kind, cat([p.scales for p in parts]), mins, cat([p.qs for p in parts]))
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] float32, for tests."""
+        if self.kind == "q8_0":
+            w = self.scales[:, :, None] * self.qs.astype(np.float32)
+        else:
+            q = np.concatenate([self.qs & 15, self.qs >> 4], axis=-1).astype(np.float32)
+            w = self.scales[:, :, None] * q + self.mins[:, :, None]
+        return w.reshape(self.shape)
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def from_gguf_rows(data: np.ndarray, kind: str) -> QuantWeight:
+    """data: [N, K/32 * block_bytes] uint8 as gguf-py reads a tensor."""
+    n = data.shape[0]
+    if kind == "q4_1":
+        blocks = data.reshape(n, -1, 20)
+        return QuantWeight(kind, _half(blocks[..., 0:2]), _half(blocks[..., 2:4]), np.ascontiguousarray(blocks[..., 4:]))
+    blocks = data.reshape(n, -1, 34)
+    return QuantWeight(kind, _half(blocks[..., 0:2]), None, np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+
+
+def hf_row_order(num_rows: int, num_heads: int) -> np.ndarray:
+    """GGUF stores q/k rows permuted for interleaved RoPE; this index puts them back in HF order."""
+    idx = np.arange(num_rows)
+    return idx.reshape(num_heads, num_rows // num_heads // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def read_gguf_quant(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantWeight]:
+    """Q4_1/Q8_0 tensors of a Llama GGUF, under Hugging Face names; other formats are skipped."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    kinds = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+    out = {}
+    for t in GGUFReader(path).tensors:
+        kind = kinds.get(t.tensor_type)
+        parts = t.name.split(".")
+        if kind is None:
+            continue
+        data = np.asarray(t.data)
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif parts[0] == "blk" and parts[2] in GGUF_TO_HF:
+            name = f"model.layers.{parts[1]}.{GGUF_TO_HF[parts[2]]}.weight"
+            heads = {"attn_q": num_heads, "attn_k": num_kv_heads}.get(parts[2])
+            if heads:
+                data = data[hf_row_order(data.shape[0], heads)]
+        else:
+            continue
+        out[name] = from_gguf_rows(data, kind)
+    return out
+
+
+def save_quant(weights: dict[str, QuantWeight], path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    tensors, meta = {}, {}
+    for name, w in weights.items():
+        meta[name] = w.kind
+        tensors[name + ".scales"], tensors[name + ".qs"] = w.scales, w.qs
+        if w.mins is not None:
+            tensors[name + ".mins"] = w.mins
+    save_file(tensors, path, metadata=meta)
+
+
+def load_quant(path: Path) -> dict[str, QuantWeight]:
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(path, framework="numpy") as f:
+        for name, kind in (f.metadata() or {}).items():
+            mins = f.get_tensor(name + ".mins") if kind == "q4_1" else None
+            out[name] = QuantWeight(kind, f.get_tensor(name + ".scales"), mins, f.get_tensor(name + ".qs"))
+    return out
+
+
+# Both kernels keep 32 partial sums (one per position in a block) and add them up once per
+# output: a horizontal sum per block would cost more than the block's arithmetic.
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def q4_1_matmul(x, scales, mins, qs, out, lanes):
+    """x: [M, K]; scales, mins: [N, K/32]; qs: [N, K/32, 16] uint8 -> out: [M, N]
+    lanes: [num_threads, 32] float32 scratch."""
+    num_rows, num_blocks = scales.shape
+    for n in prange(num_rows):
+        acc = lanes[get_thread_id()]
+        for i in range(x.shape[0]):
+            acc[:] = 0.0
+            for b in range(num_blocks):
+                d, m, base = scales[n, b], mins[n, b], b * BLOCK
+                for j in range(16):
+                    q = qs[n, b, j]
+                    acc[j] += (d * np.float32(q & 15) + m) * x[i, base + j]
+                    acc[j + 16] += (d * np.float32(q >> 4) + m) * x[i, base + 16 + j]
+            out[i, n] = acc.sum()
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def q8_0_matmul(x, scales, qs, out, lanes):
+    """x: [M, K]; scales: [N, K/32]; qs: [N, K/32, 32] int8 -> out: [M, N]
+    lanes: [num_threads, 32] float32 scratch."""
+    num_rows, num_blocks = scales.shape
+    for n in prange(num_rows):
+        acc = lanes[get_thread_id()]
+        for i in range(x.shape[0]):
+            acc[:] = 0.0
+            for b in range(num_blocks):
+                d, base = scales[n, b], b * BLOCK
+                for j in range(BLOCK):
+                    acc[j] += d * np.float32(qs[n, b, j]) * x[i, base + j]
+            out[i, n] = acc.sum()
+
+
+def quant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x: [M, K] float32 on the CPU -> x @ W.T: [M, N]"""
+    xn = np.ascontiguousarray(x.numpy())
+    out = np.empty((xn.shape[0], w.shape[0]), dtype=np.float32)
+    lanes = np.empty((get_num_threads(), BLOCK), dtype=np.float32)
+    if w.kind == "q4_1":
+        q4_1_matmul(xn, w.scales, w.mins, w.qs, out, lanes)
+    else:
+        q8_0_matmul(xn, w.scales, w.qs, out, lanes)
+    return torch.from_numpy(out)
