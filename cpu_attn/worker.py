@@ -37,9 +37,8 @@ class _StepPlan:
 
 
 class AttentionWorker:
-    def __init__(self, store: PagedKVStore, num_heads: int, head_dim: int):
+    def __init__(self, store: PagedKVStore, head_dim: int):
         self.store = store
-        self.num_heads = num_heads
         self.scale = head_dim**-0.5
         self.busy_s = 0.0
         """Seconds spent in attention and KV writes since the last `take_busy_s`."""

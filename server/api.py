@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.backend import SamplingParams
 from server.engine import Engine, EngineRequest, RequestEvent
-from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, _Common, chat_messages, check_common,
+from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, CommonParams, chat_messages, check_common,
                              completion_prompt, stop_list)
 
 
@@ -60,7 +60,7 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "hetserve", "max_model_len": state.max_model_len}]}
 
-    def limits(body: _Common, prompt_ids: list[int], max_tokens: int | None) -> int:
+    def limits(body: CommonParams, prompt_ids: list[int], max_tokens: int | None) -> int:
         check_common(body)
         if body.model is not None and body.model != state.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
@@ -79,7 +79,7 @@ def create_app(state: ServerState) -> FastAPI:
         return max_tokens if max_tokens is not None else room
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest):
         prompt = completion_prompt(body)
         if isinstance(prompt, str):
             ids = tok.encode(prompt)
@@ -91,13 +91,13 @@ def create_app(state: ServerState) -> FastAPI:
         return await _run(body, ids, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatCompletionRequest):
         messages = chat_messages(body)
         ids = tok.apply_chat_template(messages)
         max_tokens = limits(body, ids, body.max_completion_tokens or body.max_tokens)
         return await _run(body, ids, max_tokens, chat=True)
 
-    async def _run(body: _Common, ids: list[int], max_tokens: int, chat: bool):
+    async def _run(body: CommonParams, ids: list[int], max_tokens: int, chat: bool):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

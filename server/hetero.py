@@ -52,7 +52,7 @@ class HeteroBackend:
         self.kv_spec = KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=per_block)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_worker = ModelWorker(self.model)
-        self.attn_worker = AttentionWorker(store, cfg.num_heads, cfg.head_dim)
+        self.attn_worker = AttentionWorker(store, cfg.head_dim)
         log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s", num_blocks, block_size,
                  num_blocks * per_block / 2**20, kv_format, device)
 

@@ -29,7 +29,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class CommonParams(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -51,7 +51,7 @@ class _Common(BaseModel):
     logprobs: Any = None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(CommonParams):
     prompt: str | list[int] | list[str]
     echo: bool = False
     best_of: int | None = None
@@ -63,7 +63,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(CommonParams):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
@@ -76,7 +76,7 @@ _NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bi
 ROLES = ("system", "user", "assistant", "developer")
 
 
-def check_common(req: _Common) -> None:
+def check_common(req: CommonParams) -> None:
     if req.model_extra:
         name = sorted(req.model_extra)[0]
         raise APIError(400, f"unsupported parameter {name!r}", param=name, code="unsupported_parameter")
@@ -99,7 +99,7 @@ def check_common(req: _Common) -> None:
                        param="stop")
 
 
-def stop_list(req: _Common) -> list[str]:
+def stop_list(req: CommonParams) -> list[str]:
     if req.stop is None:
         return []
     return [req.stop] if isinstance(req.stop, str) else list(req.stop)
