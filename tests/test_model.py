@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.backend import KVSpec, SamplingParams, SeqChunk, StepInput
+from server.backend import SamplingParams, SeqChunk, StepInput
 from server.block_manager import BlockManager
 
 GREEDY = SamplingParams(temperature=0.0)
