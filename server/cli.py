@@ -59,6 +59,43 @@ def serve(cfg: ServeConfig) -> None:
         engine.stop()
 
 
+DEFAULT_CALIBRATION_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "valid.txt"
+
+
+def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
+    p.add_argument("--text", default=str(DEFAULT_CALIBRATION_TEXT),
+                   help="text file to calibrate on (default: WikiText-2 valid; never the test split used for scoring)")
+    p.add_argument("--num-windows", type=int, default=100, help="windows of text to run (default: 100)")
+    p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
+    p.add_argument("--outer-ratio", type=float, default=0.04, help="share of values in the outer group (default: 0.04)")
+    p.add_argument("--inner-ratio", type=float, default=0.06, help="share of values in the inner group (default: 0.06)")
+    p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory)")
+
+
+def calibrate_command(args: argparse.Namespace) -> None:
+    from cpu_attn.calibrate import THRESHOLDS_FILE, calibrate, text_windows
+    from gpu_model.loader import load_model, resolve_model_dir
+    from gpu_model.tokenizer import Tokenizer
+
+    text = Path(args.text)
+    if not text.is_file():
+        raise SystemExit(f"hetserve calibrate: text file {text} not found; pass one with --text")
+    model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
+    model = load_model(model_dir)
+    ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text())
+    windows = text_windows(ids, args.num_windows, args.window_tokens)
+    result = calibrate(model, windows, args.outer_ratio, args.inner_ratio)
+    out = Path(args.out) if args.out else model_dir / THRESHOLDS_FILE
+    result.save(out)
+    v = result.values
+    print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}; thresholds written to {out}")
+    print("layer  K: outer_lo inner_lo inner_hi outer_hi   V: outer_lo inner_lo inner_hi outer_hi")
+    for layer in range(v.shape[0]):
+        print(f"{layer:5d}  " + "  ".join(" ".join(f"{t:8.3f}" for t in v[layer, kv]) for kv in (0, 1)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetserve", description="Heterogeneous LLM serving daemon")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,7 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                              description="Start the OpenAI-compatible HTTP server. Options may also come from "
                                          "a YAML file (--config); flags override the file.")
     add_arguments(p_serve)
+    p_cal = sub.add_parser("calibrate", help="profile Oaken KV quantization thresholds for a model",
+                           description="Run windows of text through the model and save per-layer Oaken "
+                                       "thresholds for K and V next to the model cache.")
+    add_calibrate_arguments(p_cal)
     args = parser.parse_args(argv)
+    if args.command == "calibrate":
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        calibrate_command(args)
+        return 0
     try:
         cfg = from_args(args)
     except (ValueError, OSError) as exc:

@@ -1,0 +1,50 @@
+"""Oaken threshold profiling on a tiny random model and on the real CLI."""
+import numpy as np
+import pytest
+
+from cpu_attn.calibrate import OakenThresholds, calibrate, collect_kv, text_windows, window_thresholds
+from tests.test_model import tiny_model_dir
+
+
+def test_window_thresholds_split_values_as_asked():
+    x = np.random.default_rng(0).standard_normal(100_000)
+    t = OakenThresholds(window_thresholds(x, 0.04, 0.06)[None, None].repeat(2, 1))
+    outer, middle, inner = t.group_fractions(0, 0, x)
+    assert abs(outer - 0.04) < 0.002 and abs(inner - 0.06) < 0.002 and abs(middle - 0.90) < 0.003
+
+
+def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
+    from gpu_model.loader import load_model
+
+    model_dir, _ = tiny_model_dir(tmp_path)
+    model = load_model(model_dir)
+    ids = list(np.random.default_rng(1).integers(0, 101, 400))
+    windows = text_windows(ids, num_windows=5, window_tokens=64)
+    assert len(windows) == 5 and all(len(w) == 64 for w in windows)
+    result = calibrate(model, windows, progress=False)
+    v = result.values
+    assert v.shape == (2, 2, 4)
+    assert (np.diff(v, axis=-1) > 0).all()  # outer_lo < inner_lo < inner_hi < outer_hi
+    # on the calibration windows themselves the realized split is close to the asked one
+    kv = collect_kv(model, windows[0])
+    outer, _, inner = result.group_fractions(1, 0, kv[1][0])
+    assert abs(outer - 0.04) < 0.03 and abs(inner - 0.06) < 0.03
+    result.save(tmp_path / "t.json")
+    back = OakenThresholds.load(tmp_path / "t.json")
+    np.testing.assert_allclose(back.values, v)
+    with pytest.raises(ValueError, match="fewer than one window"):
+        text_windows(ids[:10], 5, 64)
+    with pytest.raises(ValueError, match="outer_ratio"):
+        calibrate(model, windows, outer_ratio=0.6, inner_ratio=0.5, progress=False)
+
+
+def test_calibrate_cli_on_wikitext(tmp_path, capsys):
+    from server.cli import DEFAULT_CALIBRATION_TEXT, main
+
+    if not DEFAULT_CALIBRATION_TEXT.exists():
+        pytest.skip("../shared/data is not beside the project")
+    out = tmp_path / "thresholds.json"
+    assert main(["calibrate", "--num-windows", "3", "--window-tokens", "128", "--out", str(out)]) == 0
+    t = OakenThresholds.load(out)
+    assert t.values.shape == (30, 2, 4) and (np.diff(t.values, axis=-1) > 0).all()
+    assert "thresholds written to" in capsys.readouterr().out
