@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install serve test test-slow bench clean
+.PHONY: install serve test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,6 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
-
-test-slow: install
-	$(PY) -m pytest -q -m slow $(ARGS)
 
 bench: install
 	$(PY) -m benchmarks.bench_serving $(ARGS)
