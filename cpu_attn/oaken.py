@@ -22,7 +22,7 @@ Effective bits per value = 4 + 8 * sparse fraction + (3 * 16 + 8 * C / 64) / C.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, get_thread_id, njit, prange
 
 from cpu_attn.kernels import _as_f32, _as_u32
 
@@ -50,14 +50,13 @@ def _code(magnitude, scale, max_code):
 
 
 @njit(cache=True, nogil=True)
-def quantize_token(x, thr, dense, sparse, counts, scales):
+def quantize_token(x, thr, dense, sparse, counts, scales, shifted, group, peak):
     """x: [C] float32; thr: [4] (s_lo, t_lo, t_hi, s_hi) -> fills dense, sparse, counts, scales
-    (scales as float32 already rounded to float16). Returns the number of sparse entries."""
+    (scales as float32 already rounded to float16). Returns the number of sparse entries.
+    Scratch: shifted [C] float32, group [C] int8, peak [3] float32."""
     s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
     num = x.shape[0]
-    shifted = np.empty(num, np.float32)
-    group = np.empty(num, np.int8)
-    peak = np.zeros(3, np.float32)
+    peak[:] = 0.0
     for i in range(num):
         v = x[i]
         if v > s_hi or v < s_lo:
@@ -115,10 +114,13 @@ def dequantize_token(thr, dense, sparse, counts, scales, out):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def quantize_rows(x, thr, dense, sparse, counts, scales, num_sparse):
-    """x: [T, C] -> dense [T, C/2], sparse [T, C], counts [T, C/64], scales [T, 3], num_sparse [T]."""
+def quantize_rows(x, thr, dense, sparse, counts, scales, num_sparse, shifted, group, peak):
+    """x: [T, C] -> dense [T, C/2], sparse [T, C], counts [T, C/64], scales [T, 3], num_sparse [T].
+    Per-thread scratch: shifted [threads, C] float32, group [threads, C] int8, peak [threads, 3]."""
     for t in prange(x.shape[0]):
-        num_sparse[t] = quantize_token(x[t], thr, dense[t], sparse[t], counts[t], scales[t])
+        me = get_thread_id()
+        num_sparse[t] = quantize_token(x[t], thr, dense[t], sparse[t], counts[t], scales[t], shifted[me], group[me],
+                                       peak[me])
 
 
 def quantize(x: np.ndarray, thr: np.ndarray):
@@ -134,7 +136,10 @@ def quantize(x: np.ndarray, thr: np.ndarray):
     counts = np.empty((num_tokens, num // SEGMENT), np.uint8)
     scales = np.empty((num_tokens, 3), np.float32)
     num_sparse = np.empty(num_tokens, np.int64)
-    quantize_rows(x, np.asarray(thr, np.float32), dense, sparse, counts, scales, num_sparse)
+    threads = get_num_threads()
+    quantize_rows(x, np.asarray(thr, np.float32), dense, sparse, counts, scales, num_sparse,
+                  np.empty((threads, num), np.float32), np.empty((threads, num), np.int8),
+                  np.empty((threads, 3), np.float32))
     return dense, sparse, counts, scales, num_sparse
 
 
