@@ -93,12 +93,14 @@ def resolve_model_dir(model_path: str | Path | None, cache_dir: str | Path | Non
 
 
 def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               quant_max_tokens: int = 16) -> LlamaModel:
+               gguf_blocks_max_tokens: int = 16) -> LlamaModel:
     """Load weights; on the CPU in float32, a GGUF's own blocks also serve steps of at most
-    `quant_max_tokens` tokens (bandwidth-bound decode), see gpu_model/quant.py."""
+    `gguf_blocks_max_tokens` tokens (bandwidth-bound decode), see gpu_model/quant.py."""
     cfg = ModelConfig.from_dir(model_dir)
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
+        if f.name == QUANT_FILE:  # the block copies load separately, below
+            continue
         sd.update(load_file(f))
     with torch.device("meta"):
         model = LlamaModel(cfg)
@@ -106,7 +108,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     model.inv_freq.copy_(rope_inv_freq(cfg))
     model.load_hf_state_dict(sd)
     model = model.to(dtype).eval().requires_grad_(False)
-    if (model_dir / QUANT_FILE).exists() and device == "cpu" and dtype == torch.float32 and quant_max_tokens > 0:
-        model.attach_quant(load_quant(model_dir / QUANT_FILE), quant_max_tokens)
+    if (model_dir / QUANT_FILE).exists() and device == "cpu" and dtype == torch.float32 and gguf_blocks_max_tokens > 0:
+        model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens)
     return model
 
