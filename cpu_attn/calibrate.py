@@ -18,23 +18,35 @@ from pathlib import Path
 import numpy as np
 
 THRESHOLDS_FILE = "oaken_thresholds.json"
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "valid.txt"
+"""Calibration text when none is given: WikiText-2 valid (the test split is kept for scoring)."""
 
 
 @dataclass(frozen=True)
 class OakenThresholds:
     values: np.ndarray
-    """[num_layers, 2 (K, V), 4]: outer_lo, inner_lo, inner_hi, outer_hi."""
+    """[num_layers, 2 (K, V), 4]: outer_lo, inner_lo, inner_hi, outer_hi (of K / key_scales, and V)."""
     outer_ratio: float = 0.04
     inner_ratio: float = 0.06
+    key_scales: np.ndarray | None = None
+    """[num_layers, Hkv * D] per-channel key smoothing: the store keeps K / key_scales and
+    attention multiplies q by key_scales, so q.k is unchanged (QServe's SmoothAttention); None = 1."""
+    key_smoothing: float = 0.0
+    """alpha of key_scales = (per-channel max |K|) ** alpha, normalized to geometric mean 1."""
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"outer_ratio": self.outer_ratio, "inner_ratio": self.inner_ratio,
-                                    "thresholds": self.values.tolist()}, indent=1))
+        data = {"outer_ratio": self.outer_ratio, "inner_ratio": self.inner_ratio, "key_smoothing": self.key_smoothing,
+                "thresholds": self.values.tolist()}
+        if self.key_scales is not None:
+            data["key_scales"] = self.key_scales.tolist()
+        path.write_text(json.dumps(data, indent=1))
 
     @classmethod
     def load(cls, path: Path) -> "OakenThresholds":
         data = json.loads(Path(path).read_text())
-        return cls(np.asarray(data["thresholds"], dtype=np.float32), data["outer_ratio"], data["inner_ratio"])
+        scales = data.get("key_scales")
+        return cls(np.asarray(data["thresholds"], dtype=np.float32), data["outer_ratio"], data["inner_ratio"],
+                   None if scales is None else np.asarray(scales, dtype=np.float32), data.get("key_smoothing", 0.0))
 
     def group_fractions(self, layer: int, kv: int, x: np.ndarray) -> tuple[float, float, float]:
         """Fractions of x (any shape) in the outer, middle and inner groups."""
@@ -79,15 +91,30 @@ def text_windows(token_ids: list[int], num_windows: int, window_tokens: int) -> 
     return [token_ids[i * stride:i * stride + window_tokens] for i in range(count)]
 
 
+def key_scales(model, windows: list[list[int]], alpha: float) -> np.ndarray:
+    """[num_layers, Hkv * D]: per-channel max |K| per window, averaged, to the power alpha,
+    normalized per layer to geometric mean 1."""
+    if alpha == 0:
+        return np.ones((model.cfg.num_layers, model.cfg.num_kv_heads * model.cfg.head_dim), np.float32)
+    peaks = np.mean([[np.abs(k).reshape(len(k), -1).max(0) for k, _ in collect_kv(model, w)] for w in windows], axis=0)
+    s = np.maximum(peaks, 1e-3) ** alpha
+    return (s / np.exp(np.log(s).mean(-1, keepdims=True))).astype(np.float32)
+
+
 def calibrate(model, windows: list[list[int]], outer_ratio: float = 0.04, inner_ratio: float = 0.06,
-              progress: bool = True) -> OakenThresholds:
+              key_smoothing: float = 1.0, progress: bool = True) -> OakenThresholds:
+    """Thresholds averaged over windows; key smoothing factors from the first (up to) 16 windows."""
     if not (0 < outer_ratio < 1 and 0 < inner_ratio < 1 and outer_ratio + inner_ratio < 1):
         raise ValueError("outer_ratio and inner_ratio must be in (0, 1) and sum to less than 1")
+    if not 0 <= key_smoothing <= 1:
+        raise ValueError("key_smoothing must be in [0, 1]")
     from tqdm import tqdm
 
+    scales = key_scales(model, windows[:16], key_smoothing)
     total = np.zeros((model.cfg.num_layers, 2, 4), dtype=np.float64)
     for window in tqdm(windows, desc="calibrating", unit="window", disable=not progress):
         for layer, (k, v) in enumerate(collect_kv(model, window)):
-            total[layer, 0] += window_thresholds(k, outer_ratio, inner_ratio)
+            total[layer, 0] += window_thresholds(k.reshape(len(k), -1) / scales[layer], outer_ratio, inner_ratio)
             total[layer, 1] += window_thresholds(v, outer_ratio, inner_ratio)
-    return OakenThresholds((total / len(windows)).astype(np.float32), outer_ratio, inner_ratio)
+    return OakenThresholds((total / len(windows)).astype(np.float32), outer_ratio, inner_ratio,
+                           None if key_smoothing == 0 else scales, key_smoothing)

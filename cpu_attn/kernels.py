@@ -84,60 +84,87 @@ def widen(src, out):
     widen_row(src, out)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def attend_begin(acc, m, l):
+    acc[:] = 0.0
+    m[:] = -np.inf
+    l[:] = 0.0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
+    """Advance one work item's online softmax by `width` rows of widened K (kb) and V (vb).
+
+    qs: [group, D] queries sharing a kv-head; kb, vb: [block_size, D]; s: [group, block_size]
+    scores scratch; acc: [group, D] unnormalized output; m, l: [group] running max and sum."""
+    group, head_dim = qs.shape
+    for t in range(width):
+        for g in range(group):
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += qs[g, d] * kb[t, d]
+            s[g, t] = dot * scale
+    for g in range(group):
+        new_m = m[g]
+        for t in range(width):
+            new_m = max(new_m, s[g, t])
+        correction = np.exp(m[g] - new_m)
+        l[g] *= correction
+        for d in range(head_dim):
+            acc[g, d] *= correction
+        for t in range(width):
+            s[g, t] = np.exp(s[g, t] - new_m)
+            l[g] += s[g, t]
+        m[g] = new_m
+    for t in range(width):
+        for g in range(group):
+            p = s[g, t]
+            for d in range(head_dim):
+                acc[g, d] += p * vb[t, d]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def attend_end(acc, m, l, lse):
+    for g in range(acc.shape[0]):
+        for d in range(acc.shape[1]):
+            acc[g, d] /= l[g]
+        lse[g] = m[g] + np.log(l[g])
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, scores, row, m, l):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, scores, kb, vb, m, l):
     """One query token per sequence against its whole paged context.
 
     q: [B, Hq, D] float32; k_cache, v_cache: [num_blocks, Hkv, block_size, D]
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (tokens incl. the current one)
     out: [B, Hq, D] float32 (written); lse: [B, Hq] float32 (written, natural log)
     scratch, one slice per (sequence, kv-head) work item W = B * Hkv:
-      scores [W, group, block_size], row [W, D], m [W, group], l [W, group] (all float32)
+      scores [W, group, block_size], kb, vb [W, block_size, D], m [W, group], l [W, group] (float32)
 
-    Each work item widens every K/V row once and uses it for all `group` query heads that share
-    it, with an online softmax (running max m, running sum l) advanced block by block.
+    Each work item widens a block's K/V rows once and uses them for all `group` query heads that
+    share them, with an online softmax (running max m, running sum l) advanced block by block.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     for item in prange(num_seqs * num_kv_heads):
         b, kvh = item // num_kv_heads, item % num_kv_heads
-        s, x, mi, li = scores[item], row[item], m[item], l[item]
-        qs = q[b, kvh * group:(kvh + 1) * group]  # [group, D]
-        acc = out[b, kvh * group:(kvh + 1) * group]  # [group, D] view: accumulate in place
-        acc[:] = 0.0
-        mi[:] = -np.inf
-        li[:] = 0.0
+        heads = slice(kvh * group, (kvh + 1) * group)
+        acc = out[b, heads]  # [group, D] view: accumulate in place
+        attend_begin(acc, m[item], l[item])
         n = seq_lens[b]
         for j in range((n + block_size - 1) // block_size):
             block = block_tables[b, j]
             width = min(block_size, n - j * block_size)
             for t in range(width):
-                widen_row(k_cache[block, kvh, t], x)
-                for g in range(group):
-                    dot = np.float32(0.0)
-                    for d in range(head_dim):
-                        dot += qs[g, d] * x[d]
-                    s[g, t] = dot * scale
-            for g in range(group):
-                new_m = mi[g]
-                for t in range(width):
-                    new_m = max(new_m, s[g, t])
-                correction = np.exp(mi[g] - new_m)
-                li[g] *= correction
-                for d in range(head_dim):
-                    acc[g, d] *= correction
-                for t in range(width):
-                    s[g, t] = np.exp(s[g, t] - new_m)
-                    li[g] += s[g, t]
-                mi[g] = new_m
-            for t in range(width):
-                widen_row(v_cache[block, kvh, t], x)
-                for g in range(group):
-                    p = s[g, t]
-                    for d in range(head_dim):
-                        acc[g, d] += p * x[d]
-        for g in range(group):
-            for d in range(head_dim):
-                acc[g, d] /= li[g]
-            lse[b, kvh * group + g] = mi[g] + np.log(li[g])
+                widen_row(k_cache[block, kvh, t], kb[item, t])
+                widen_row(v_cache[block, kvh, t], vb[item, t])
+            attend_block(q[b, heads], kb[item], vb[item], width, scale, scores[item], acc, m[item], l[item])
+        attend_end(acc, m[item], l[item], lse[b, heads])
+
+
+def attention_scratch(work: int, group: int, block_size: int, head_dim: int) -> tuple[np.ndarray, ...]:
+    """scores, kb, vb, m, l for `work` (sequence, kv-head) items of the decode kernels."""
+    f32 = np.float32
+    return (np.empty((work, group, block_size), f32), np.empty((work, block_size, head_dim), f32),
+            np.empty((work, block_size, head_dim), f32), np.empty((work, group), f32), np.empty((work, group), f32))

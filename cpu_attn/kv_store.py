@@ -12,13 +12,34 @@ store never allocates, it only reads and writes the blocks it is told.
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import Protocol
 
-from cpu_attn.kernels import paged_decode_attention, write_kv
+import numpy as np
+from numba import get_num_threads
+
+from cpu_attn import oaken
+from cpu_attn.calibrate import OakenThresholds
+from cpu_attn.kernels import attention_scratch, paged_decode_attention, write_kv
 
 # fp16 is kept as raw uint16 bits (Numba has no CPU float16); see kernels.py
 _STORAGE = {"float16": np.uint16, "float32": np.float32}
 _ITEMSIZE = {"float16": 2, "float32": 4}
+
+
+class KVStore(Protocol):
+    """What the attention worker needs of a store, whatever its format."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None: ...
+
+    def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                         scale: float) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class PagedKVStore:
@@ -79,6 +100,193 @@ class PagedKVStore:
         paged_decode_attention(
             np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables, seq_lens,
             np.float32(scale), out, lse,
-            np.empty((work, group, self.block_size), np.float32), np.empty((work, head_dim), np.float32),
-            np.empty((work, group), np.float32), np.empty((work, group), np.float32))
+            *attention_scratch(work, group, self.block_size, head_dim))
         return out, lse
+
+
+def _block_runs(slot_mapping: np.ndarray, block_size: int) -> np.ndarray:
+    """Boundaries [R + 1] of runs of consecutive rows that land in the same block."""
+    blocks = slot_mapping // block_size
+    return np.concatenate(([0], np.flatnonzero(np.diff(blocks)) + 1, [len(blocks)])).astype(np.int64)
+
+
+class OakenKVStore:
+    """K and V of every layer in Oaken's fused dense-sparse form (cpu_attn/oaken.py), paged like
+    PagedKVStore. Each block owns a fixed sparse budget (`sparse_fraction` of its values), so a
+    block's size in bytes is exact; a token that finds the budget full has its inner (then outer)
+    values nearest the middle thresholds stored as middle values instead.
+
+    With key_scales [L, Hkv * D] (calibrate's key smoothing) the store holds K / key_scales and
+    scales q by key_scales before attention: q.k is the same, the keys' heavy channels are tamed."""
+
+    dtype = "oaken"
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                 thresholds: np.ndarray, sparse_fraction: float = 0.125, key_scales: np.ndarray | None = None):
+        if head_dim % oaken.SEGMENT:
+            raise ValueError(f"Oaken KV needs head_dim a multiple of {oaken.SEGMENT}, not {head_dim}")
+        if thresholds.shape != (num_layers, 2, 4):
+            raise ValueError(f"thresholds must be [{num_layers}, 2, 4], not {list(thresholds.shape)}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.thresholds = np.ascontiguousarray(thresholds, np.float32)
+        c = num_kv_heads * head_dim
+        if key_scales is not None and key_scales.shape != (num_layers, c):
+            raise ValueError(f"key_scales must be [{num_layers}, {c}], not {list(key_scales.shape)}")
+        self.key_scales = None if key_scales is None else np.ascontiguousarray(key_scales, np.float32)
+        self.budget = self.sparse_budget(num_kv_heads, head_dim, block_size, sparse_fraction)
+        lead = (num_layers, 2, num_blocks, block_size)
+        self.dense = np.zeros(lead + (c // 2,), np.uint8)
+        self.scales = np.zeros(lead + (3,), np.uint16)
+        self.counts = np.zeros(lead + (c // oaken.SEGMENT,), np.uint8)
+        self.sparse = np.zeros((num_layers, 2, num_blocks, self.budget), np.uint8)
+        threads = get_num_threads()
+        self._scratch = (np.empty((threads, c), np.float32), np.empty((threads, c), np.int8),
+                         np.empty((threads, 3), np.float32), np.empty((threads, 3), np.float32))
+
+    @staticmethod
+    def sparse_budget(num_kv_heads: int, head_dim: int, block_size: int, sparse_fraction: float) -> int:
+        return int(np.ceil(block_size * num_kv_heads * head_dim * sparse_fraction))
+
+    @classmethod
+    def bytes_per_block(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        sparse_fraction: float = 0.125) -> int:
+        c = num_kv_heads * head_dim
+        per_token = c // 2 + 3 * 2 + c // oaken.SEGMENT
+        return 2 * num_layers * (block_size * per_token + cls.sparse_budget(num_kv_heads, head_dim, block_size,
+                                                                              sparse_fraction))
+
+    def _parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
+        return self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv], self.sparse[layer, kv]
+
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """slot_mapping: [T] int64 (a sequence's rows in position order); k, v: [T, Hkv, D] float32."""
+        if len(slot_mapping) == 0:
+            return
+        runs = _block_runs(slot_mapping, self.block_size)
+        for kv, x in enumerate((k, v)):
+            x = np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1)
+            if kv == 0 and self.key_scales is not None:
+                x = x / self.key_scales[layer]
+            bad = oaken.write_tokens(x, self.thresholds[layer, kv], slot_mapping, runs, *self._parts(layer, kv),
+                                     *self._scratch)
+            if bad:
+                raise ValueError(f"{'KV'[kv]} of layer {layer} has NaN or inf in {bad} token(s); "
+                                 "Oaken quantization needs finite values")
+
+    def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """One sequence's first `seq_len` positions, dequantized -> k, v: [seq_len, Hkv, D] float32."""
+        blocks = np.asarray(block_table[: -(-seq_len // self.block_size)], dtype=np.int64)
+        shape = (len(blocks), self.num_kv_heads, self.block_size, self.head_dim)
+        out = []
+        for kv in (0, 1):
+            x = np.empty(shape, np.float32)
+            oaken.dequantize_blocks(*self._parts(layer, kv), self.thresholds[layer, kv], blocks, seq_len, x)
+            x = x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            if kv == 0 and self.key_scales is not None:
+                x = x * self.key_scales[layer].reshape(self.num_kv_heads, self.head_dim)
+            out.append(x)
+        return out[0], out[1]
+
+    def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                         scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """q: [B, Hq, D] float32 -> out [B, Hq, D], lse [B, Hq] (float32)."""
+        num_seqs, num_heads, head_dim = q.shape
+        group = num_heads // self.num_kv_heads
+        out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
+        lse = np.empty((num_seqs, num_heads), dtype=np.float32)
+        q = np.ascontiguousarray(q, np.float32)
+        if self.key_scales is not None:
+            s = self.key_scales[layer].reshape(1, self.num_kv_heads, 1, head_dim)
+            q = (q.reshape(num_seqs, self.num_kv_heads, group, head_dim) * s).reshape(q.shape)
+        oaken.oaken_decode_attention(
+            q, self._parts(layer, 0), self._parts(layer, 1),
+            self.thresholds[layer, 0], self.thresholds[layer, 1], block_tables, seq_lens, np.float32(scale), out, lse,
+            *attention_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim))
+        return out, lse
+
+    def group_counts(self, block_table, seq_len: int) -> dict[str, int]:
+        """What one sequence's stored values are, over every layer, K and V: counts of values,
+        sparse entries and outer entries (inner = sparse - outer), to report realized fractions."""
+        blocks = np.asarray(block_table[: -(-seq_len // self.block_size)], dtype=np.int64)
+        values = entries = outer = 0
+        for j, b in enumerate(blocks):
+            width = min(self.block_size, seq_len - j * self.block_size)
+            n = self.counts[:, :, b, :width].sum(axis=(-1, -2)).astype(np.int64)  # [L, 2]
+            entries += int(n.sum())
+            for layer in range(self.num_layers):
+                for kv in (0, 1):
+                    outer += int(np.count_nonzero(self.sparse[layer, kv, b, : n[layer, kv]] & 64))
+            values += 2 * self.num_layers * width * self.num_kv_heads * self.head_dim
+        return {"values": values, "sparse": entries, "outer": outer}
+
+
+def _int4_roundtrip(x: np.ndarray, axis: int) -> np.ndarray:
+    """Asymmetric 4-bit quantize-dequantize along `axis`, min and scale kept as float16."""
+    lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
+    scale = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+    lo = lo.astype(np.float16).astype(np.float32)
+    safe = np.where(scale > 0, scale, 1)
+    return (np.clip(np.rint((x - lo) / safe), 0, 15) * scale + lo).astype(np.float32)
+
+
+class SimQuantKVStore(PagedKVStore):
+    """The two 4-bit baselines of the accuracy table, simulated on an fp32 store: values are
+    quantized and dequantized as they are appended, so attention sees exactly what the format
+    would give, but memory is fp32 (they are for comparison, not for serving).
+
+    int4: per token, one min/scale over all KV heads of a layer (the same unit as Oaken's scales),
+          no outlier handling.
+    kivi: KIVI-style; keys per channel and values per token (per head) over each full block, the
+          block being filled (the most recent < block_size tokens) kept in full precision.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                 kind: str):
+        if kind not in ("int4", "kivi"):
+            raise ValueError(f"unknown simulated KV format {kind!r}")
+        super().__init__(num_layers, num_kv_heads, head_dim, block_size, num_blocks, "float32")
+        self.kind = kind
+
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        if self.kind == "int4":
+            c = self.num_kv_heads * self.head_dim
+            k, v = (_int4_roundtrip(x.reshape(-1, c), 1).reshape(x.shape) for x in (k, v))
+        super().write(layer, slot_mapping, k, v)
+        if self.kind == "kivi":
+            for block in slot_mapping[slot_mapping % self.block_size == self.block_size - 1] // self.block_size:
+                kb, vb = self.k[layer, block], self.v[layer, block]  # [Hkv, block_size, D]
+                kb[:] = _int4_roundtrip(kb, 1)  # per channel, over the block's tokens
+                vb[:] = _int4_roundtrip(vb, 2)  # per token and head
+
+    def effective_bits(self) -> float:
+        c = self.num_kv_heads * self.head_dim
+        if self.kind == "int4":
+            return 4 + 32 / c
+        return 4 + (32 / self.block_size + 32 / self.head_dim) / 2
+
+
+KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "kivi")
+
+
+def bytes_per_block(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    sparse_fraction: float = 0.125) -> int:
+    if kv_format == "oaken":
+        return OakenKVStore.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, sparse_fraction)
+    dtype = "float16" if kv_format == "fp16" else "float32"
+    return PagedKVStore.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
+
+
+def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+               oaken_cal: OakenThresholds | None = None, sparse_fraction: float = 0.125):
+    """The KV store for one of KV_FORMATS (oaken needs the calibration of `hetserve calibrate`)."""
+    geometry = (num_layers, num_kv_heads, head_dim, block_size, num_blocks)
+    if kv_format == "oaken":
+        if oaken_cal is None:
+            raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
+        return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales)
+    if kv_format in ("int4", "kivi"):
+        return SimQuantKVStore(*geometry, kv_format)
+    if kv_format in ("fp16", "fp32"):
+        return PagedKVStore(*geometry, "float16" if kv_format == "fp16" else "float32")
+    raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}, not {kv_format!r}")

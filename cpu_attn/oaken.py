@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import get_num_threads, get_thread_id, njit, prange
 
-from cpu_attn.kernels import _as_f32, _as_u32
+from cpu_attn.kernels import _FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, fp16_to_f32
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -50,39 +50,71 @@ def _code(magnitude, scale, max_code):
 
 
 @njit(cache=True, nogil=True)
-def quantize_token(x, thr, dense, sparse, counts, scales, shifted, group, peak):
+def _demote(x, thr, group, want, which):
+    """Move the `want` values of group `which` that lie closest to a middle threshold into the
+    middle group (the least error a full sparse budget can cost). Returns how many were moved."""
+    s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
+    idx = np.nonzero(group == which)[0]
+    dist = np.empty(idx.shape[0], np.float32)
+    for n in range(idx.shape[0]):
+        v = x[idx[n]]
+        dist[n] = min(t_hi - v, v - t_lo) if which == INNER else (v - s_hi if v > s_hi else s_lo - v)
+    moved = min(want, idx.shape[0])
+    for n in np.argsort(dist)[:moved]:
+        group[idx[n]] = MIDDLE
+    return moved
+
+
+@njit(cache=True, nogil=True)
+def quantize_token(x, thr, dense, sparse, counts, scales, shifted, group, peak, max_sparse):
     """x: [C] float32; thr: [4] (s_lo, t_lo, t_hi, s_hi) -> fills dense, sparse, counts, scales
     (scales as float32 already rounded to float16). Returns the number of sparse entries.
-    Scratch: shifted [C] float32, group [C] int8, peak [3] float32."""
+    Scratch: shifted [C] float32, group [C] int8, peak [3] float32.
+
+    At most `max_sparse` entries are written (the room left in a store block): beyond it, inner
+    values nearest the middle thresholds join the middle group first, then outer ones."""
     s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
     num = x.shape[0]
-    peak[:] = 0.0
+    num_sparse = 0
     for i in range(num):
         v = x[i]
-        if v > s_hi or v < s_lo:
-            g, y = OUTER, v - (s_hi if v > s_hi else s_lo)
-        elif v >= t_lo and v <= t_hi:
-            g, y = INNER, v
-        else:
-            g, y = MIDDLE, v - (t_hi if v > t_hi else t_lo)
-        group[i], shifted[i] = g, y
-        peak[g] = max(peak[g], abs(y))
+        g = OUTER if v > s_hi or v < s_lo else (INNER if v >= t_lo and v <= t_hi else MIDDLE)
+        group[i] = g
+        num_sparse += g != MIDDLE
+    if num_sparse > max_sparse:
+        num_sparse -= _demote(x, thr, group, num_sparse - max_sparse, INNER)
+        num_sparse -= _demote(x, thr, group, num_sparse - max_sparse, OUTER)
+    peak[:] = 0.0
+    middle = np.float32(0.5) * (t_lo + t_hi)
+    for i in range(num):  # magnitude from the group's edge; the sign says which edge
+        v, g = x[i], group[i]
+        if g == OUTER:
+            y = v - s_hi if v > s_hi else s_lo - v
+            negative = v < s_lo
+        elif g == INNER:
+            y, negative = abs(v), v < 0
+        else:  # demoted inner values sit at their nearest edge (magnitude 0)
+            negative = v < middle
+            y = max(t_lo - v if negative else v - t_hi, np.float32(0.0))
+        shifted[i] = y
+        group[i] = g | (4 if negative else 0)
+        peak[g] = max(peak[g], y)
     scales[0] = round_to_fp16(peak[0] / np.float32(7.0))
     scales[1] = round_to_fp16(peak[1] / np.float32(15.0))
     scales[2] = round_to_fp16(peak[2] / np.float32(15.0))
     dense[:] = 0
-    num_sparse = 0
+    e = 0
     for seg in range(num // SEGMENT):
         count = 0
         for j in range(SEGMENT):
             i = seg * SEGMENT + j
-            g, y = group[i], shifted[i]
+            g, negative, y = group[i] & 3, group[i] & 4, shifted[i]
             if g == MIDDLE:
-                nibble = _code(abs(y), scales[0], 7) | (8 if y < 0 else 0)
+                nibble = _code(y, scales[0], 7) | (8 if negative else 0)
             else:
-                nibble = _code(abs(y), scales[g], 15)
-                sparse[num_sparse] = j | (64 if g == OUTER else 0) | (128 if y < 0 else 0)
-                num_sparse += 1
+                nibble = _code(y, scales[g], 15)
+                sparse[e] = j | (64 if g == OUTER else 0) | (128 if negative else 0)
+                e += 1
                 count += 1
             dense[i // 2] |= nibble << (4 * (i % 2))
         counts[seg] = count
@@ -120,7 +152,7 @@ def quantize_rows(x, thr, dense, sparse, counts, scales, num_sparse, shifted, gr
     for t in prange(x.shape[0]):
         me = get_thread_id()
         num_sparse[t] = quantize_token(x[t], thr, dense[t], sparse[t], counts[t], scales[t], shifted[me], group[me],
-                                       peak[me])
+                                       peak[me], x.shape[1])
 
 
 def quantize(x: np.ndarray, thr: np.ndarray):
@@ -155,3 +187,124 @@ def effective_bits(num_values: int, num_sparse: np.ndarray) -> float:
     """Bits per stored value, every scale, count and sparse entry included."""
     per_token = 4 * num_values + 8 * num_sparse.mean() + 3 * 16 + 8 * (num_values // SEGMENT)
     return float(per_token / num_values)
+
+
+# ---- the paged store's side: one layer's K (or V) in Oaken form ---------------------------------
+#   dense  [num_blocks, block_size, C / 2] uint8
+#   scales [num_blocks, block_size, 3]     uint16 (float16 bits: middle, inner, outer)
+#   counts [num_blocks, block_size, C/64]  uint8
+#   sparse [num_blocks, budget]            uint8, the block's tokens' entries one after another
+# A token's entries start after those of the tokens before it in its block (sum of their counts);
+# a block holds at most `budget` entries, so its size in bytes is fixed.
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fp16_bits(x):
+    """A float32 that is exactly a normal float16 (or 0), as float16 bits."""
+    return np.uint16(0) if x == 0.0 else np.uint16((_as_u32(x) >> np.uint32(13)) - np.uint32(112 << 10))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def write_tokens(x, thr, slot_mapping, runs, dense, scales, counts, sparse, shifted, group, peak, scale32):
+    """Quantize rows x [T, C] into their slots; `runs` [R + 1] splits the rows into runs that share
+    a block (rows of a run are in position order), runs go in parallel. Returns the number of
+    non-finite rows (nothing of those rows is written).
+    Per-thread scratch: shifted [threads, C], group [threads, C] int8, peak [threads, 3], scale32 [threads, 3]."""
+    block_size, budget = dense.shape[1], sparse.shape[1]
+    bad = 0
+    for r in prange(runs.shape[0] - 1):
+        me = get_thread_id()
+        block = slot_mapping[runs[r]] // block_size
+        used = 0
+        for t in range(slot_mapping[runs[r]] % block_size):
+            for seg in range(counts.shape[2]):
+                used += counts[block, t, seg]
+        for row in range(runs[r], runs[r + 1]):
+            offset = slot_mapping[row] % block_size
+            finite = True
+            for i in range(x.shape[1]):
+                finite &= np.isfinite(x[row, i])
+            if not finite:
+                bad += 1
+                continue
+            used += quantize_token(x[row], thr, dense[block, offset], sparse[block, used:], counts[block, offset],
+                                   scale32[me], shifted[me], group[me], peak[me], budget - used)
+            for k in range(3):
+                scales[block, offset, k] = _fp16_bits(scale32[me, k])
+    return bad
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dequantize_block(dense, scales, counts, sparse, thr, first_seg, width, out):
+    """One block, one kv-head: rows 0..width-1 of dense [bs, C/2], scales [bs, 3] (fp16 bits),
+    counts [bs, C/64], sparse [budget] -> out [bs, D] float32, D = out.shape[1] (a multiple of 64
+    starting at segment first_seg)."""
+    s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
+    head_dim = out.shape[1]
+    base, num_seg = first_seg * (SEGMENT // 2), head_dim // SEGMENT
+    e = 0
+    for t in range(width):
+        s0, s1, s2 = fp16_to_f32(scales[t, 0]), fp16_to_f32(scales[t, 1]), fp16_to_f32(scales[t, 2])
+        for j in range(head_dim // 2):
+            byte = dense[t, base + j]
+            for half in range(2):
+                nibble = (byte >> (4 * half)) & 15
+                magnitude = np.float32(nibble & 7) * s0
+                out[t, 2 * j + half] = t_lo - magnitude if nibble & 8 else t_hi + magnitude
+        for seg in range(counts.shape[1]):
+            n = counts[t, seg]
+            if seg < first_seg or seg >= first_seg + num_seg:
+                e += n
+                continue
+            for _ in range(n):
+                entry = sparse[e]
+                e += 1
+                i = (seg - first_seg) * SEGMENT + (entry & 63)
+                y = np.float32((dense[t, base + i // 2] >> (4 * (i % 2))) & 15)
+                if entry & 64:
+                    y *= s2
+                    out[t, i] = s_lo - y if entry & 128 else s_hi + y
+                else:
+                    y *= s1
+                    out[t, i] = -y if entry & 128 else y
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, block_tables, seq_lens, scale, out, lse,
+                           scores, kb, vb, m, l):
+    """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
+    of one kv-head are decoded into small scratch (kb, vb: [W, block_size, D], L1-sized) and used
+    at once; no full-precision copy of the cache is ever made.
+    k_parts, v_parts: (dense, scales, counts, sparse) of one layer; thr_k, thr_v: [4]."""
+    num_seqs, num_heads, head_dim = q.shape
+    kd, ks, kc, ksp = k_parts
+    vd, vs, vc, vsp = v_parts
+    block_size = kd.shape[1]
+    num_kv_heads = kd.shape[2] * 2 // head_dim
+    group = num_heads // num_kv_heads
+    for item in prange(num_seqs * num_kv_heads):
+        b, kvh = item // num_kv_heads, item % num_kv_heads
+        heads = slice(kvh * group, (kvh + 1) * group)
+        first_seg = kvh * head_dim // SEGMENT
+        acc = out[b, heads]
+        attend_begin(acc, m[item], l[item])
+        n = seq_lens[b]
+        for j in range((n + block_size - 1) // block_size):
+            block = block_tables[b, j]
+            width = min(block_size, n - j * block_size)
+            dequantize_block(kd[block], ks[block], kc[block], ksp[block], thr_k, first_seg, width, kb[item])
+            dequantize_block(vd[block], vs[block], vc[block], vsp[block], thr_v, first_seg, width, vb[item])
+            attend_block(q[b, heads], kb[item], vb[item], width, scale, scores[item], acc, m[item], l[item])
+        attend_end(acc, m[item], l[item], lse[b, heads])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def dequantize_blocks(dense, scales, counts, sparse, thr, blocks, num_tokens, out):
+    """First num_tokens positions of a sequence's blocks -> out [len(blocks), Hkv, block_size, D]
+    float32 (the context of a later prefill chunk); rows past num_tokens are left unset."""
+    num_kv_heads, head_dim, block_size = out.shape[1], out.shape[3], dense.shape[1]
+    for item in prange(blocks.shape[0] * num_kv_heads):
+        j, kvh = item // num_kv_heads, item % num_kv_heads
+        b = blocks[j]
+        dequantize_block(dense[b], scales[b], counts[b], sparse[b], thr, kvh * head_dim // SEGMENT,
+                         min(block_size, num_tokens - j * block_size), out[j, kvh])

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cpu_attn.kv_store import PagedKVStore
+from cpu_attn.kv_store import KVStore
 from cpu_attn.prefill import prefill_attention
 
 
@@ -37,7 +37,7 @@ class _StepPlan:
 
 
 class AttentionWorker:
-    def __init__(self, store: PagedKVStore, head_dim: int):
+    def __init__(self, store: KVStore, head_dim: int):
         self.store = store
         self.scale = head_dim**-0.5
         self.busy_s = 0.0

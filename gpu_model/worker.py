@@ -23,6 +23,24 @@ class ModelWorker:
         return t if self.is_cpu else t.float().cpu()
 
     @torch.inference_mode()
+    def forward(self, token_ids: Sequence[int], positions: Sequence[int], logit_rows: Sequence[int],
+                attend: AttendFn) -> tuple[torch.Tensor, float]:
+        """Run every layer over the flat batch -> logits at `logit_rows` [R, vocab] (float32, on the
+        model's device) and the seconds spent outside `attend`."""
+        t0 = time.perf_counter()
+        m, dev = self.model, self.model.device
+        x = m.embed(torch.tensor(token_ids, device=dev))
+        cos, sin = m.rope(torch.tensor(positions, device=dev))
+        attend_s = 0.0
+        for i in range(m.cfg.num_layers):
+            q, k, v = m.pre_attention(i, x, cos, sin)
+            t1 = time.perf_counter()
+            o = attend(i, self._to_host(q), self._to_host(k), self._to_host(v))
+            attend_s += time.perf_counter() - t1
+            x = m.post_attention(i, x, o.to(device=dev, dtype=m.dtype))
+        logits = m.logits(x[torch.tensor(logit_rows, device=dev, dtype=torch.long)])
+        return logits, time.perf_counter() - t0 - attend_s
+
     def step(
         self,
         token_ids: Sequence[int],
@@ -36,19 +54,9 @@ class ModelWorker:
 
         Returns the sampled tokens and the seconds spent outside `attend`.
         """
-        t0 = time.perf_counter()
-        m, dev = self.model, self.model.device
-        x = m.embed(torch.tensor(token_ids, device=dev))
-        cos, sin = m.rope(torch.tensor(positions, device=dev))
-        attend_s = 0.0
-        for i in range(m.cfg.num_layers):
-            q, k, v = m.pre_attention(i, x, cos, sin)
-            t1 = time.perf_counter()
-            o = attend(i, self._to_host(q), self._to_host(k), self._to_host(v))
-            attend_s += time.perf_counter() - t1
-            x = m.post_attention(i, x, o.to(device=dev, dtype=m.dtype))
+        logits, busy_s = self.forward(token_ids, positions, sample_rows, attend)
         if not sample_rows:
-            return [], time.perf_counter() - t0 - attend_s
-        logits = m.logits(x[torch.tensor(sample_rows, device=dev)])
+            return [], busy_s
+        t0 = time.perf_counter()
         tokens = sample(logits, params, output_indices)
-        return tokens, time.perf_counter() - t0 - attend_s
+        return tokens, busy_s + time.perf_counter() - t0

@@ -23,7 +23,8 @@ def build_engine(cfg: ServeConfig):
     model_dir = resolve_model_dir(cfg.model, Path(cfg.model_cache_dir).expanduser())
     backend = HeteroBackend(model_dir, device=cfg.device, dtype=cfg.dtype, kv_format=cfg.kv_format,
                             kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
-                            max_model_len=cfg.max_model_len, gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens)
+                            max_model_len=cfg.max_model_len, gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens,
+                            oaken_thresholds_path=cfg.oaken_thresholds, oaken_sparse_fraction=cfg.oaken_sparse_fraction)
     tokenizer = Tokenizer(model_dir, backend.model.cfg.eos_token_ids)
     engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
@@ -59,18 +60,19 @@ def serve(cfg: ServeConfig) -> None:
         engine.stop()
 
 
-DEFAULT_CALIBRATION_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "valid.txt"
-
-
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
-    p.add_argument("--text", default=str(DEFAULT_CALIBRATION_TEXT),
+    from cpu_attn.calibrate import DEFAULT_TEXT
+
+    p.add_argument("--text", default=str(DEFAULT_TEXT),
                    help="text file to calibrate on (default: WikiText-2 valid; never the test split used for scoring)")
     p.add_argument("--num-windows", type=int, default=100, help="windows of text to run (default: 100)")
     p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
     p.add_argument("--outer-ratio", type=float, default=0.04, help="share of values in the outer group (default: 0.04)")
     p.add_argument("--inner-ratio", type=float, default=0.06, help="share of values in the inner group (default: 0.06)")
+    p.add_argument("--key-smoothing", type=float, default=1.0,
+                   help="alpha of the per-channel key smoothing, 0 (off) to 1 (default: 1.0)")
     p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory)")
 
 
@@ -86,7 +88,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
     model = load_model(model_dir)
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text())
     windows = text_windows(ids, args.num_windows, args.window_tokens)
-    result = calibrate(model, windows, args.outer_ratio, args.inner_ratio)
+    result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing)
     out = Path(args.out) if args.out else model_dir / THRESHOLDS_FILE
     result.save(out)
     v = result.values
@@ -94,6 +96,65 @@ def calibrate_command(args: argparse.Namespace) -> None:
     print("layer  K: outer_lo inner_lo inner_hi outer_hi   V: outer_lo inner_lo inner_hi outer_hi")
     for layer in range(v.shape[0]):
         print(f"{layer:5d}  " + "  ".join(" ".join(f"{t:8.3f}" for t in v[layer, kv]) for kv in (0, 1)))
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    from cpu_attn.calibrate import DEFAULT_TEXT
+
+    p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
+    p.add_argument("--kv-format", default="oaken",
+                   help="KV format(s) to score, comma-separated, from oaken, fp16, fp32, int4, kivi (default: oaken)")
+    p.add_argument("--text", default=str(DEFAULT_TEXT.with_name("test.txt")), help="text file (default: WikiText-2 test)")
+    p.add_argument("--num-windows", type=int, default=20, help="windows of text (default: 20)")
+    p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
+    p.add_argument("--prefill-tokens", type=int, default=128,
+                   help="tokens of each window run as the prompt; the rest are decoded one by one and scored (default: 128)")
+    p.add_argument("--batch-windows", type=int, default=16, help="windows decoded together (default: 16)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    p.add_argument("--oaken-thresholds", help="thresholds JSON (default: the model cache's, calibrated when missing)")
+    p.add_argument("--oaken-sparse-fraction", type=float, default=0.125, help="sparse budget per block (default: 0.125)")
+    p.add_argument("--json", help="write the results here as JSON")
+
+
+def eval_command(args: argparse.Namespace) -> None:
+    import json
+
+    from cpu_attn.calibrate import text_windows
+    from cpu_attn.kv_store import KV_FORMATS
+    from gpu_model.loader import load_model, resolve_model_dir
+    from gpu_model.tokenizer import Tokenizer
+    from server.evaluate import evaluate
+    from server.hetero import oaken_thresholds
+
+    formats = [f.strip() for f in args.kv_format.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in KV_FORMATS]
+    if unknown or not formats:
+        raise SystemExit(f"hetserve eval: unknown --kv-format {','.join(unknown)}; choose from {', '.join(KV_FORMATS)}")
+    text = Path(args.text)
+    if not text.is_file():
+        raise SystemExit(f"hetserve eval: text file {text} not found; pass one with --text")
+    model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
+    model = load_model(model_dir)
+    cal = oaken_thresholds(model, model_dir, args.oaken_thresholds) if "oaken" in formats else None
+    windows = text_windows(Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text()), args.num_windows,
+                           args.window_tokens)
+    try:
+        results = evaluate(model, windows, formats, prefill_tokens=args.prefill_tokens, batch_windows=args.batch_windows,
+                           block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction)
+    except ValueError as exc:
+        raise SystemExit(f"hetserve eval: {exc}")
+    print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt; "
+          f"fp32-KV perplexity {results[0]['ppl_ref']:.4f}")
+    print(f"{'kv_format':10} {'bits':>6} {'ppl':>9} {'change':>8} {'KL mean':>9} {'top-1':>7}  groups outer/middle/inner")
+    for r in results:
+        g = r.get("group_fractions")
+        groups = f"{g['outer']:.2%} / {g['middle']:.2%} / {g['inner']:.2%}" if g else "-"
+        print(f"{r['kv_format']:10} {r['effective_bits']:6.2f} {r['ppl']:9.4f} {r['ppl_change_pct']:+7.2f}% "
+              f"{r['kl_mean']:9.5f} {r['top1_agreement']:7.2%}  {groups}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({**results[0], "results": results}, indent=1))
+        print(f"wrote {args.json}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,10 +168,14 @@ def main(argv: list[str] | None = None) -> int:
                            description="Run windows of text through the model and save per-layer Oaken "
                                        "thresholds for K and V next to the model cache.")
     add_calibrate_arguments(p_cal)
+    p_eval = sub.add_parser("eval", help="perplexity and fidelity of KV formats through the serving path",
+                            description="Prefill and decode windows of text through the KV store in each format, "
+                                        "against exact fp32 KV in lockstep: perplexity, KL, top-1 agreement, bits.")
+    add_eval_arguments(p_eval)
     args = parser.parse_args(argv)
-    if args.command == "calibrate":
+    if args.command in ("calibrate", "eval"):
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        calibrate_command(args)
+        (calibrate_command if args.command == "calibrate" else eval_command)(args)
         return 0
     try:
         cfg = from_args(args)

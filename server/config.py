@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "kivi")  # the same tuple as cpu_attn.kv_store's, without numba
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -43,7 +45,11 @@ class ServeConfig:
     dtype: str = _opt("auto", "model dtype: auto (float32 on cpu, bfloat16 on cuda), float32, float16, bfloat16")
     gguf_blocks_max_tokens: int = _opt(16, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
                                            "own Q4_1/Q8_0 blocks instead of the fp32 copy (0 = never)")
-    kv_format: str = _opt("fp16", "KV cache format in the CPU store: fp16 or fp32")
+    kv_format: str = _opt("fp16", "KV cache format in the CPU store: oaken (about 5 bits, calibrated), fp16, fp32, "
+                                  "or the 4-bit baselines int4 and kivi (simulated on fp32 memory, for comparison)")
+    oaken_thresholds: str | None = _opt(None, "Oaken thresholds JSON from `hetserve calibrate` (default: the model "
+                                              "cache's, calibrated on first use when missing)")
+    oaken_sparse_fraction: float = _opt(0.125, "Oaken sparse entries a KV block has room for, as a share of its values")
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB (overrides --kv-cache-fraction)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity as a fraction of total RAM")
     block_size: int = _opt(16, "tokens per KV block")
@@ -57,7 +63,8 @@ class ServeConfig:
         checks = [
             (self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, not {self.device!r}"),
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
-            (self.kv_format in ("fp16", "fp32"), f"kv_format must be fp16 or fp32, not {self.kv_format!r}"),
+            (self.kv_format in KV_FORMATS, f"kv_format must be one of {', '.join(KV_FORMATS)}, not {self.kv_format!r}"),
+            (0 < self.oaken_sparse_fraction <= 1, "oaken_sparse_fraction must be in (0, 1]"),
             (self.executor == "local", f"executor must be local, not {self.executor!r}"),
             (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from cpu_attn.kv_store import PagedKVStore
+from cpu_attn.calibrate import DEFAULT_TEXT, THRESHOLDS_FILE, OakenThresholds, calibrate, text_windows
+from cpu_attn.kv_store import bytes_per_block, make_store
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.loader import load_model
 from gpu_model.worker import ModelWorker
@@ -16,7 +17,27 @@ from server.backend import KVSpec, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
-KV_DTYPES = {"fp16": "float16", "fp32": "float32"}
+
+
+def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThresholds:
+    """The thresholds at `path`, or the model cache's; calibrated there on first use when missing."""
+    if path:
+        return OakenThresholds.load(Path(path))
+    cached = model_dir / THRESHOLDS_FILE
+    if cached.is_file():
+        return OakenThresholds.load(cached)
+    if not DEFAULT_TEXT.is_file():
+        raise RuntimeError(f"no Oaken thresholds in {cached} and no default calibration text at {DEFAULT_TEXT}: "
+                           "run `hetserve calibrate --text FILE` first, or pass --oaken-thresholds")
+    from gpu_model.tokenizer import Tokenizer
+
+    log.warning("no Oaken thresholds for this model yet: calibrating on 32 windows of %s (once, about a minute)",
+                DEFAULT_TEXT)
+    ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(DEFAULT_TEXT.read_text())
+    result = calibrate(model, text_windows(ids, 32, 512))
+    result.save(cached)
+    log.info("Oaken thresholds saved to %s", cached)
+    return result
 
 
 def pick_device(device: str) -> str:
@@ -38,17 +59,19 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
 class HeteroBackend:
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str,
                  kv_capacity_bytes: int, block_size: int, max_model_len: int | None,
-                 gguf_blocks_max_tokens: int = 16):
+                 gguf_blocks_max_tokens: int = 16, oaken_thresholds_path: str | None = None,
+                 oaken_sparse_fraction: float = 0.125):
         device = pick_device(device)
         self.model_dir = model_dir
         self.model = load_model(model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens)
         cfg = self.model.cfg
-        kv_dtype = KV_DTYPES[kv_format]
-        per_block = PagedKVStore.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, kv_dtype)
+        geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
+        per_block = bytes_per_block(kv_format, *geometry, oaken_sparse_fraction)
         num_blocks = kv_capacity_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"KV capacity {kv_capacity_bytes} B is below one block ({per_block} B)")
-        store = PagedKVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, num_blocks, kv_dtype)
+        cal = oaken_thresholds(self.model, model_dir, oaken_thresholds_path) if kv_format == "oaken" else None
+        store = make_store(kv_format, *geometry, num_blocks, cal, oaken_sparse_fraction)
         self.kv_spec = KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=per_block)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_worker = ModelWorker(self.model)

@@ -39,9 +39,10 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
 
 
 def test_calibrate_cli_on_wikitext(tmp_path, capsys):
-    from server.cli import DEFAULT_CALIBRATION_TEXT, main
+    from cpu_attn.calibrate import DEFAULT_TEXT
+    from server.cli import main
 
-    if not DEFAULT_CALIBRATION_TEXT.exists():
+    if not DEFAULT_TEXT.exists():
         pytest.skip("../shared/data is not beside the project")
     out = tmp_path / "thresholds.json"
     assert main(["calibrate", "--num-windows", "3", "--window-tokens", "128", "--out", str(out)]) == 0

@@ -14,8 +14,9 @@ PROMPTS_TINY = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [2, 71, 82], [7
 def tiny_model_dir(tmp_path, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256, **overrides)
+    cfg = LlamaConfig(**{**dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+                         **overrides})
     torch.manual_seed(0)
     hf = LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path)

@@ -1,0 +1,115 @@
+"""`hetserve eval`: what a KV format costs in accuracy, measured through the serving path.
+
+Each window of text is prefilled (its first `prefill_tokens`) and then decoded one token at a
+time with teacher forcing, exactly as the hetero backend runs a request: the model's linears,
+the attention worker, the KV store in the format under test. An exact fp32-KV run advances in
+lockstep on the same windows, so every decoded position gives the next-token distribution with
+and without the format:
+
+    ppl             exp(mean NLL of the true next token), decoded positions only
+    kl_mean         mean KL(exact || format) in nats
+    top1_agreement  share of positions where both put the same token first
+    effective_bits  stored bits per K/V value, every scale, count and sparse entry included
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cpu_attn.calibrate import OakenThresholds
+from cpu_attn.kv_store import OakenKVStore, SimQuantKVStore, make_store
+from cpu_attn.worker import AttentionWorker, ChunkLayout
+from gpu_model.worker import ModelWorker
+
+
+@dataclass
+class _Score:
+    nll: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+    count: int = 0
+    groups: dict[str, int] = field(default_factory=lambda: {"values": 0, "sparse": 0, "outer": 0})
+
+    def add(self, ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> None:
+        self.nll -= float(logp.gather(1, targets[:, None]).sum())
+        self.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
+        self.top1 += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+        self.count += len(targets)
+
+
+def _effective_bits(kv_format: str, store, groups: dict[str, int]) -> float:
+    if isinstance(store, OakenKVStore):
+        c = store.num_kv_heads * store.head_dim
+        per_value = 4 + (3 * 16 + 8 * (c // 64)) / c  # dense nibble, scales, counts
+        return per_value + 8 * groups["sparse"] / groups["values"]
+    if isinstance(store, SimQuantKVStore):
+        return store.effective_bits()
+    return {"fp16": 16.0, "fp32": 32.0}[kv_format]
+
+
+def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_tokens: int = 128,
+             batch_windows: int = 16, block_size: int = 16, oaken_cal: OakenThresholds | None = None,
+             sparse_fraction: float = 0.125, progress: bool = True) -> list[dict]:
+    """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length)."""
+    from tqdm import tqdm
+
+    cfg = model.cfg
+    window_tokens = len(windows[0])
+    if not 0 < prefill_tokens < window_tokens - 1:
+        raise ValueError(f"prefill_tokens must be in [1, {window_tokens - 2}] for windows of {window_tokens} tokens")
+    worker = ModelWorker(model)
+    names = ["fp32-exact"] + list(kv_formats)
+    scores = {name: _Score() for name in names}
+    blocks_per_window = -(-window_tokens // block_size)
+    bar = tqdm(total=len(windows) * (window_tokens - prefill_tokens), desc="eval", unit="tok", disable=not progress)
+    stores = {}
+    for first in range(0, len(windows), batch_windows):
+        batch = torch.tensor(windows[first:first + batch_windows])
+        num = len(batch)
+        stores = {name: make_store("fp32" if name == "fp32-exact" else name, cfg.num_layers, cfg.num_kv_heads,
+                                   cfg.head_dim, block_size, num * blocks_per_window, oaken_cal, sparse_fraction)
+                  for name in names}
+        attn = {name: AttentionWorker(store, cfg.head_dim) for name, store in stores.items()}
+        tables = [tuple(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(num)]
+        # step 0 prefills every window; step s > 0 decodes token prefill_tokens + s - 1
+        for s in range(window_tokens - prefill_tokens):
+            if s == 0:
+                start, length = 0, prefill_tokens
+            else:
+                start, length = prefill_tokens + s - 1, 1
+            tokens = batch[:, start:start + length].reshape(-1).tolist()
+            positions = list(range(start, start + length)) * num
+            rows = [i * length + length - 1 for i in range(num)]
+            targets = batch[:, start + length]
+            logp = {}
+            for name in names:
+                attn[name].begin_step([ChunkLayout(length, start, t) for t in tables])
+                logits, _ = worker.forward(tokens, positions, rows, attn[name].attend)
+                logp[name] = torch.log_softmax(logits.float().cpu(), -1)
+            for name in names:
+                scores[name].add(logp["fp32-exact"], logp[name], targets)
+            bar.update(num)
+        for name, store in stores.items():
+            if isinstance(store, OakenKVStore):
+                for table in tables:
+                    for key, n in store.group_counts(table, window_tokens).items():
+                        scores[name].groups[key] += n
+    bar.close()
+    ppl_ref = float(np.exp(scores["fp32-exact"].nll / scores["fp32-exact"].count))
+    results = []
+    for name in kv_formats:
+        sc = scores[name]
+        row = {"kv_format": name, "ppl": float(np.exp(sc.nll / sc.count)), "ppl_ref": ppl_ref,
+               "kl_mean": sc.kl / sc.count, "top1_agreement": sc.top1 / sc.count,
+               "effective_bits": _effective_bits(name, stores[name], sc.groups),
+               "num_windows": len(windows), "window_tokens": window_tokens, "prefill_tokens": prefill_tokens,
+               "scored_positions": sc.count}
+        row["ppl_change_pct"] = 100 * (row["ppl"] / ppl_ref - 1)
+        if sc.groups["values"]:
+            g = sc.groups
+            row["group_fractions"] = {"outer": g["outer"] / g["values"], "inner": (g["sparse"] - g["outer"]) / g["values"],
+                                      "middle": 1 - g["sparse"] / g["values"]}
+        results.append(row)
+    return results

@@ -1,0 +1,210 @@
+"""The Oaken paged store and the 4-bit baselines: storage against NumPy references, attention
+over the quantized store against exact attention, byte accounting, bad values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpu_attn.kv_store import KV_FORMATS, OakenKVStore, PagedKVStore, SimQuantKVStore, bytes_per_block, make_store
+from cpu_attn.oaken import INNER, MIDDLE, OUTER, dequantize, quantize
+from tests.test_cpu_attn import naive_attention
+from tests.test_oaken import decoded_groups, reference_groups
+
+THR = np.array([-2.0, -0.1, 0.1, 2.0], np.float32)
+
+
+def oaken_store(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=40, sparse_fraction=0.125,
+                key_scales=None):
+    thresholds = np.tile(THR, (num_layers, 2, 1))
+    return OakenKVStore(num_layers, num_kv_heads, head_dim, block_size, num_blocks, thresholds, sparse_fraction,
+                        key_scales)
+
+
+def write_sequences(store, rng, seq_lens, layer=0, prefill=None, scale=1.0):
+    """Random K/V per sequence into shuffled blocks: a prefill chunk, then one token at a time."""
+    bs, free = store.block_size, list(rng.permutation(store.num_blocks))
+    tables, kv = [], []
+    for n in seq_lens:
+        table = np.array([free.pop() for _ in range(-(-n // bs))])
+        k, v = (rng.standard_normal((2, n, store.num_kv_heads, store.head_dim)) * scale).astype(np.float32)
+        k[:, :, 5] *= 6  # a heavy channel, as real keys have
+        slots = (table[np.arange(n) // bs] * bs + np.arange(n) % bs).astype(np.int64)
+        first = n // 2 if prefill is None else min(prefill, n)
+        store.write(layer, slots[:first], k[:first], v[:first])
+        for t in range(first, n):
+            store.write(layer, slots[t:t + 1], k[t:t + 1], v[t:t + 1])
+        tables.append(table)
+        kv.append((k, v))
+    width = max(len(t) for t in tables)
+    block_tables = np.zeros((len(tables), width), np.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = t
+    return block_tables, kv
+
+
+def reference_roundtrip(x):
+    """What the store should hold for x [T, Hkv, D]: the per-token quantizer's round trip."""
+    flat = x.reshape(len(x), -1)
+    return dequantize(THR, *quantize(flat, THR)[:4]).reshape(x.shape)
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (2, 128)])
+def test_oaken_store_holds_the_quantizer_roundtrip(num_kv_heads, head_dim):
+    rng = np.random.default_rng(0)
+    store = oaken_store(num_kv_heads=num_kv_heads, head_dim=head_dim, sparse_fraction=0.5)
+    tables, kv = write_sequences(store, rng, [1, 17, 40, 100])
+    for table, (k, v), n in zip(tables, kv, [1, 17, 40, 100]):
+        kg, vg = store.gather(0, table, n)
+        np.testing.assert_array_equal(kg, reference_roundtrip(k))
+        np.testing.assert_array_equal(vg, reference_roundtrip(v))
+    # the realized split is what the thresholds say
+    counts = store.group_counts(tables[3], 100)
+    k, v = kv[3]
+    groups = reference_groups(np.concatenate([k.ravel(), v.ravel()]), THR)
+    assert counts["sparse"] == np.count_nonzero(groups != MIDDLE)
+    assert counts["outer"] == np.count_nonzero(groups == OUTER)
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 2, 128, 8), (2, 1, 64, 1)])
+def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, smooth):
+    rng = np.random.default_rng(1)
+    seq_lens = [1, 20, 77, 200]
+    # key smoothing: the store keeps K / s and scales q by s; attention must not change
+    scales = None
+    if smooth:  # as calibrate finds them for write_sequences' heavy channel 5 of every head
+        scales = np.ones((2, num_kv_heads, head_dim), np.float32)
+        scales[:, :, 5] = 6
+        scales = scales.reshape(2, -1)
+    store = oaken_store(num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                        num_blocks=sum(-(-n // block_size) for n in seq_lens) + 3, sparse_fraction=0.5,
+                        key_scales=scales)
+    tables, kv = write_sequences(store, rng, seq_lens)
+    q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float32)
+    scale = head_dim**-0.5
+    out, lse = store.decode_attention(0, q, tables, np.array(seq_lens, np.int32), scale)
+    for b, n in enumerate(seq_lens):
+        # tight against attention over the dequantized values: the kernel reads exactly those
+        kd, vd = store.gather(0, tables[b], n)
+        ref_out, ref_lse = naive_attention(q[b], kd, vd, scale)
+        np.testing.assert_allclose(out[b], ref_out, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(lse[b], ref_lse, atol=2e-5, rtol=1e-5)
+        # against full precision: 4/5-bit error, a few percent of the output's spread
+        exact, _ = naive_attention(q[b], *kv[b], scale)
+        assert np.abs(out[b] - exact).max() <= 0.15 * max(np.abs(exact).max(), 0.1), b
+
+
+def test_full_sparse_budget_demotes_values_nearest_the_middle():
+    rng = np.random.default_rng(2)
+    store = oaken_store(num_kv_heads=1, head_dim=64, block_size=4, num_blocks=4, sparse_fraction=0.1)  # 26 entries
+    k = np.zeros((4, 1, 64), np.float32)
+    k[0, 0] = rng.choice([-3.0, 3.0], 64) * rng.uniform(1, 2, 64)  # token 0: all outer, more than the budget
+    k[1:, 0] = rng.uniform(-0.09, 0.09, (3, 64))  # then all inner: no room left
+    store.write(0, np.arange(4, dtype=np.int64), k, k)
+    assert store.counts[0, 0, 0].sum() == store.budget == 26
+    kd, _ = store.gather(0, [0], 4)
+    groups = decoded_groups(*(a.reshape(4, -1) for a in (store.dense[0, 0, 0], store.sparse[0, 0, 0:1].repeat(4, 0),
+                                                          store.counts[0, 0, 0])))
+    assert (groups[0] != MIDDLE).sum() == 26  # token 0 kept the 26 values farthest from the middle
+    kept = np.sort(np.abs(k[0, 0]))[-26:]
+    assert np.abs(k[0, 0, groups[0] == OUTER]).min() >= kept.min() - 1e-6
+    # demoted outer values become middle values with a larger scale: bounded, not clipped
+    assert np.abs(kd[0] - k[0]).max() <= np.abs(k[0]).max() / 7
+    # demoted inner values land on the nearer inner threshold: error <= the inner band
+    assert np.abs(kd[1:] - k[1:]).max() <= 0.1 + 0.09 + 1e-6
+    assert (groups[1:] == INNER).sum() == 0
+
+
+def test_bad_values_and_shapes_are_rejected():
+    store = oaken_store()
+    k = np.zeros((2, 3, 64), np.float32)
+    k[1, 0, 3] = np.nan
+    with pytest.raises(ValueError, match="NaN or inf"):
+        store.write(1, np.array([0, 1]), k, np.zeros_like(k))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        OakenKVStore(1, 2, 32, 16, 4, np.zeros((1, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="thresholds"):
+        OakenKVStore(2, 2, 64, 16, 4, np.zeros((1, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="needs calibrated thresholds"):
+        make_store("oaken", 1, 1, 64, 16, 4)
+    with pytest.raises(ValueError, match="kv_format must be one of"):
+        make_store("int3", 1, 1, 64, 16, 4)
+
+
+def test_bytes_per_block_is_what_the_arrays_take():
+    store = oaken_store(num_layers=30, num_blocks=7)
+    total = store.dense.nbytes + store.scales.nbytes + store.counts.nbytes + store.sparse.nbytes
+    assert bytes_per_block("oaken", 30, 3, 64, 16) * 7 == total
+    # SmolLM2 shape: 4 bits + scales + counts + 12.5% sparse entries = 5.375 bits per value
+    assert bytes_per_block("oaken", 30, 3, 64, 16) * 8 / (2 * 30 * 16 * 192) == 5.375
+    assert bytes_per_block("fp16", 30, 3, 64, 16) == PagedKVStore.bytes_per_block(30, 3, 64, 16, "float16")
+
+
+def test_simulated_baselines():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40, 2, 64)).astype(np.float32)
+    slots = np.arange(40, dtype=np.int64)
+    int4 = SimQuantKVStore(1, 2, 64, 16, 4, "int4")
+    int4.write(0, slots, x, x)
+    k, _ = int4.gather(0, [0, 1, 2], 40)
+    flat, kflat = x.reshape(40, -1), k.reshape(40, -1)
+    step = (flat.max(1) - flat.min(1)) / 15
+    assert (np.abs(kflat - flat).max(1) <= step / 2 * 1.01 + 2e-3).all()  # + fp16 rounding of min and scale
+    assert len(np.unique(kflat[0])) <= 16
+    kivi = SimQuantKVStore(1, 2, 64, 16, 4, "kivi")
+    kivi.write(0, slots[:20], x[:20], x[:20])
+    for t in range(20, 40):
+        kivi.write(0, slots[t:t + 1], x[t:t + 1], x[t:t + 1])
+    k, v = kivi.gather(0, [0, 1, 2], 40)
+    np.testing.assert_array_equal(k[32:], x[32:])  # the block being filled stays exact
+    assert all(len(np.unique(k[:16, 0, c])) <= 16 for c in range(64))  # keys per channel over a block
+    assert all(len(np.unique(v[t, 0])) <= 16 for t in range(32))  # values per token and head
+    assert np.abs(k[:32] - x[:32]).max() < 0.5 and not np.array_equal(k[:32], x[:32])
+    assert int4.effective_bits() == 4 + 32 / 128 and kivi.effective_bits() == 4 + (2 + 0.5) / 2
+    assert set(KV_FORMATS) == {"oaken", "fp16", "fp32", "int4", "kivi"}
+
+
+def test_eval_exact_format_agrees_and_oaken_is_close(tmp_path):
+    from cpu_attn.calibrate import calibrate, text_windows
+    from gpu_model.loader import load_model
+    from server.evaluate import evaluate
+    from tests.test_model import tiny_model_dir
+
+    model_dir, _ = tiny_model_dir(tmp_path, head_dim=64, hidden_size=128)
+    model = load_model(model_dir)
+    ids = list(np.random.default_rng(4).integers(0, 101, 2000))
+    cal = calibrate(model, text_windows(ids[:1000], 4, 64), progress=False)
+    assert cal.key_scales.shape == (2, 2 * 64)
+    windows = text_windows(ids[1000:], 3, 40)
+    results = evaluate(model, windows, ["fp32", "oaken", "int4"], prefill_tokens=8, batch_windows=2, block_size=4,
+                       oaken_cal=cal, progress=False)
+    exact, oaken, int4 = results
+    assert exact["kl_mean"] == pytest.approx(0, abs=1e-9) and exact["top1_agreement"] == 1
+    assert exact["ppl"] == pytest.approx(exact["ppl_ref"], rel=1e-6) and exact["effective_bits"] == 32
+    assert exact["scored_positions"] == 3 * (40 - 8)
+    assert 0 < oaken["kl_mean"] < int4["kl_mean"] and oaken["top1_agreement"] >= 0.9
+    assert 4 < oaken["effective_bits"] < 5.5 and sum(oaken["group_fractions"].values()) == pytest.approx(1)
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        evaluate(model, windows, ["fp16"], prefill_tokens=39)
+
+
+def test_eval_cli_writes_json(tmp_path, capsys):
+    import json
+
+    from cpu_attn.calibrate import DEFAULT_TEXT
+    from server.cli import main
+
+    if not DEFAULT_TEXT.exists():
+        pytest.skip("../shared/data is not beside the project")
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--kv-format", "fp16,int4", "--num-windows", "2", "--window-tokens", "48",
+                 "--prefill-tokens", "16", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for key in ("ppl", "ppl_ref", "kl_mean", "top1_agreement", "effective_bits", "kv_format", "num_windows",
+                "window_tokens"):
+        assert key in data
+    assert data["kv_format"] == "fp16" and data["effective_bits"] == 16 and data["num_windows"] == 2
+    assert [r["kv_format"] for r in data["results"]] == ["fp16", "int4"]
+    assert "int4" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown --kv-format"):
+        main(["eval", "--kv-format", "int3"])
