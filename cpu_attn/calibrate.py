@@ -102,7 +102,7 @@ def key_scales(model, windows: list[list[int]], alpha: float) -> np.ndarray:
 
 
 def calibrate(model, windows: list[list[int]], outer_ratio: float = 0.04, inner_ratio: float = 0.06,
-              key_smoothing: float = 1.0, progress: bool = True) -> OakenThresholds:
+              key_smoothing: float = 0.75, progress: bool = True) -> OakenThresholds:
     """Thresholds averaged over windows; key smoothing factors from the first (up to) 16 windows."""
     if not (0 < outer_ratio < 1 and 0 < inner_ratio < 1 and outer_ratio + inner_ratio < 1):
         raise ValueError("outer_ratio and inner_ratio must be in (0, 1) and sum to less than 1")

@@ -85,6 +85,24 @@ def widen(src, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def exp_nonpositive(x):
+    """exp(x) for x <= 0 (-inf included), relative error ~1e-7, in operations that vectorize
+    (there is no vector exp without Intel's SVML): x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6
+    polynomial for e^r, 2^n built in the exponent bits. Below -87 it returns ~2^-126, not 0."""
+    x = max(x, np.float32(-87.0))
+    n = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * _as_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def attend_begin(acc, m, l):
     acc[:] = 0.0
     m[:] = -np.inf
@@ -108,12 +126,12 @@ def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
         new_m = m[g]
         for t in range(width):
             new_m = max(new_m, s[g, t])
-        correction = np.exp(m[g] - new_m)
+        correction = exp_nonpositive(m[g] - new_m)
         l[g] *= correction
         for d in range(head_dim):
             acc[g, d] *= correction
         for t in range(width):
-            s[g, t] = np.exp(s[g, t] - new_m)
+            s[g, t] = exp_nonpositive(s[g, t] - new_m)
             l[g] += s[g, t]
         m[g] = new_m
     for t in range(width):

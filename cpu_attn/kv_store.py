@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 from numba import get_num_threads
 
-from cpu_attn import oaken
+from cpu_attn import lsh, oaken
 from cpu_attn.calibrate import OakenThresholds
 from cpu_attn.kernels import attention_scratch, paged_decode_attention, write_kv
 
@@ -117,12 +117,19 @@ class OakenKVStore:
     values nearest the middle thresholds stored as middle values instead.
 
     With key_scales [L, Hkv * D] (calibrate's key smoothing) the store holds K / key_scales and
-    scales q by key_scales before attention: q.k is the same, the keys' heavy channels are tamed."""
+    scales q by key_scales before attention: q.k is the same, the keys' heavy channels are tamed.
+
+    With recent_blocks > 0, a block that is still filling (its first row written, not yet its
+    last) stays in full precision in one of `recent_blocks` tail slots per layer and is quantized
+    when its last row arrives, so a sequence's newest tokens are exact (as KIVI's window). When
+    every slot is taken, the least recently written tail is quantized early (still correct, only
+    less exact), so slots never leak: size them to the running batch."""
 
     dtype = "oaken"
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-                 thresholds: np.ndarray, sparse_fraction: float = 0.125, key_scales: np.ndarray | None = None):
+                 thresholds: np.ndarray, sparse_fraction: float = 0.125, key_scales: np.ndarray | None = None,
+                 recent_blocks: int = 0):
         if head_dim % oaken.SEGMENT:
             raise ValueError(f"Oaken KV needs head_dim a multiple of {oaken.SEGMENT}, not {head_dim}")
         if thresholds.shape != (num_layers, 2, 4):
@@ -140,6 +147,12 @@ class OakenKVStore:
         self.scales = np.zeros(lead + (3,), np.uint16)
         self.counts = np.zeros(lead + (c // oaken.SEGMENT,), np.uint8)
         self.sparse = np.zeros((num_layers, 2, num_blocks, self.budget), np.uint8)
+        self.tail = np.zeros((num_layers, 2, recent_blocks, block_size, c), np.float32)
+        self.tail_of = np.full((num_layers, num_blocks), -1, np.int32)  # tail slot of each block, or -1
+        self.tail_block = np.full((num_layers, recent_blocks), -1, np.int64)  # block of each slot, or -1
+        self.tail_len = np.zeros((num_layers, recent_blocks), np.int64)
+        self.tail_stamp = np.zeros((num_layers, recent_blocks), np.int64)
+        self._writes = 0
         threads = get_num_threads()
         self._scratch = (np.empty((threads, c), np.float32), np.empty((threads, c), np.int8),
                          np.empty((threads, 3), np.float32), np.empty((threads, 3), np.float32))
@@ -147,6 +160,10 @@ class OakenKVStore:
     @staticmethod
     def sparse_budget(num_kv_heads: int, head_dim: int, block_size: int, sparse_fraction: float) -> int:
         return int(np.ceil(block_size * num_kv_heads * head_dim * sparse_fraction))
+
+    @staticmethod
+    def tail_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, recent_blocks: int) -> int:
+        return 2 * num_layers * recent_blocks * block_size * num_kv_heads * head_dim * 4
 
     @classmethod
     def bytes_per_block(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -159,20 +176,69 @@ class OakenKVStore:
     def _parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
         return self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv], self.sparse[layer, kv]
 
-    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """slot_mapping: [T] int64 (a sequence's rows in position order); k, v: [T, Hkv, D] float32."""
+    def _read_parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
+        return self._parts(layer, kv) + (self.tail[layer, kv], self.tail_of[layer])
+
+    def _quantize(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray]) -> None:
         if len(slot_mapping) == 0:
             return
         runs = _block_runs(slot_mapping, self.block_size)
-        for kv, x in enumerate((k, v)):
-            x = np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1)
-            if kv == 0 and self.key_scales is not None:
-                x = x / self.key_scales[layer]
+        for kv, x in enumerate(rows):
             bad = oaken.write_tokens(x, self.thresholds[layer, kv], slot_mapping, runs, *self._parts(layer, kv),
                                      *self._scratch)
             if bad:
                 raise ValueError(f"{'KV'[kv]} of layer {layer} has NaN or inf in {bad} token(s); "
                                  "Oaken quantization needs finite values")
+
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """slot_mapping: [T] int64 (a sequence's rows in position order); k, v: [T, Hkv, D] float32."""
+        if len(slot_mapping) == 0:
+            return
+        rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
+        for kv, x in enumerate(rows):
+            if not np.isfinite(x).all():
+                bad = int((~np.isfinite(x).all(axis=1)).sum())
+                raise ValueError(f"{'KV'[kv]} of layer {layer} has NaN or inf in {bad} token(s); "
+                                 "Oaken quantization needs finite values")
+        if self.key_scales is not None:
+            rows = (rows[0] / self.key_scales[layer], rows[1])
+        direct = self._route_to_tails(layer, slot_mapping, rows) if self.tail.shape[2] else slice(None)
+        self._quantize(layer, slot_mapping[direct], (rows[0][direct], rows[1][direct]))
+
+    def _route_to_tails(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """Put the rows of still-filling blocks into their tails (quantizing a tail once its block is
+        full); returns the mask of the other rows, to quantize now."""
+        bs, runs = self.block_size, _block_runs(slot_mapping, self.block_size)
+        direct = np.ones(len(slot_mapping), bool)
+        for a, b in zip(runs[:-1], runs[1:]):
+            block, first, last = slot_mapping[a] // bs, slot_mapping[a] % bs, slot_mapping[b - 1] % bs
+            slot = self.tail_of[layer, block]
+            if slot < 0:
+                if first != 0 or last == bs - 1:  # a whole block at once, or one already quantized in part
+                    continue
+                slot = self._take_tail(layer, block)
+            for kv in (0, 1):
+                self.tail[layer, kv, slot, first:last + 1] = rows[kv][a:b]
+            self._writes += 1
+            self.tail_len[layer, slot], self.tail_stamp[layer, slot] = last + 1, self._writes
+            direct[a:b] = False
+            if last == bs - 1:
+                self._flush_tail(layer, slot)
+        return direct
+
+    def _take_tail(self, layer: int, block: int) -> int:
+        free = np.flatnonzero(self.tail_block[layer] < 0)
+        slot = int(free[0]) if len(free) else int(np.argmin(self.tail_stamp[layer]))
+        if not len(free):
+            self._flush_tail(layer, slot)
+        self.tail_block[layer, slot], self.tail_of[layer, block] = block, slot
+        return slot
+
+    def _flush_tail(self, layer: int, slot: int) -> None:
+        block, n = self.tail_block[layer, slot], self.tail_len[layer, slot]
+        self.tail_of[layer, block], self.tail_block[layer, slot] = -1, -1
+        self._quantize(layer, block * self.block_size + np.arange(n), (self.tail[layer, 0, slot, :n],
+                                                                       self.tail[layer, 1, slot, :n]))
 
     def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """One sequence's first `seq_len` positions, dequantized -> k, v: [seq_len, Hkv, D] float32."""
@@ -181,7 +247,7 @@ class OakenKVStore:
         out = []
         for kv in (0, 1):
             x = np.empty(shape, np.float32)
-            oaken.dequantize_blocks(*self._parts(layer, kv), self.thresholds[layer, kv], blocks, seq_len, x)
+            oaken.dequantize_blocks(self._read_parts(layer, kv), self.thresholds[layer, kv], blocks, seq_len, x)
             x = x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
             if kv == 0 and self.key_scales is not None:
                 x = x * self.key_scales[layer].reshape(self.num_kv_heads, self.head_dim)
@@ -200,10 +266,39 @@ class OakenKVStore:
             s = self.key_scales[layer].reshape(1, self.num_kv_heads, 1, head_dim)
             q = (q.reshape(num_seqs, self.num_kv_heads, group, head_dim) * s).reshape(q.shape)
         oaken.oaken_decode_attention(
-            q, self._parts(layer, 0), self._parts(layer, 1),
+            q, self._read_parts(layer, 0), self._read_parts(layer, 1),
             self.thresholds[layer, 0], self.thresholds[layer, 1], block_tables, seq_lens, np.float32(scale), out, lse,
             *attention_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim))
         return out, lse
+
+    def sampled_decode_attention(self, layer: int, q: np.ndarray, q_codes: np.ndarray, block_tables: np.ndarray,
+                                 seq_lens: np.ndarray, scale: float, tables: tuple[np.ndarray, ...], mu: np.ndarray,
+                                 log_u: np.ndarray, num_sinks: int, window: int
+                                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """MagicPIG attention (cpu_attn/lsh.py): q [B, Hq, D], q_codes [B, Hq, L] int32; tables =
+        (set_of [B, Hkv], indexed [S], offsets [S, L, 2^K + 1], ids [S, L, cap]); mu [B, Hkv, D] the
+        keys' centers; log_u from lsh.log_u_table; window >= 1 (the current token is always exact).
+        -> out [B, Hq, D], lse [B, Hq], touched [B, Hq] (keys sampled per query head)."""
+        if window < 1:
+            raise ValueError("the exact local window must hold at least the current token")
+        num_seqs, num_heads, head_dim = q.shape
+        group = num_heads // self.num_kv_heads
+        set_of, indexed, offsets, ids = tables
+        q = np.ascontiguousarray(q, np.float32)
+        q_norm = np.linalg.norm(q, axis=-1).astype(np.float32)
+        key_scale = np.ones((self.num_kv_heads, head_dim), np.float32) if self.key_scales is None else \
+            self.key_scales[layer].reshape(self.num_kv_heads, head_dim)
+        q = (q.reshape(num_seqs, self.num_kv_heads, group, head_dim) * key_scale[:, None]).reshape(q.shape)
+        out = np.empty(q.shape, np.float32)
+        lse = np.empty((num_seqs, num_heads), np.float32)
+        touched = np.empty((num_seqs, num_heads), np.int64)
+        lsh.sampled_decode_attention(
+            q, q_norm, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0), self._read_parts(layer, 1),
+            self.thresholds[layer, 0], self.thresholds[layer, 1], key_scale,
+            np.ascontiguousarray(mu / key_scale, np.float32), block_tables, seq_lens, set_of, indexed, offsets, ids,
+            log_u, num_sinks, window, np.float32(scale), out, lse, touched,
+            *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim, ids.shape[-1]))
+        return out, lse, touched
 
     def group_counts(self, block_table, seq_len: int) -> dict[str, int]:
         """What one sequence's stored values are, over every layer, K and V: counts of values,
@@ -212,12 +307,13 @@ class OakenKVStore:
         values = entries = outer = 0
         for j, b in enumerate(blocks):
             width = min(self.block_size, seq_len - j * self.block_size)
-            n = self.counts[:, :, b, :width].sum(axis=(-1, -2)).astype(np.int64)  # [L, 2]
+            quantized = self.tail_of[:, b] < 0  # [L]: blocks still in a full-precision tail do not count
+            n = self.counts[:, :, b, :width].sum(axis=(-1, -2)).astype(np.int64) * quantized[:, None]  # [L, 2]
             entries += int(n.sum())
             for layer in range(self.num_layers):
                 for kv in (0, 1):
                     outer += int(np.count_nonzero(self.sparse[layer, kv, b, : n[layer, kv]] & 64))
-            values += 2 * self.num_layers * width * self.num_kv_heads * self.head_dim
+            values += 2 * int(quantized.sum()) * width * self.num_kv_heads * self.head_dim
         return {"values": values, "sparse": entries, "outer": outer}
 
 
@@ -278,13 +374,14 @@ def bytes_per_block(kv_format: str, num_layers: int, num_kv_heads: int, head_dim
 
 
 def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-               oaken_cal: OakenThresholds | None = None, sparse_fraction: float = 0.125):
-    """The KV store for one of KV_FORMATS (oaken needs the calibration of `hetserve calibrate`)."""
+               oaken_cal: OakenThresholds | None = None, sparse_fraction: float = 0.125, recent_blocks: int = 0):
+    """The KV store for one of KV_FORMATS (oaken needs the calibration of `hetserve calibrate`;
+    recent_blocks: its full-precision tail slots per layer, see OakenKVStore)."""
     geometry = (num_layers, num_kv_heads, head_dim, block_size, num_blocks)
     if kv_format == "oaken":
         if oaken_cal is None:
             raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
-        return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales)
+        return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales, recent_blocks)
     if kv_format in ("int4", "kivi"):
         return SimQuantKVStore(*geometry, kv_format)
     if kv_format in ("fp16", "fp32"):

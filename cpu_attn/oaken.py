@@ -12,7 +12,9 @@ edge, so the sign also says which threshold to add back, and no value is ambiguo
     inner / outer: dense nibble = 4-bit magnitude; the sign lives in the sparse entry
 
 Layout of one token (C = num_kv_heads * head_dim values, split in 64-wide segments):
-    dense  [C / 2] uint8   two nibbles per byte, value 2i in the low nibble
+    dense  [C / 2] uint8   two nibbles per byte: in each 64-wide segment, byte j holds value j
+                           (low nibble) and value j + 32 (high nibble), so unpacking stores
+                           two contiguous runs of 32 and vectorizes
     sparse [C] uint8       one entry per inner/outer value, segment by segment:
                            bits 0-5 index in the segment | bit 6 outer | bit 7 negative
     counts [C / 64] uint8  sparse entries per segment
@@ -40,6 +42,12 @@ def round_to_fp16(x):
     bits = _as_u32(x)
     bits = (bits + np.uint32(0xFFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
     return _as_f32(bits)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _byte_and_shift(i):
+    """Where value i's nibble lives in the dense bytes."""
+    return (i // SEGMENT) * (SEGMENT // 2) + i % (SEGMENT // 2), 4 * ((i % SEGMENT) // (SEGMENT // 2))
 
 
 @njit(cache=True, nogil=True)
@@ -116,7 +124,8 @@ def quantize_token(x, thr, dense, sparse, counts, scales, shifted, group, peak, 
                 sparse[e] = j | (64 if g == OUTER else 0) | (128 if negative else 0)
                 e += 1
                 count += 1
-            dense[i // 2] |= nibble << (4 * (i % 2))
+            byte, shift = _byte_and_shift(i)
+            dense[byte] |= nibble << shift
         counts[seg] = count
     return num_sparse
 
@@ -126,7 +135,8 @@ def dequantize_token(thr, dense, sparse, counts, scales, out):
     """Inverse of quantize_token: out [C] float32."""
     s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
     for i in range(out.shape[0]):
-        nibble = (dense[i // 2] >> (4 * (i % 2))) & 15
+        byte, shift = _byte_and_shift(i)
+        nibble = (dense[byte] >> shift) & 15
         magnitude = np.float32(nibble & 7) * scales[0]
         out[i] = t_lo - magnitude if nibble & 8 else t_hi + magnitude
     e = 0
@@ -136,7 +146,8 @@ def dequantize_token(thr, dense, sparse, counts, scales, out):
             e += 1
             i = seg * SEGMENT + (entry & 63)
             is_negative = entry & 128
-            nibble = (dense[i // 2] >> (4 * (i % 2))) & 15
+            byte, shift = _byte_and_shift(i)
+            nibble = (dense[byte] >> shift) & 15
             if entry & 64:
                 y = np.float32(nibble) * scales[2]
                 out[i] = s_lo - y if is_negative else s_hi + y
@@ -235,38 +246,90 @@ def write_tokens(x, thr, slot_mapping, runs, dense, scales, counts, sparse, shif
 
 
 @njit(cache=True, nogil=True, inline="always")
-def dequantize_block(dense, scales, counts, sparse, thr, first_seg, width, out):
-    """One block, one kv-head: rows 0..width-1 of dense [bs, C/2], scales [bs, 3] (fp16 bits),
-    counts [bs, C/64], sparse [budget] -> out [bs, D] float32, D = out.shape[1] (a multiple of 64
-    starting at segment first_seg)."""
+def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out, lut):
+    """One token of one kv-head: dense [C/2], scales [3] (fp16 bits), counts [C/64] and its
+    block's sparse entries from index e -> out [D] float32 (D a multiple of 64, starting at
+    segment first_seg); lut: [8] float32 scratch. Returns e past this token's entries.
+
+    Both passes are branch-free (random sign and group bits would mispredict): every value is
+    first decoded as a middle value, two contiguous runs of 32 per segment so the loop
+    vectorizes; then the sparse entries overwrite their slots."""
     s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
-    head_dim = out.shape[1]
-    base, num_seg = first_seg * (SEGMENT // 2), head_dim // SEGMENT
+    half = SEGMENT // 2
+    num_seg = out.shape[0] // SEGMENT
+    s0 = fp16_to_f32(scales[0])
+    for seg in range(num_seg):
+        row = dense[(first_seg + seg) * half:(first_seg + seg + 1) * half]
+        o = out[seg * SEGMENT:(seg + 1) * SEGMENT]
+        for j in range(half):
+            lo, hi = np.int32(row[j]) & 15, np.int32(row[j]) >> 4
+            # sign-magnitude nibble -> (t_lo or t_hi) + signed magnitude * scale, exactly
+            # t_lo - m or t_hi + m, as a blend of two constants
+            o[j] = (t_lo if lo & 8 else t_hi) + np.float32((lo & 7) * (1 - ((lo >> 2) & 2))) * s0
+            o[j + half] = (t_lo if hi & 8 else t_hi) + np.float32((hi & 7) * (1 - ((hi >> 2) & 2))) * s0
+    s1, s2 = fp16_to_f32(scales[1]), fp16_to_f32(scales[2])
+    # entry bits 6-7 (outer, negative) -> base and signed scale: inner +-y, outer s_hi + y or s_lo - y
+    lut[0], lut[1], lut[2], lut[3] = 0.0, s_hi, 0.0, s_lo
+    lut[4], lut[5], lut[6], lut[7] = s1, s2, -s1, -s2
+    for seg in range(first_seg):
+        e += counts[seg]
+    for seg in range(num_seg):
+        n = counts[first_seg + seg]
+        row = dense[(first_seg + seg) * half:(first_seg + seg + 1) * half]
+        for k in range(e, e + n):
+            entry = np.int32(sparse[k])
+            j = entry & 63
+            y = np.float32((row[j % half] >> (4 * (j // half))) & 15)
+            out[seg * SEGMENT + j] = lut[entry >> 6] + y * lut[4 + (entry >> 6)]
+        e += n
+    for seg in range(first_seg + num_seg, counts.shape[0]):
+        e += counts[seg]
+    return e
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dequantize_block(dense, scales, counts, sparse, thr, first_seg, width, out, lut):
+    """Rows 0..width-1 of one block (dense [bs, C/2], scales [bs, 3], counts [bs, C/64],
+    sparse [budget]) for one kv-head -> out [bs, D] float32; see decode_token."""
     e = 0
     for t in range(width):
-        s0, s1, s2 = fp16_to_f32(scales[t, 0]), fp16_to_f32(scales[t, 1]), fp16_to_f32(scales[t, 2])
-        for j in range(head_dim // 2):
-            byte = dense[t, base + j]
-            for half in range(2):
-                nibble = (byte >> (4 * half)) & 15
-                magnitude = np.float32(nibble & 7) * s0
-                out[t, 2 * j + half] = t_lo - magnitude if nibble & 8 else t_hi + magnitude
+        e = decode_token(dense[t], scales[t], counts[t], sparse, e, thr, first_seg, out[t], lut)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dequantize_row(dense, scales, counts, sparse, thr, first_seg, offset, out, lut):
+    """Row `offset` of one block for one kv-head -> out [D] float32 (a sampled key or value)."""
+    e = 0
+    for t in range(offset):
         for seg in range(counts.shape[1]):
-            n = counts[t, seg]
-            if seg < first_seg or seg >= first_seg + num_seg:
-                e += n
-                continue
-            for _ in range(n):
-                entry = sparse[e]
-                e += 1
-                i = (seg - first_seg) * SEGMENT + (entry & 63)
-                y = np.float32((dense[t, base + i // 2] >> (4 * (i % 2))) & 15)
-                if entry & 64:
-                    y *= s2
-                    out[t, i] = s_lo - y if entry & 128 else s_hi + y
-                else:
-                    y *= s1
-                    out[t, i] = -y if entry & 128 else y
+            e += counts[t, seg]
+    decode_token(dense[offset], scales[offset], counts[offset], sparse, e, thr, first_seg, out, lut)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def load_block(parts, block, thr, first_seg, width, out, lut):
+    """Rows 0..width-1 of `block` for one kv-head -> out [bs, D] float32. parts = (dense, scales,
+    counts, sparse, tail, tail_of): a block still filling lives in full precision in
+    tail[tail_of[block]] ([bs, C] float32); any other block is decoded (dequantize_block)."""
+    dense, scales, counts, sparse, tail, tail_of = parts
+    slot = tail_of[block]
+    if slot >= 0:
+        first = first_seg * SEGMENT
+        for t in range(width):
+            out[t, :] = tail[slot, t, first:first + out.shape[1]]
+    else:
+        dequantize_block(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, width, out, lut)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def load_row(parts, block, thr, first_seg, offset, out, lut):
+    """Row `offset` of `block` for one kv-head -> out [D] float32 (see load_block)."""
+    dense, scales, counts, sparse, tail, tail_of = parts
+    slot = tail_of[block]
+    if slot >= 0:
+        out[:] = tail[slot, offset, first_seg * SEGMENT:first_seg * SEGMENT + out.shape[0]]
+    else:
+        dequantize_row(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, offset, out, lut)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
@@ -275,36 +338,36 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, block_tables, seq_
     """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
     of one kv-head are decoded into small scratch (kb, vb: [W, block_size, D], L1-sized) and used
     at once; no full-precision copy of the cache is ever made.
-    k_parts, v_parts: (dense, scales, counts, sparse) of one layer; thr_k, thr_v: [4]."""
+    k_parts, v_parts: (dense, scales, counts, sparse, tail, tail_of) of one layer (see load_block);
+    thr_k, thr_v: [4]."""
     num_seqs, num_heads, head_dim = q.shape
-    kd, ks, kc, ksp = k_parts
-    vd, vs, vc, vsp = v_parts
-    block_size = kd.shape[1]
-    num_kv_heads = kd.shape[2] * 2 // head_dim
+    block_size = k_parts[0].shape[1]
+    num_kv_heads = k_parts[0].shape[2] * 2 // head_dim
     group = num_heads // num_kv_heads
     for item in prange(num_seqs * num_kv_heads):
         b, kvh = item // num_kv_heads, item % num_kv_heads
         heads = slice(kvh * group, (kvh + 1) * group)
         first_seg = kvh * head_dim // SEGMENT
+        lut = np.empty(8, np.float32)
         acc = out[b, heads]
         attend_begin(acc, m[item], l[item])
         n = seq_lens[b]
         for j in range((n + block_size - 1) // block_size):
             block = block_tables[b, j]
             width = min(block_size, n - j * block_size)
-            dequantize_block(kd[block], ks[block], kc[block], ksp[block], thr_k, first_seg, width, kb[item])
-            dequantize_block(vd[block], vs[block], vc[block], vsp[block], thr_v, first_seg, width, vb[item])
+            load_block(k_parts, block, thr_k, first_seg, width, kb[item], lut)
+            load_block(v_parts, block, thr_v, first_seg, width, vb[item], lut)
             attend_block(q[b, heads], kb[item], vb[item], width, scale, scores[item], acc, m[item], l[item])
         attend_end(acc, m[item], l[item], lse[b, heads])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def dequantize_blocks(dense, scales, counts, sparse, thr, blocks, num_tokens, out):
+def dequantize_blocks(parts, thr, blocks, num_tokens, out):
     """First num_tokens positions of a sequence's blocks -> out [len(blocks), Hkv, block_size, D]
-    float32 (the context of a later prefill chunk); rows past num_tokens are left unset."""
-    num_kv_heads, head_dim, block_size = out.shape[1], out.shape[3], dense.shape[1]
+    float32 (the context of a later prefill chunk); rows past num_tokens are left unset.
+    parts as in load_block."""
+    num_kv_heads, head_dim, block_size = out.shape[1], out.shape[3], parts[0].shape[1]
     for item in prange(blocks.shape[0] * num_kv_heads):
         j, kvh = item // num_kv_heads, item % num_kv_heads
-        b = blocks[j]
-        dequantize_block(dense[b], scales[b], counts[b], sparse[b], thr, kvh * head_dim // SEGMENT,
-                         min(block_size, num_tokens - j * block_size), out[j, kvh])
+        load_block(parts, blocks[j], thr, kvh * head_dim // SEGMENT, min(block_size, num_tokens - j * block_size),
+                   out[j, kvh], np.empty(8, np.float32))

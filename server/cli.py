@@ -24,7 +24,9 @@ def build_engine(cfg: ServeConfig):
     backend = HeteroBackend(model_dir, device=cfg.device, dtype=cfg.dtype, kv_format=cfg.kv_format,
                             kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
                             max_model_len=cfg.max_model_len, gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens,
-                            oaken_thresholds_path=cfg.oaken_thresholds, oaken_sparse_fraction=cfg.oaken_sparse_fraction)
+                            oaken_thresholds_path=cfg.oaken_thresholds, oaken_sparse_fraction=cfg.oaken_sparse_fraction,
+                            oaken_recent_blocks=cfg.max_num_seqs if cfg.oaken_recent_blocks is None
+                            else cfg.oaken_recent_blocks)
     tokenizer = Tokenizer(model_dir, backend.model.cfg.eos_token_ids)
     engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
@@ -71,8 +73,8 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
     p.add_argument("--outer-ratio", type=float, default=0.04, help="share of values in the outer group (default: 0.04)")
     p.add_argument("--inner-ratio", type=float, default=0.06, help="share of values in the inner group (default: 0.06)")
-    p.add_argument("--key-smoothing", type=float, default=1.0,
-                   help="alpha of the per-channel key smoothing, 0 (off) to 1 (default: 1.0)")
+    p.add_argument("--key-smoothing", type=float, default=0.75,
+                   help="alpha of the per-channel key smoothing, 0 (off) to 1 (default: 0.75)")
     p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory)")
 
 
@@ -114,6 +116,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--oaken-thresholds", help="thresholds JSON (default: the model cache's, calibrated when missing)")
     p.add_argument("--oaken-sparse-fraction", type=float, default=0.125, help="sparse budget per block (default: 0.125)")
+    p.add_argument("--oaken-recent", choices=["exact", "quantized"], default="exact",
+                   help="each window's filling KV block in full precision until it is full (default: exact)")
     p.add_argument("--json", help="write the results here as JSON")
 
 
@@ -141,7 +145,8 @@ def eval_command(args: argparse.Namespace) -> None:
                            args.window_tokens)
     try:
         results = evaluate(model, windows, formats, prefill_tokens=args.prefill_tokens, batch_windows=args.batch_windows,
-                           block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction)
+                           block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction,
+                           exact_recent=args.oaken_recent == "exact")
     except ValueError as exc:
         raise SystemExit(f"hetserve eval: {exc}")
     print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt; "

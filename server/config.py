@@ -50,6 +50,8 @@ class ServeConfig:
     oaken_thresholds: str | None = _opt(None, "Oaken thresholds JSON from `hetserve calibrate` (default: the model "
                                               "cache's, calibrated on first use when missing)")
     oaken_sparse_fraction: float = _opt(0.125, "Oaken sparse entries a KV block has room for, as a share of its values")
+    oaken_recent_blocks: int | None = _opt(None, "Oaken: blocks per layer kept in full precision while they fill, so "
+                                                 "each sequence's newest tokens are exact (default: max_num_seqs; 0 = off)")
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB (overrides --kv-cache-fraction)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity as a fraction of total RAM")
     block_size: int = _opt(16, "tokens per KV block")
@@ -65,6 +67,7 @@ class ServeConfig:
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
             (self.kv_format in KV_FORMATS, f"kv_format must be one of {', '.join(KV_FORMATS)}, not {self.kv_format!r}"),
             (0 < self.oaken_sparse_fraction <= 1, "oaken_sparse_fraction must be in (0, 1]"),
+            (self.oaken_recent_blocks is None or self.oaken_recent_blocks >= 0, "oaken_recent_blocks must be >= 0"),
             (self.executor == "local", f"executor must be local, not {self.executor!r}"),
             (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),

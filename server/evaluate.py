@@ -51,7 +51,7 @@ def _effective_bits(kv_format: str, store, groups: dict[str, int]) -> float:
 
 def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_tokens: int = 128,
              batch_windows: int = 16, block_size: int = 16, oaken_cal: OakenThresholds | None = None,
-             sparse_fraction: float = 0.125, progress: bool = True) -> list[dict]:
+             sparse_fraction: float = 0.125, progress: bool = True, exact_recent: bool = True) -> list[dict]:
     """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length)."""
     from tqdm import tqdm
 
@@ -69,7 +69,8 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
         batch = torch.tensor(windows[first:first + batch_windows])
         num = len(batch)
         stores = {name: make_store("fp32" if name == "fp32-exact" else name, cfg.num_layers, cfg.num_kv_heads,
-                                   cfg.head_dim, block_size, num * blocks_per_window, oaken_cal, sparse_fraction)
+                                   cfg.head_dim, block_size, num * blocks_per_window, oaken_cal, sparse_fraction,
+                                   num if exact_recent else 0)
                   for name in names}
         attn = {name: AttentionWorker(store, cfg.head_dim) for name, store in stores.items()}
         tables = [tuple(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(num)]

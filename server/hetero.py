@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from cpu_attn.calibrate import DEFAULT_TEXT, THRESHOLDS_FILE, OakenThresholds, calibrate, text_windows
-from cpu_attn.kv_store import bytes_per_block, make_store
+from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.loader import load_model
 from gpu_model.worker import ModelWorker
@@ -60,18 +60,19 @@ class HeteroBackend:
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str,
                  kv_capacity_bytes: int, block_size: int, max_model_len: int | None,
                  gguf_blocks_max_tokens: int = 16, oaken_thresholds_path: str | None = None,
-                 oaken_sparse_fraction: float = 0.125):
+                 oaken_sparse_fraction: float = 0.125, oaken_recent_blocks: int = 0):
         device = pick_device(device)
         self.model_dir = model_dir
         self.model = load_model(model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens)
         cfg = self.model.cfg
         geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
         per_block = bytes_per_block(kv_format, *geometry, oaken_sparse_fraction)
-        num_blocks = kv_capacity_bytes // per_block
+        recent = oaken_recent_blocks if kv_format == "oaken" else 0
+        num_blocks = (kv_capacity_bytes - OakenKVStore.tail_bytes(*geometry, recent)) // per_block
         if num_blocks < 1:
             raise ValueError(f"KV capacity {kv_capacity_bytes} B is below one block ({per_block} B)")
         cal = oaken_thresholds(self.model, model_dir, oaken_thresholds_path) if kv_format == "oaken" else None
-        store = make_store(kv_format, *geometry, num_blocks, cal, oaken_sparse_fraction)
+        store = make_store(kv_format, *geometry, num_blocks, cal, oaken_sparse_fraction, recent)
         self.kv_spec = KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=per_block)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_worker = ModelWorker(self.model)

@@ -14,10 +14,10 @@ THR = np.array([-2.0, -0.1, 0.1, 2.0], np.float32)
 
 
 def oaken_store(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=40, sparse_fraction=0.125,
-                key_scales=None):
+                key_scales=None, recent_blocks=0):
     thresholds = np.tile(THR, (num_layers, 2, 1))
     return OakenKVStore(num_layers, num_kv_heads, head_dim, block_size, num_blocks, thresholds, sparse_fraction,
-                        key_scales)
+                        key_scales, recent_blocks)
 
 
 def write_sequences(store, rng, seq_lens, layer=0, prefill=None, scale=1.0):
@@ -44,7 +44,7 @@ def write_sequences(store, rng, seq_lens, layer=0, prefill=None, scale=1.0):
 
 def reference_roundtrip(x):
     """What the store should hold for x [T, Hkv, D]: the per-token quantizer's round trip."""
-    flat = x.reshape(len(x), -1)
+    flat = x.reshape(len(x), x.shape[1] * x.shape[2])
     return dequantize(THR, *quantize(flat, THR)[:4]).reshape(x.shape)
 
 
@@ -92,6 +92,44 @@ def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, s
         # against full precision: 4/5-bit error, a few percent of the output's spread
         exact, _ = naive_attention(q[b], *kv[b], scale)
         assert np.abs(out[b] - exact).max() <= 0.15 * max(np.abs(exact).max(), 0.1), b
+
+
+@pytest.mark.parametrize("recent_blocks,exact_tails", [(4, [0, 1, 2, 3]), (1, [3]), (2, [2, 3])])
+def test_filling_blocks_stay_exact_in_tails(recent_blocks, exact_tails):
+    """Each sequence's last, partly filled block is exact while it holds a tail slot; with fewer
+    slots than sequences the least recently written tails are quantized early; full blocks are
+    always the quantizer's round trip, and attention reads whichever form a block is in."""
+    rng = np.random.default_rng(4)
+    seq_lens = [1, 17, 40, 100]
+    smooth = np.ones((2, 3 * 64), np.float32)
+    smooth[:, 5::64] = 6
+    store = oaken_store(recent_blocks=recent_blocks, key_scales=smooth, sparse_fraction=0.5)  # no demotion
+    tables, kv = write_sequences(store, rng, seq_lens)
+    q = rng.standard_normal((4, 9, 64)).astype(np.float32)
+    out, lse = store.decode_attention(0, q, tables, np.array(seq_lens, np.int32), 0.125)
+    for b, ((k, v), n) in enumerate(zip(kv, seq_lens)):
+        kg, vg = store.gather(0, tables[b], n)
+        full = n // 16 * 16
+        np.testing.assert_allclose(kg[:full], reference_roundtrip(k[:full] / smooth[0].reshape(3, 64)) *
+                                   smooth[0].reshape(3, 64), rtol=1e-6)
+        np.testing.assert_array_equal(vg[:full], reference_roundtrip(v[:full]))
+        if b in exact_tails:
+            np.testing.assert_allclose(kg[full:], k[full:], rtol=1e-6)
+            np.testing.assert_array_equal(vg[full:], v[full:])
+        else:
+            np.testing.assert_array_equal(vg[full:], reference_roundtrip(v[full:]))
+        ref_out, ref_lse = naive_attention(q[b], kg, vg, 0.125)
+        np.testing.assert_allclose(out[b], ref_out, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(lse[b], ref_lse, atol=2e-5, rtol=1e-5)
+    # finishing the blocks quantizes the tails and frees their slots
+    for b, n in enumerate(seq_lens):
+        rest = -n % 16
+        slots = (tables[b][(n - 1) // 16] * 16 + np.arange(16 - rest, 16)).astype(np.int64)
+        x = rng.standard_normal((rest, 3, 64)).astype(np.float32)
+        store.write(0, slots, x, x)
+    assert (store.tail_of[0] < 0).all() and (store.tail_block[0] < 0).all()
+    for b, ((k, v), n) in enumerate(zip(kv, seq_lens)):
+        np.testing.assert_array_equal(store.gather(0, tables[b], n)[1], reference_roundtrip(v))
 
 
 def test_full_sparse_budget_demotes_values_nearest_the_middle():

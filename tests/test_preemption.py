@@ -30,3 +30,25 @@ def test_small_kv_forces_preemption_with_identical_greedy_text(server):
         assert small.engine.blocks.used_bytes == 0
     finally:
         small.close()
+
+
+def test_oaken_kv_under_preemption_matches_requests_sent_alone():
+    """The Oaken store (calibrated on first use when the model cache has no thresholds) through
+    the whole server: prefill, decode, preemption and recompute; each request's greedy text does
+    not depend on what shares its batch, and every block comes back."""
+    from cpu_attn.kv_store import OakenKVStore
+
+    per_block = OakenKVStore.bytes_per_block(30, 3, 64, 16)
+    tails = OakenKVStore.tail_bytes(30, 3, 64, 16, 8)
+    oaken = RunningServer(ServeConfig(kv_format="oaken", kv_cache_bytes=tails + 20 * per_block, max_num_seqs=8))
+    try:
+        assert oaken.engine.blocks.spec.num_blocks == 20
+        alone = [complete(oaken.url, i) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda i: complete(oaken.url, i), range(8)))
+        assert oaken.engine.scheduler.num_preemptions > 0
+        assert texts == alone
+        assert all(len(t) > 20 for t in texts)
+        assert oaken.engine.blocks.used_bytes == 0
+    finally:
+        oaken.close()

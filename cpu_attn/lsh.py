@@ -1,0 +1,197 @@
+"""MagicPIG sampled attention over the Oaken store (issue #4): LSH hash tables, retrieval of the
+keys that collide with a query in at least 2 of L tables, and the importance-sampled estimator
+merged with exact attention over the sinks and the local window.
+
+Codes come from gpu_model/lsh.py (keys centered on their mean prefill key, queries as they are).
+Per (sequence, layer, kv-head) a table set holds the first `indexed` keys in CSR form:
+    offsets [L, 2^K + 1] int32   bucket b of table t is ids[t, offsets[t, b]:offsets[t, b + 1]]
+    ids     [L, cap] uint16      key positions, ascending within a bucket (so cap <= 65535)
+That is 2 bytes per key and table, plus the offsets (4 * L * 2^K bytes per set).
+
+A key collides with the query in one table with probability p^K, p = 1 - angle / pi, so it is
+retrieved (>= 2 of L tables) with probability
+    u = 1 - (1 - p^K)^L - L p^K (1 - p^K)^(L - 1).
+A retrieved key enters the softmax with weight e^s / u, i.e. with logit s - ln u, which is the
+self-normalized importance-sampling estimator; sinks and the local window enter with weight
+e^s. Both go through the same online softmax, so merging them is exact log-sum-exp arithmetic.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, exp_nonpositive
+from cpu_attn.oaken import SEGMENT, load_block, load_row
+
+LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
+_LOG_U_FLOOR = -80.0
+
+
+def inclusion_probability(cos: np.ndarray, k: int, l: int) -> np.ndarray:
+    """u for cos(angle(q, k)) (float64, exact formula; the kernel interpolates log_u_table)."""
+    p = 1 - np.arccos(np.clip(cos, -1, 1)) / np.pi
+    pk = p**k
+    return 1 - (1 - pk) ** l - l * pk * (1 - pk) ** (l - 1)
+
+
+def log_u_table(k: int, l: int) -> np.ndarray:
+    """ln u on LOG_U_POINTS evenly spaced cos values from -1 to 1, float32, floored at -80."""
+    u = inclusion_probability(np.linspace(-1, 1, LOG_U_POINTS), k, l)
+    return np.maximum(np.log(np.maximum(u, 1e-300)), _LOG_U_FLOOR).astype(np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _log_u(table, cos):
+    x = (min(max(cos, np.float32(-1.0)), np.float32(1.0)) + 1) * np.float32((table.shape[0] - 1) / 2)
+    i = min(int(x), table.shape[0] - 2)
+    f = x - i
+    return table[i] + f * (table[i + 1] - table[i])
+
+
+def table_set(codes: np.ndarray, k: int, capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Hash tables of keys 0..N-1 from their codes [N, L] -> offsets [L, 2^K + 1] int32,
+    ids [L, capacity or N] uint16."""
+    n, num_tables = codes.shape
+    capacity = n if capacity is None else capacity
+    if not n <= capacity <= 65535:
+        raise ValueError(f"a table set holds at most 65535 keys (uint16 ids), not {max(n, capacity)}")
+    offsets = np.empty((num_tables, 2**k + 1), np.int32)
+    ids = np.zeros((num_tables, capacity), np.uint16)
+    build_tables(np.ascontiguousarray(codes, np.int32), 2**k, offsets, ids)
+    return offsets, ids
+
+
+def sampled_scratch(work: int, group: int, block_size: int, head_dim: int, capacity: int) -> tuple[np.ndarray, ...]:
+    """s, kb, vb, m, l, count, cand, logits for `work` (sequence, kv-head) items."""
+    f32 = np.float32
+    return (np.empty((work, group, block_size), f32), np.empty((work, block_size, head_dim), f32),
+            np.empty((work, block_size, head_dim), f32), np.empty((work, group), f32), np.empty((work, group), f32),
+            np.zeros((work, capacity), np.uint8), np.empty((work, capacity), np.int64),
+            np.empty((work, capacity), f32))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def build_tables(codes, num_buckets, offsets, ids):
+    """codes [N, L] int32 of keys 0..N-1 -> offsets [L, num_buckets + 1], ids [L, >= N] (counting
+    sort per table, tables in parallel)."""
+    n = codes.shape[0]
+    for t in prange(codes.shape[1]):
+        offsets[t, :] = 0
+        for i in range(n):
+            offsets[t, codes[i, t] + 1] += 1
+        for b in range(num_buckets):
+            offsets[t, b + 1] += offsets[t, b]
+        fill = offsets[t, :num_buckets].copy()
+        for i in range(n):
+            b = codes[i, t]
+            ids[t, fill[b]] = i
+            fill[b] += 1
+
+
+@njit(cache=True, nogil=True)
+def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand):
+    """Positions in [lo, hi) that share the query's bucket in >= 2 tables -> cand[:n]; returns n.
+    count: [>= hi] uint8 scratch, all zero on entry and on return."""
+    n = 0
+    for t in range(q_codes.shape[0]):
+        b = q_codes[t]
+        for i in range(offsets[t, b], offsets[t, b + 1]):
+            key = np.int64(ids[t, i])
+            if lo <= key < hi:
+                c = count[key] + 1
+                count[key] = min(c, 2)
+                if c == 2:
+                    cand[n] = key
+                    n += 1
+    for t in range(q_codes.shape[0]):
+        b = q_codes[t]
+        for i in range(offsets[t, b], offsets[t, b + 1]):
+            count[ids[t, i]] = 0
+    return n
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _attend_range(q, k_parts, v_parts, thr_k, thr_v, table, first_seg, lo, hi, scale, s, kb, vb, lut, acc, m, l):
+    """Exact attention of the group's queries over positions [lo, hi) of one kv-head."""
+    bs = k_parts[0].shape[1]
+    if hi <= lo:
+        return
+    for j in range(lo // bs, (hi + bs - 1) // bs):
+        block = table[j]
+        start, end = max(lo - j * bs, 0), min(hi - j * bs, bs)
+        load_block(k_parts, block, thr_k, first_seg, end, kb, lut)
+        load_block(v_parts, block, thr_v, first_seg, end, vb, lut)
+        attend_block(q, kb[start:], vb[start:], end - start, scale, s, acc, m, l)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v, key_scale, mu, block_tables,
+                             seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, scale, out, lse,
+                             touched, s, kb, vb, m, l, count, cand, logits):
+    """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
+    [max(indexed, n - window), n), importance-sampled attention over the rest.
+
+    q [B, Hq, D] float32 in the store's key space (already times key_scale); q_norm [B, Hq]
+    norms of the true queries; q_codes [B, Hq, L] int32; k_parts, v_parts, thr_k, thr_v as in
+    oaken_decode_attention (with tails); key_scale [Hkv, D] (ones without key smoothing); mu [B, Hkv, D] the
+    keys' centers in store space; set_of [B, Hkv] table set of each item, indexed [S] keys in
+    each set, offsets [S, L, 2^K + 1], ids [S, L, cap]; log_u [LOG_U_POINTS].
+    Writes out [B, Hq, D], lse [B, Hq] and touched [B, Hq] (keys sampled per query head).
+    Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
+    count [W, cap] uint8 zeros, cand [W, cap] int64, logits [W, cap] float32."""
+    num_seqs, num_heads, head_dim = q.shape
+    bs = k_parts[0].shape[1]
+    num_kv_heads = mu.shape[1]
+    group = num_heads // num_kv_heads
+    for item in prange(num_seqs * num_kv_heads):
+        b, kvh = item // num_kv_heads, item % num_kv_heads
+        heads = slice(kvh * group, (kvh + 1) * group)
+        first_seg = kvh * head_dim // SEGMENT
+        lut = np.empty(8, np.float32)
+        krow, vrow = kb[item, 0], vb[item, 0]
+        acc = out[b, heads]
+        attend_begin(acc, m[item], l[item])
+        n = seq_lens[b]
+        table = block_tables[b]
+        sinks = min(num_sinks, n)
+        tail = max(min(indexed[set_of[b, kvh]], n - window), sinks)
+        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, table, first_seg, 0, sinks, scale, s[item],
+                      kb[item], vb[item], lut, acc, m[item], l[item])
+        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, table, first_seg, tail, n, scale, s[item],
+                      kb[item], vb[item], lut, acc, m[item], l[item])
+        st = set_of[b, kvh]
+        for g in range(group):
+            h = kvh * group + g
+            found = collect_candidates(q_codes[b, h], offsets[st], ids[st], sinks, tail, count[item], cand[item])
+            touched[b, h] = found
+            if found == 0:
+                continue
+            best = np.float32(-np.inf)
+            for c in range(found):
+                pos = cand[item, c]
+                block = table[pos // bs]
+                load_row(k_parts, block, thr_k, first_seg, pos % bs, krow, lut)
+                dot, dot_c, norm_c = np.float32(0.0), np.float32(0.0), np.float32(0.0)
+                for d in range(head_dim):
+                    centered = krow[d] - mu[b, kvh, d]
+                    dot += q[b, h, d] * krow[d]
+                    dot_c += q[b, h, d] * centered
+                    norm_c += (centered * key_scale[kvh, d]) ** 2
+                cos = dot_c / max(q_norm[b, h] * np.sqrt(norm_c), np.float32(1e-30))
+                logits[item, c] = dot * scale - _log_u(log_u, cos)
+                best = max(best, logits[item, c])
+            new_m = max(m[item, g], best)
+            correction = exp_nonpositive(m[item, g] - new_m)
+            l[item, g] *= correction
+            for d in range(head_dim):
+                acc[g, d] *= correction
+            m[item, g] = new_m
+            for c in range(found):
+                pos = cand[item, c]
+                block = table[pos // bs]
+                load_row(v_parts, block, thr_v, first_seg, pos % bs, vrow, lut)
+                w = exp_nonpositive(logits[item, c] - new_m)
+                l[item, g] += w
+                for d in range(head_dim):
+                    acc[g, d] += w * vrow[d]
+        attend_end(acc, m[item], l[item], lse[b, heads])

@@ -1,0 +1,151 @@
+"""MagicPIG pieces against NumPy references: SimHash codes, CSR tables, candidate retrieval,
+the inclusion probability u, and the sampled estimator (exact when every key has u = 1)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_attn import lsh
+from gpu_model.lsh import simhash, simhash_matrix
+from tests.test_cpu_attn import naive_attention
+from tests.test_kv_formats import oaken_store, write_sequences
+
+
+def reference_codes(x, w, k):
+    """Sign bits of x . w, table by table, bit b of table t = column t*K + b."""
+    proj = x.astype(np.float64) @ w.astype(np.float64)
+    num_tables = w.shape[1] // k
+    codes = np.zeros(x.shape[:-1] + (num_tables,), np.int64)
+    for t in range(num_tables):
+        for b in range(k):
+            codes[..., t] |= (proj[..., t * k + b] > 0).astype(np.int64) << b
+    return codes
+
+
+def test_simhash_codes_are_packed_sign_bits():
+    w = simhash_matrix(64, 10, 15, seed=3)
+    assert torch.equal(w, simhash_matrix(64, 10, 15, seed=3)) and w.shape == (64, 150)
+    x = torch.randn(7, 3, 64)
+    codes = simhash(x, w, 10)
+    assert codes.dtype == torch.int32 and codes.shape == (7, 3, 15)
+    np.testing.assert_array_equal(codes.numpy(), reference_codes(x.numpy(), w.numpy(), 10))
+
+
+def test_tables_hold_every_key_once_in_its_bucket_in_order():
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 2**4, (300, 6)).astype(np.int32)
+    offsets, ids = lsh.table_set(codes, 4, capacity=320)
+    assert offsets.shape == (6, 17) and ids.shape == (6, 320) and ids.dtype == np.uint16
+    for t in range(6):
+        for b in range(16):
+            np.testing.assert_array_equal(ids[t, offsets[t, b]:offsets[t, b + 1]], np.flatnonzero(codes[:, t] == b))
+    with pytest.raises(ValueError, match="65535"):
+        lsh.table_set(np.zeros((70000, 2), np.int32), 2)
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 500), (4, 437), (100, 101), (50, 50)])
+def test_candidates_are_the_keys_colliding_in_two_tables(lo, hi):
+    rng = np.random.default_rng(1)
+    k, num_tables = 3, 8
+    codes = rng.integers(0, 2**k, (500, num_tables)).astype(np.int32)
+    offsets, ids = lsh.table_set(codes, k)
+    count, cand = np.zeros(500, np.uint8), np.empty(500, np.int64)
+    for _ in range(20):
+        q = rng.integers(0, 2**k, num_tables).astype(np.int32)
+        n = lsh.collect_candidates(q, offsets, ids, lo, hi, count, cand)
+        hits = (codes == q).sum(1)
+        expect = np.flatnonzero(hits >= 2)
+        expect = expect[(expect >= lo) & (expect < hi)]
+        np.testing.assert_array_equal(np.sort(cand[:n]), expect)
+        assert not count.any()
+
+
+@pytest.mark.parametrize("cos", [0.95, 0.8, 0.5, 0.2])
+def test_inclusion_probability_matches_monte_carlo(cos):
+    """Draw many independent SimHash matrices; the share of draws where q and k collide in >= 2 of
+    L tables must match u within 4 standard errors, and the kernel's table must match the formula."""
+    k, num_tables, draws = 4, 10, 4000
+    q = np.array([1.0, 0.0, 0.0])
+    key = np.array([cos, np.sqrt(1 - cos**2), 0.0])
+    w = torch.randn(draws, 3, k * num_tables, generator=torch.Generator().manual_seed(0))
+    cq, ck = (simhash(torch.tensor(x, dtype=torch.float32).expand(draws, 1, 3), w, k) for x in (q, key))
+    hit = ((cq == ck).sum(-1) >= 2).float().mean().item()
+    u = lsh.inclusion_probability(np.array(cos), k, num_tables)
+    assert abs(hit - u) < 4 * np.sqrt(u * (1 - u) / draws) + 1e-3
+    table = lsh.log_u_table(k, num_tables)
+    grid = np.linspace(-1, 1, lsh.LOG_U_POINTS)
+    assert abs(np.interp(cos, grid, table) - np.log(u)) < 1e-3
+
+
+def sampled(store, q, q_codes, tables_per_seq, seq_lens, block_tables, mu, log_u, sinks, window, k):
+    """Run the store's sampled attention with per-(sequence, kv-head) code arrays."""
+    num_seqs, hkv = len(seq_lens), store.num_kv_heads
+    cap = max(len(c) for row in tables_per_seq for c in row)
+    sets = [lsh.table_set(c, k, cap) for row in tables_per_seq for c in row]
+    set_of = np.arange(num_seqs * hkv, dtype=np.int32).reshape(num_seqs, hkv)
+    indexed = np.array([len(c) for row in tables_per_seq for c in row], np.int32)
+    tables = (set_of, indexed, np.stack([s[0] for s in sets]), np.stack([s[1] for s in sets]))
+    return store.sampled_decode_attention(0, q, q_codes, block_tables, np.asarray(seq_lens, np.int32),
+                                          q.shape[-1]**-0.5, tables, mu, log_u, sinks, window)
+
+
+@pytest.mark.parametrize("key_smoothing", [False, True])
+def test_every_key_sampled_with_u_one_is_exact_attention(key_smoothing):
+    """All codes equal (every key collides in every table) and ln u = 0: the estimator must be
+    exact attention over the dequantized store."""
+    rng = np.random.default_rng(2)
+    key_scales = rng.uniform(0.5, 4, (2, 3 * 64)).astype(np.float32) if key_smoothing else None
+    store = oaken_store(key_scales=key_scales)
+    seq_lens = [1, 40, 150, 97]
+    block_tables, _ = write_sequences(store, rng, seq_lens)
+    num_tables, k = 6, 4
+    q = rng.standard_normal((4, 9, 64)).astype(np.float32)
+    codes = [[np.zeros((max(n - 8, 0), num_tables), np.int32) for _ in range(3)] for n in seq_lens]
+    mu = rng.standard_normal((4, 3, 64)).astype(np.float32)
+    out, lse, touched = sampled(store, q, np.zeros((4, 9, num_tables), np.int32), codes, seq_lens, block_tables, mu,
+                                np.zeros(lsh.LOG_U_POINTS, np.float32), sinks=4, window=8, k=k)
+    for b, n in enumerate(seq_lens):
+        kg, vg = store.gather(0, block_tables[b], n)
+        ref, ref_lse = naive_attention(q[b], kg, vg, 64**-0.5)
+        np.testing.assert_allclose(out[b], ref, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(lse[b], ref_lse, atol=1e-5, rtol=1e-5)
+        assert (touched[b] == max(min(n - 8, n - 8) - 4, 0)).all()
+
+
+def test_sampled_attention_follows_the_estimator():
+    """Real codes: the kernel's output equals the estimator computed in NumPy from the same
+    retrieved sets (exact sinks and window, e^s / u weights for the retrieved keys)."""
+    rng = np.random.default_rng(3)
+    store = oaken_store(num_blocks=80)
+    seq_lens = [300, 200]
+    block_tables, _ = write_sequences(store, rng, seq_lens)
+    k, num_tables, sinks, window = 6, 20, 4, 16
+    w = simhash_matrix(64, k, num_tables, seed=0)
+    q = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    mu = np.zeros((2, 3, 64), np.float32)
+    codes, keys = [], []
+    for b, n in enumerate(seq_lens):
+        kg, vg = store.gather(0, block_tables[b], n)
+        keys.append((kg, vg))
+        codes.append([simhash(torch.from_numpy(kg[:n - window, h] - mu[b, h]), w, k).numpy() for h in range(3)])
+    q_codes = simhash(torch.from_numpy(q), w, k).numpy()
+    log_u = lsh.log_u_table(k, num_tables)
+    out, lse, touched = sampled(store, q, q_codes, codes, seq_lens, block_tables, mu, log_u, sinks, window, k)
+    grid = np.linspace(-1, 1, lsh.LOG_U_POINTS)
+    for b, n in enumerate(seq_lens):
+        kg, vg = keys[b]
+        for h in range(9):
+            kvh = h // 3
+            hits = (codes[b][kvh] == q_codes[b, h]).sum(1)
+            sampled_pos = np.flatnonzero(hits >= 2)
+            sampled_pos = sampled_pos[sampled_pos >= sinks]
+            assert touched[b, h] == len(sampled_pos)
+            exact_pos = np.r_[0:sinks, n - window:n]
+            s = kg[:, kvh].astype(np.float64) @ q[b, h] / 8
+            cos = kg[sampled_pos, kvh] @ q[b, h] / np.linalg.norm(kg[sampled_pos, kvh], axis=1) / np.linalg.norm(q[b, h])
+            logits = np.r_[s[exact_pos], s[sampled_pos] - np.interp(cos, grid, log_u)]
+            p = np.exp(logits - logits.max())
+            ref = p @ vg[np.r_[exact_pos, sampled_pos], kvh] / p.sum()
+            np.testing.assert_allclose(out[b, h], ref, atol=2e-5, rtol=1e-4)
+            np.testing.assert_allclose(lse[b, h], logits.max() + np.log(p.sum()), atol=2e-5, rtol=1e-5)
