@@ -88,6 +88,29 @@ def build_tables(codes, num_buckets, offsets, ids):
             fill[b] += 1
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def merge_tables(offsets, ids, num_old, codes, new_offsets, new_ids):
+    """Add keys num_old .. num_old + len(codes) - 1 (codes [M, L]) to tables that hold keys
+    0..num_old-1 -> new_offsets, new_ids (ids [L, >= num_old + M]); old ids are copied bucket by
+    bucket, so buckets stay ascending and no key's code has to be kept. O(L * (N + 2^K))."""
+    num_buckets = offsets.shape[1] - 1
+    for t in prange(codes.shape[1]):
+        new_offsets[t, :] = 0
+        for i in range(codes.shape[0]):
+            new_offsets[t, codes[i, t] + 1] += 1
+        for b in range(num_buckets):
+            new_offsets[t, b + 1] += new_offsets[t, b] + offsets[t, b + 1] - offsets[t, b]
+        fill = new_offsets[t, :num_buckets].copy()
+        for b in range(num_buckets):
+            for i in range(offsets[t, b], offsets[t, b + 1]):
+                new_ids[t, fill[b]] = ids[t, i]
+                fill[b] += 1
+        for i in range(codes.shape[0]):
+            b = codes[i, t]
+            new_ids[t, fill[b]] = num_old + i
+            fill[b] += 1
+
+
 @njit(cache=True, nogil=True)
 def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand):
     """Positions in [lo, hi) that share the query's bucket in >= 2 tables -> cand[:n]; returns n.

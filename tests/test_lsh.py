@@ -44,6 +44,17 @@ def test_tables_hold_every_key_once_in_its_bucket_in_order():
         lsh.table_set(np.zeros((70000, 2), np.int32), 2)
 
 
+def test_merging_new_keys_equals_building_from_scratch():
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 2**5, (700, 7)).astype(np.int32)
+    offsets, ids = lsh.table_set(codes[:450], 5, capacity=700)
+    new_offsets, new_ids = np.empty_like(offsets), np.zeros_like(ids)
+    lsh.merge_tables(offsets, ids, 450, codes[450:], new_offsets, new_ids)
+    ref_offsets, ref_ids = lsh.table_set(codes, 5)
+    np.testing.assert_array_equal(new_offsets, ref_offsets)
+    np.testing.assert_array_equal(new_ids, ref_ids)
+
+
 @pytest.mark.parametrize("lo,hi", [(0, 500), (4, 437), (100, 101), (50, 50)])
 def test_candidates_are_the_keys_colliding_in_two_tables(lo, hi):
     rng = np.random.default_rng(1)
