@@ -276,7 +276,8 @@ class OakenKVStore:
                                  log_u: np.ndarray, num_sinks: int, window: int
                                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """MagicPIG attention (cpu_attn/lsh.py): q [B, Hq, D], q_codes [B, Hq, L] int32; tables =
-        (set_of [B, Hkv], indexed [S], offsets [S, L, 2^K + 1], ids [S, L, cap]); mu [B, Hkv, D] the
+        (set_of [B, Hkv], indexed [S], offsets [S, L, 2^K + 1], ids [S, L, cap], or typed Lists of
+        the per-set 2-D arrays); mu [B, Hkv, D] the
         keys' centers; log_u from lsh.log_u_table; window >= 1 (the current token is always exact).
         -> out [B, Hq, D], lse [B, Hq], touched [B, Hq] (keys sampled per query head)."""
         if window < 1:
@@ -297,7 +298,8 @@ class OakenKVStore:
             self.thresholds[layer, 0], self.thresholds[layer, 1], key_scale,
             np.ascontiguousarray(mu / key_scale, np.float32), block_tables, seq_lens, set_of, indexed, offsets, ids,
             log_u, num_sinks, window, np.float32(scale), out, lse, touched,
-            *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim, ids.shape[-1]))
+            *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim,
+                                 max(int(indexed.max(initial=0)), 1)))
         return out, lse, touched
 
     def group_counts(self, block_table, seq_len: int) -> dict[str, int]:

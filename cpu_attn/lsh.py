@@ -62,12 +62,13 @@ def table_set(codes: np.ndarray, k: int, capacity: int | None = None) -> tuple[n
 
 
 def sampled_scratch(work: int, group: int, block_size: int, head_dim: int, capacity: int) -> tuple[np.ndarray, ...]:
-    """s, kb, vb, m, l, count, cand, logits for `work` (sequence, kv-head) items."""
+    """s, kb, vb, m, l, best, count, marks, cand, logits, touched_lines for `work` (sequence, kv-head) items."""
     f32 = np.float32
     return (np.empty((work, group, block_size), f32), np.empty((work, block_size, head_dim), f32),
             np.empty((work, block_size, head_dim), f32), np.empty((work, group), f32), np.empty((work, group), f32),
-            np.zeros((work, capacity), np.uint8), np.empty((work, capacity), np.int64),
-            np.empty((work, capacity), f32))
+            np.empty((work, group), f32), np.zeros((work, capacity), np.uint8), np.zeros((work, capacity), np.uint8),
+            np.empty((work, (group + 1) * capacity), np.int64), np.empty((work, group, capacity), f32),
+            np.empty(work, np.uint32))
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -150,7 +151,7 @@ def _attend_range(q, k_parts, v_parts, thr_k, thr_v, table, first_seg, lo, hi, s
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v, key_scale, mu, block_tables,
                              seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, scale, out, lse,
-                             touched, s, kb, vb, m, l, count, cand, logits):
+                             touched, s, kb, vb, m, l, best, count, marks, cand, logits, touched_lines):
     """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
     [max(indexed, n - window), n), importance-sampled attention over the rest.
 
@@ -160,8 +161,8 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
     keys' centers in store space; set_of [B, Hkv] table set of each item, indexed [S] keys in
     each set, offsets [S, L, 2^K + 1], ids [S, L, cap]; log_u [LOG_U_POINTS].
     Writes out [B, Hq, D], lse [B, Hq] and touched [B, Hq] (keys sampled per query head).
-    Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
-    count [W, cap] uint8 zeros, cand [W, cap] int64, logits [W, cap] float32."""
+    Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l, best [W, group],
+    count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, logits [W, group, cap] float32."""
     num_seqs, num_heads, head_dim = q.shape
     bs = k_parts[0].shape[1]
     num_kv_heads = mu.shape[1]
@@ -182,39 +183,63 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
                       kb[item], vb[item], lut, acc, m[item], l[item])
         _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, table, first_seg, tail, n, scale, s[item],
                       kb[item], vb[item], lut, acc, m[item], l[item])
-        st = set_of[b, kvh]
+        # each query head retrieves its own keys; every key any head retrieved is decoded once
+        # (in position order, for locality) and enters the softmax of the heads that chose it
+        st, num, heads_of, union = set_of[b, kvh], 0, marks[item], cand[item, group * count.shape[1]:]
         for g in range(group):
             h = kvh * group + g
-            found = collect_candidates(q_codes[b, h], offsets[st], ids[st], sinks, tail, count[item], cand[item])
+            mine = cand[item, g * count.shape[1]:(g + 1) * count.shape[1]]
+            found = collect_candidates(q_codes[b, h], offsets[st], ids[st], sinks, tail, count[item], mine)
             touched[b, h] = found
-            if found == 0:
-                continue
-            best = np.float32(-np.inf)
             for c in range(found):
-                pos = cand[item, c]
-                block = table[pos // bs]
-                load_row(k_parts, block, thr_k, first_seg, pos % bs, krow, lut)
-                dot, dot_c, norm_c = np.float32(0.0), np.float32(0.0), np.float32(0.0)
-                for d in range(head_dim):
-                    centered = krow[d] - mu[b, kvh, d]
-                    dot += q[b, h, d] * krow[d]
-                    dot_c += q[b, h, d] * centered
-                    norm_c += (centered * key_scale[kvh, d]) ** 2
-                cos = dot_c / max(q_norm[b, h] * np.sqrt(norm_c), np.float32(1e-30))
-                logits[item, c] = dot * scale - _log_u(log_u, cos)
-                best = max(best, logits[item, c])
-            new_m = max(m[item, g], best)
+                if heads_of[mine[c]] == 0:
+                    union[num] = mine[c]
+                    num += 1
+                heads_of[mine[c]] |= 1 << g
+        union[:num].sort()
+        # touch every line the decodes below will read, in a loop short enough that the CPU keeps
+        # many cache misses in flight (the decode loop itself is too long to overlap them)
+        touch = np.uint32(0)
+        for c in range(num):
+            block, off = table[union[c] // bs], union[c] % bs
+            for parts in (k_parts, v_parts):
+                touch += parts[0][block, off, first_seg * (SEGMENT // 2)] + parts[1][block, off, 0]
+                touch += parts[2][block, off, 0] + parts[3][block, min(off * 24, parts[3].shape[1] - 1)]
+        touched_lines[item] = touch
+        for g in range(group):
+            best[item, g] = -np.inf
+        for c in range(num):
+            pos = union[c]
+            load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, krow, lut)
+            norm_c = np.float32(0.0)
+            for d in range(head_dim):
+                norm_c += ((krow[d] - mu[b, kvh, d]) * key_scale[kvh, d]) ** 2
+            norm_c = max(np.sqrt(norm_c), np.float32(1e-30))
+            for g in range(group):
+                if heads_of[pos] & (1 << g):
+                    h = kvh * group + g
+                    dot, dot_c = np.float32(0.0), np.float32(0.0)
+                    for d in range(head_dim):
+                        dot += q[b, h, d] * krow[d]
+                        dot_c += q[b, h, d] * (krow[d] - mu[b, kvh, d])
+                    cos = dot_c / max(q_norm[b, h] * norm_c, np.float32(1e-30))
+                    logits[item, g, c] = dot * scale - _log_u(log_u, cos)
+                    best[item, g] = max(best[item, g], logits[item, g, c])
+        for g in range(group):
+            new_m = max(m[item, g], best[item, g])
             correction = exp_nonpositive(m[item, g] - new_m)
             l[item, g] *= correction
             for d in range(head_dim):
                 acc[g, d] *= correction
             m[item, g] = new_m
-            for c in range(found):
-                pos = cand[item, c]
-                block = table[pos // bs]
-                load_row(v_parts, block, thr_v, first_seg, pos % bs, vrow, lut)
-                w = exp_nonpositive(logits[item, c] - new_m)
-                l[item, g] += w
-                for d in range(head_dim):
-                    acc[g, d] += w * vrow[d]
+        for c in range(num):
+            pos = union[c]
+            load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, vrow, lut)
+            for g in range(group):
+                if heads_of[pos] & (1 << g):
+                    w = exp_nonpositive(logits[item, g, c] - m[item, g])
+                    l[item, g] += w
+                    for d in range(head_dim):
+                        acc[g, d] += w * vrow[d]
+            heads_of[pos] = 0
         attend_end(acc, m[item], l[item], lse[b, heads])

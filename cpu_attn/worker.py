@@ -2,8 +2,10 @@
 
 Per step the worker is told the batch layout once (`begin_step`); then, for each layer, it
 receives q, k, v of every token in the flat batch, appends k, v to the store and returns the
-attention output. 1-token chunks (decodes) go to the paged Numba kernel; longer chunks
-(prefill) to SDPA over the chunk plus the sequence's earlier context read from the store.
+attention output. 1-token chunks (decodes) go to the paged Numba kernel, or, with a sparse
+part (MagicPig, or the TopK yardstick), to sampled attention on the layers and sequences it
+takes; longer chunks (prefill) to SDPA over the chunk plus the sequence's earlier context read
+from the store.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import numpy as np
 import torch
 
 from cpu_attn.kv_store import KVStore
+from cpu_attn.magicpig import MagicPig
 from cpu_attn.prefill import prefill_attention
+from cpu_attn.topk import TopK
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class ChunkLayout:
     num_tokens: int
     start_pos: int
     block_table: tuple[int, ...]
+    seq_id: int = -1
 
 
 @dataclass
@@ -34,11 +39,14 @@ class _StepPlan:
     block_tables: np.ndarray  # [B, max_blocks] int32
     seq_lens: np.ndarray  # [B] int32
     prefills: list[tuple[int, int, int, tuple[int, ...]]]  # (first row, num_tokens, start_pos, block_table)
+    chunks: list[tuple[int, int, int, int]]  # (first row, num_tokens, start_pos, seq_id)
+    decode_seq_ids: list[int]
 
 
 class AttentionWorker:
-    def __init__(self, store: KVStore, head_dim: int):
+    def __init__(self, store: KVStore, head_dim: int, sparse: MagicPig | TopK | None = None):
         self.store = store
+        self.sparse = sparse
         self.scale = head_dim**-0.5
         self.busy_s = 0.0
         """Seconds spent in attention and KV writes since the last `take_busy_s`."""
@@ -46,13 +54,15 @@ class AttentionWorker:
 
     def begin_step(self, chunks: Sequence[ChunkLayout]) -> None:
         bs = self.store.block_size
-        slots, decode_rows, tables, seq_lens, prefills = [], [], [], [], []
+        slots, decode_rows, tables, seq_lens, prefills, spans, decode_ids = [], [], [], [], [], [], []
         row = 0
         for c in chunks:
             pos = np.arange(c.start_pos, c.start_pos + c.num_tokens)
             table = np.asarray(c.block_table, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
+            spans.append((row, c.num_tokens, c.start_pos, c.seq_id))
             if c.num_tokens == 1:
+                decode_ids.append(c.seq_id)
                 decode_rows.append(row)
                 tables.append(c.block_table)
                 seq_lens.append(c.start_pos + 1)
@@ -69,6 +79,8 @@ class AttentionWorker:
             block_tables=block_tables,
             seq_lens=np.asarray(seq_lens, dtype=np.int32),
             prefills=prefills,
+            chunks=spans,
+            decode_seq_ids=decode_ids,
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -77,15 +89,16 @@ class AttentionWorker:
         plan = self._plan
         assert plan is not None, "begin_step must come first"
         self.store.write(layer, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy())
+        if self.sparse is not None:
+            for first, n, start, seq_id in plan.chunks:
+                self.sparse.append(layer, seq_id, start, k[first:first + n])
         if not plan.prefills:  # decode-only step: the kernel's output is the whole answer
-            o, _ = self.store.decode_attention(layer, q.numpy(), plan.block_tables, plan.seq_lens, self.scale)
+            o = self._decode(layer, q.numpy())
             self.busy_s += time.perf_counter() - t0
             return torch.from_numpy(o).reshape(q.shape[0], -1)
         out = torch.empty(q.shape, dtype=q.dtype)
         if len(plan.decode_rows):
-            o, _ = self.store.decode_attention(layer, q[plan.decode_rows].numpy(), plan.block_tables, plan.seq_lens,
-                                               self.scale)
-            out[plan.decode_rows] = torch.from_numpy(o)
+            out[plan.decode_rows] = torch.from_numpy(self._decode(layer, q[plan.decode_rows].numpy()))
         for first, n, start, table in plan.prefills:
             if start == 0:
                 k_ctx, v_ctx = k[first : first + n], v[first : first + n]
@@ -95,6 +108,20 @@ class AttentionWorker:
             out[first : first + n] = prefill_attention(q[first : first + n], k_ctx, v_ctx, start, self.scale)
         self.busy_s += time.perf_counter() - t0
         return out.reshape(q.shape[0], -1)
+
+    def _decode(self, layer: int, q: np.ndarray) -> np.ndarray:
+        plan = self._plan
+        if self.sparse is not None:
+            sampled = self.sparse.decode_attention(self.store, layer, plan.decode_seq_ids, q, plan.block_tables,
+                                                     plan.seq_lens, self.scale)
+            if sampled is not None:
+                return sampled[0]
+        return self.store.decode_attention(layer, q, plan.block_tables, plan.seq_lens, self.scale)[0]
+
+    def free(self, seq_ids) -> None:
+        """Drop per-sequence state of finished or preempted sequences."""
+        if self.sparse is not None:
+            self.sparse.free(seq_ids)
 
     def take_busy_s(self) -> float:
         busy, self.busy_s = self.busy_s, 0.0

@@ -26,7 +26,7 @@ def build_engine(cfg: ServeConfig):
                             max_model_len=cfg.max_model_len, gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens,
                             oaken_thresholds_path=cfg.oaken_thresholds, oaken_sparse_fraction=cfg.oaken_sparse_fraction,
                             oaken_recent_blocks=cfg.max_num_seqs if cfg.oaken_recent_blocks is None
-                            else cfg.oaken_recent_blocks)
+                            else cfg.oaken_recent_blocks, lsh=cfg.lsh_config())
     tokenizer = Tokenizer(model_dir, backend.model.cfg.eos_token_ids)
     engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
@@ -118,6 +118,16 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oaken-sparse-fraction", type=float, default=0.125, help="sparse budget per block (default: 0.125)")
     p.add_argument("--oaken-recent", choices=["exact", "quantized"], default="exact",
                    help="each window's filling KV block in full precision until it is full (default: exact)")
+    p.add_argument("--attention", choices=["exact", "magicpig", "topk"], default="exact",
+                   help="magicpig: also score each (oaken) format with LSH-sampled decode attention; topk: with "
+                        "MagicPIG and with TopK at --topk-frac (default: exact)")
+    p.add_argument("--topk-frac", type=float, default=0.03,
+                   help="TopK: share of the keys outside sinks and window kept (default: 0.03)")
+    p.add_argument("--lsh-k", type=int, default=10, help="MagicPIG bits per table (default: 10)")
+    p.add_argument("--lsh-l", type=int, default=150, help="MagicPIG tables (default: 150)")
+    p.add_argument("--lsh-sinks", type=int, default=4, help="MagicPIG exact sink tokens (default: 4)")
+    p.add_argument("--lsh-window", type=int, default=64, help="MagicPIG exact local window (default: 64)")
+    p.add_argument("--lsh-min-context", type=int, default=1024, help="MagicPIG: shorter contexts stay exact (default: 1024)")
     p.add_argument("--json", help="write the results here as JSON")
 
 
@@ -128,6 +138,7 @@ def eval_command(args: argparse.Namespace) -> None:
     from cpu_attn.kv_store import KV_FORMATS
     from gpu_model.loader import load_model, resolve_model_dir
     from gpu_model.tokenizer import Tokenizer
+    from cpu_attn.magicpig import LshConfig
     from server.evaluate import evaluate
     from server.hetero import oaken_thresholds
 
@@ -144,19 +155,24 @@ def eval_command(args: argparse.Namespace) -> None:
     windows = text_windows(Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text()), args.num_windows,
                            args.window_tokens)
     try:
+        lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
+                                                               min_context=args.lsh_min_context)
         results = evaluate(model, windows, formats, prefill_tokens=args.prefill_tokens, batch_windows=args.batch_windows,
                            block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction,
-                           exact_recent=args.oaken_recent == "exact")
+                           exact_recent=args.oaken_recent == "exact", lsh=lsh,
+                           topk_frac=args.topk_frac if args.attention == "topk" else None)
     except ValueError as exc:
         raise SystemExit(f"hetserve eval: {exc}")
     print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt; "
           f"fp32-KV perplexity {results[0]['ppl_ref']:.4f}")
-    print(f"{'kv_format':10} {'bits':>6} {'ppl':>9} {'change':>8} {'KL mean':>9} {'top-1':>7}  groups outer/middle/inner")
+    print(f"{'kv_format':10} {'attention':9} {'bits':>6} {'ppl':>9} {'change':>8} {'KL mean':>9} {'top-1':>7} "
+          f"{'keys':>6}  groups outer/middle/inner")
     for r in results:
         g = r.get("group_fractions")
         groups = f"{g['outer']:.2%} / {g['middle']:.2%} / {g['inner']:.2%}" if g else "-"
-        print(f"{r['kv_format']:10} {r['effective_bits']:6.2f} {r['ppl']:9.4f} {r['ppl_change_pct']:+7.2f}% "
-              f"{r['kl_mean']:9.5f} {r['top1_agreement']:7.2%}  {groups}")
+        keys = f"{r['keys_touched_frac']:6.2%}" if "keys_touched_frac" in r else "     -"
+        print(f"{r['kv_format']:10} {r['attention']:9} {r['effective_bits']:6.2f} {r['ppl']:9.4f} "
+              f"{r['ppl_change_pct']:+7.2f}% {r['kl_mean']:9.5f} {r['top1_agreement']:7.2%} {keys}  {groups}")
     if args.json:
         Path(args.json).write_text(json.dumps({**results[0], "results": results}, indent=1))
         print(f"wrote {args.json}")

@@ -52,6 +52,13 @@ class ServeConfig:
     oaken_sparse_fraction: float = _opt(0.125, "Oaken sparse entries a KV block has room for, as a share of its values")
     oaken_recent_blocks: int | None = _opt(None, "Oaken: blocks per layer kept in full precision while they fill, so "
                                                  "each sequence's newest tokens are exact (default: max_num_seqs; 0 = off)")
+    attention: str = _opt("exact", "decode attention: exact, or magicpig (LSH-sampled; needs kv_format oaken)")
+    lsh_k: int = _opt(10, "MagicPIG: bits per hash table")
+    lsh_l: int = _opt(150, "MagicPIG: hash tables")
+    lsh_sinks: int = _opt(4, "MagicPIG: first tokens always attended exactly")
+    lsh_window: int = _opt(64, "MagicPIG: last tokens always attended exactly")
+    lsh_dense_layers: str | None = _opt(None, "MagicPIG: comma-separated layers kept exact (default: 0 and the middle one)")
+    lsh_min_context: int = _opt(1024, "MagicPIG: shorter sequences are attended exactly")
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB (overrides --kv-cache-fraction)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity as a fraction of total RAM")
     block_size: int = _opt(16, "tokens per KV block")
@@ -68,6 +75,10 @@ class ServeConfig:
             (self.kv_format in KV_FORMATS, f"kv_format must be one of {', '.join(KV_FORMATS)}, not {self.kv_format!r}"),
             (0 < self.oaken_sparse_fraction <= 1, "oaken_sparse_fraction must be in (0, 1]"),
             (self.oaken_recent_blocks is None or self.oaken_recent_blocks >= 0, "oaken_recent_blocks must be >= 0"),
+            (self.attention in ("exact", "magicpig"), f"attention must be exact or magicpig, not {self.attention!r}"),
+            (self.attention == "exact" or self.kv_format == "oaken", "attention magicpig needs kv_format oaken"),
+            (re.fullmatch(r"\s*(\d+\s*(,\s*\d+\s*)*)?", self.lsh_dense_layers or ""),
+             "lsh_dense_layers must be comma-separated layer numbers"),
             (self.executor == "local", f"executor must be local, not {self.executor!r}"),
             (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
@@ -81,6 +92,16 @@ class ServeConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def lsh_config(self):
+        """The MagicPIG settings, or None for exact attention."""
+        if self.attention != "magicpig":
+            return None
+        from cpu_attn.magicpig import LshConfig
+
+        dense = None if self.lsh_dense_layers is None else \
+            tuple(int(x) for x in self.lsh_dense_layers.split(",") if x.strip())
+        return LshConfig(self.lsh_k, self.lsh_l, self.lsh_sinks, self.lsh_window, dense, self.lsh_min_context)
 
     def kv_capacity_bytes(self) -> int:
         if self.kv_cache_bytes is not None:

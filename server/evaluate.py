@@ -20,6 +20,8 @@ import torch
 
 from cpu_attn.calibrate import OakenThresholds
 from cpu_attn.kv_store import OakenKVStore, SimQuantKVStore, make_store
+from cpu_attn.magicpig import LshConfig, MagicPig
+from cpu_attn.topk import TopK
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.worker import ModelWorker
 
@@ -31,6 +33,8 @@ class _Score:
     top1: int = 0
     count: int = 0
     groups: dict[str, int] = field(default_factory=lambda: {"values": 0, "sparse": 0, "outer": 0})
+    touched: int = 0
+    eligible: int = 0
 
     def add(self, ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> None:
         self.nll -= float(logp.gather(1, targets[:, None]).sum())
@@ -49,10 +53,24 @@ def _effective_bits(kv_format: str, store, groups: dict[str, int]) -> float:
     return {"fp16": 16.0, "fp32": 32.0}[kv_format]
 
 
+def _sparse(name: str, lsh: LshConfig | None, topk_frac: float | None, cfg):
+    """The attention worker's sparse-attention part for one variant, or None for exact."""
+    if name.endswith("+magicpig"):
+        return MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    if name.endswith("+topk"):
+        layers = MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim).sampled_layers
+        return TopK(topk_frac, lsh.sinks, lsh.window, lsh.min_context, layers)
+    return None
+
+
 def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_tokens: int = 128,
              batch_windows: int = 16, block_size: int = 16, oaken_cal: OakenThresholds | None = None,
-             sparse_fraction: float = 0.125, progress: bool = True, exact_recent: bool = True) -> list[dict]:
-    """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length)."""
+             sparse_fraction: float = 0.125, progress: bool = True, exact_recent: bool = True,
+             lsh: LshConfig | None = None, topk_frac: float | None = None) -> list[dict]:
+    """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length).
+    With `lsh`, every (Oaken) format is also scored with MagicPIG attention, as "<format>+magicpig";
+    with `topk_frac` as well, with TopK attention keeping that share of keys, as "<format>+topk"
+    (on the same layers and sequences, with the same sinks and window)."""
     from tqdm import tqdm
 
     cfg = model.cfg
@@ -60,7 +78,11 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     if not 0 < prefill_tokens < window_tokens - 1:
         raise ValueError(f"prefill_tokens must be in [1, {window_tokens - 2}] for windows of {window_tokens} tokens")
     worker = ModelWorker(model)
-    names = ["fp32-exact"] + list(kv_formats)
+    if lsh is not None and any(f != "oaken" for f in kv_formats):
+        raise ValueError("MagicPIG attention runs over the oaken KV format only")
+    variants = list(kv_formats) + ([f"{f}+magicpig" for f in kv_formats] if lsh is not None else []) + \
+        ([f"{f}+topk" for f in kv_formats] if lsh is not None and topk_frac is not None else [])
+    names = ["fp32-exact"] + variants
     scores = {name: _Score() for name in names}
     blocks_per_window = -(-window_tokens // block_size)
     bar = tqdm(total=len(windows) * (window_tokens - prefill_tokens), desc="eval", unit="tok", disable=not progress)
@@ -68,11 +90,12 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     for first in range(0, len(windows), batch_windows):
         batch = torch.tensor(windows[first:first + batch_windows])
         num = len(batch)
-        stores = {name: make_store("fp32" if name == "fp32-exact" else name, cfg.num_layers, cfg.num_kv_heads,
+        stores = {name: make_store("fp32" if name == "fp32-exact" else name.split("+")[0], cfg.num_layers, cfg.num_kv_heads,
                                    cfg.head_dim, block_size, num * blocks_per_window, oaken_cal, sparse_fraction,
                                    num if exact_recent else 0)
                   for name in names}
-        attn = {name: AttentionWorker(store, cfg.head_dim) for name, store in stores.items()}
+        attn = {name: AttentionWorker(store, cfg.head_dim, _sparse(name, lsh, topk_frac, cfg))
+                for name, store in stores.items()}
         tables = [tuple(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(num)]
         # step 0 prefills every window; step s > 0 decodes token prefill_tokens + s - 1
         for s in range(window_tokens - prefill_tokens):
@@ -86,12 +109,17 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
             targets = batch[:, start + length]
             logp = {}
             for name in names:
-                attn[name].begin_step([ChunkLayout(length, start, t) for t in tables])
+                attn[name].begin_step([ChunkLayout(length, start, t, i) for i, t in enumerate(tables)])
                 logits, _ = worker.forward(tokens, positions, rows, attn[name].attend)
                 logp[name] = torch.log_softmax(logits.float().cpu(), -1)
             for name in names:
                 scores[name].add(logp["fp32-exact"], logp[name], targets)
             bar.update(num)
+        for name, worker_ in attn.items():
+            if worker_.sparse is not None:
+                touched, eligible = worker_.sparse.take_stats()
+                scores[name].touched += touched
+                scores[name].eligible += eligible
         for name, store in stores.items():
             if isinstance(store, OakenKVStore):
                 for table in tables:
@@ -100,14 +128,19 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     bar.close()
     ppl_ref = float(np.exp(scores["fp32-exact"].nll / scores["fp32-exact"].count))
     results = []
-    for name in kv_formats:
+    for name in variants:
         sc = scores[name]
-        row = {"kv_format": name, "ppl": float(np.exp(sc.nll / sc.count)), "ppl_ref": ppl_ref,
+        row = {"kv_format": name.split("+")[0], "attention": name.split("+")[1] if "+" in name else "exact",
+               "ppl": float(np.exp(sc.nll / sc.count)), "ppl_ref": ppl_ref,
                "kl_mean": sc.kl / sc.count, "top1_agreement": sc.top1 / sc.count,
                "effective_bits": _effective_bits(name, stores[name], sc.groups),
                "num_windows": len(windows), "window_tokens": window_tokens, "prefill_tokens": prefill_tokens,
                "scored_positions": sc.count}
         row["ppl_change_pct"] = 100 * (row["ppl"] / ppl_ref - 1)
+        if sc.eligible:
+            exact_attention = results[variants.index(name.split("+")[0])]
+            row["keys_touched_frac"] = sc.touched / sc.eligible
+            row["ppl_vs_exact_attention_pct"] = 100 * (row["ppl"] / exact_attention["ppl"] - 1)
         if sc.groups["values"]:
             g = sc.groups
             row["group_fractions"] = {"outer": g["outer"] / g["values"], "inner": (g["sparse"] - g["outer"]) / g["values"],

@@ -10,6 +10,7 @@ import torch
 
 from cpu_attn.calibrate import DEFAULT_TEXT, THRESHOLDS_FILE, OakenThresholds, calibrate, text_windows
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
+from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.loader import load_model
 from gpu_model.worker import ModelWorker
@@ -60,7 +61,7 @@ class HeteroBackend:
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str,
                  kv_capacity_bytes: int, block_size: int, max_model_len: int | None,
                  gguf_blocks_max_tokens: int = 16, oaken_thresholds_path: str | None = None,
-                 oaken_sparse_fraction: float = 0.125, oaken_recent_blocks: int = 0):
+                 oaken_sparse_fraction: float = 0.125, oaken_recent_blocks: int = 0, lsh: LshConfig | None = None):
         device = pick_device(device)
         self.model_dir = model_dir
         self.model = load_model(model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens)
@@ -76,7 +77,8 @@ class HeteroBackend:
         self.kv_spec = KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=per_block)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_worker = ModelWorker(self.model)
-        self.attn_worker = AttentionWorker(store, cfg.head_dim)
+        magicpig = None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.attn_worker = AttentionWorker(store, cfg.head_dim, magicpig)
         log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s", num_blocks, block_size,
                  num_blocks * per_block / 2**20, kv_format, device)
 
@@ -90,7 +92,9 @@ class HeteroBackend:
                 sample_rows.append(len(token_ids) - 1)
                 params.append(c.sampling)
                 output_indices.append(c.output_index)
-        self.attn_worker.begin_step([ChunkLayout(len(c.token_ids), c.start_pos, c.block_table) for c in inp.chunks])
+        self.attn_worker.free(inp.freed_seq_ids)
+        self.attn_worker.begin_step([ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id)
+                                     for c in inp.chunks])
         if not token_ids:
             return StepOutput(sampled={})
         tokens, accel_s = self.model_worker.step(token_ids, positions, sample_rows, params, output_indices,

@@ -26,6 +26,12 @@ def test_flags_override_yaml(tmp_path):
 
 
 def test_bad_values_are_refused_with_a_message(tmp_path):
+    with pytest.raises(ValueError, match="needs kv_format oaken"):
+        ServeConfig(attention="magicpig")
+    with pytest.raises(ValueError, match="lsh_dense_layers"):
+        ServeConfig(kv_format="oaken", attention="magicpig", lsh_dense_layers="0;15")
+    assert ServeConfig(kv_format="oaken", attention="magicpig", lsh_dense_layers="0, 15").lsh_config().dense_layers == (0, 15)
+    assert ServeConfig().lsh_config() is None
     with pytest.raises(ValueError, match="kv_format"):
         ServeConfig(kv_format="int3")
     f = tmp_path / "c.yaml"

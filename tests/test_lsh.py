@@ -160,3 +160,120 @@ def test_sampled_attention_follows_the_estimator():
             ref = p @ vg[np.r_[exact_pos, sampled_pos], kvh] / p.sum()
             np.testing.assert_allclose(out[b, h], ref, atol=2e-5, rtol=1e-4)
             np.testing.assert_allclose(lse[b, h], logits.max() + np.log(p.sum()), atol=2e-5, rtol=1e-5)
+
+
+def test_magicpig_state_indexes_centered_keys_in_batches():
+    """Prefill builds the tables over all but the window; decode keys wait in the window and are
+    merged every `merge_every` keys; the tables always equal tables built from scratch over the
+    centered keys' codes; a new prefill (start 0) or free() drops the state."""
+    from cpu_attn.magicpig import LshConfig, MagicPig
+
+    cfg = LshConfig(k=6, l=12, window=64, min_context=512, merge_every=100, dense_layers=(1,))
+    mp = MagicPig(cfg, num_layers=2, num_kv_heads=2, head_dim=64)
+    keys = torch.randn(1000, 2, 64) + 3.0  # a common offset that centering must remove
+    mp.append(1, 7, 0, keys[:600])
+    assert 7 not in mp.seqs or mp.seqs[7][1] is None  # dense layer: no state
+    mp.append(0, 7, 0, keys[:600])
+    state = mp.seqs[7][0]
+    np.testing.assert_allclose(state.mu, keys[:600].mean(0).numpy(), rtol=1e-5, atol=1e-5)
+    assert state.indexed == 536
+    for n in range(600, 1000):
+        mp.append(0, 7, n, keys[n:n + 1])
+        expect = 536 + 100 * ((n + 1 - 64 - 536) // 100)
+        assert state.indexed == expect, n
+    codes = simhash(keys[:state.indexed] - torch.from_numpy(state.mu), mp.w, cfg.k).numpy()
+    for h in range(2):
+        offsets, ids = lsh.table_set(np.ascontiguousarray(codes[:, h]), cfg.k)
+        np.testing.assert_array_equal(state.offsets[h], offsets)
+        np.testing.assert_array_equal(state.ids[h], ids)
+    assert sum(len(p) for p in state.pending) == 1000 - state.indexed
+    mp.append(0, 7, 0, keys[:10])
+    assert mp.seqs[7][0].indexed == 0 and mp.seqs[7][0] is not state
+    mp.free([7])
+    assert 7 not in mp.seqs
+
+
+def test_magicpig_worker_is_exact_below_min_context_and_samples_above():
+    """Through the attention worker: short sequences and dense layers get exact attention (the
+    same output as a worker without MagicPIG); a long one samples a few percent of its keys."""
+    from cpu_attn.magicpig import LshConfig, MagicPig
+    from cpu_attn.worker import AttentionWorker, ChunkLayout
+
+    rng = np.random.default_rng(6)
+    cfg = LshConfig(min_context=256, dense_layers=(1,))
+    stores = [oaken_store(num_blocks=64) for _ in range(2)]
+    workers = [AttentionWorker(stores[0], 64), AttentionWorker(stores[1], 64, MagicPig(cfg, 2, 3, 64))]
+    tables = [tuple(range(0, 30)), tuple(range(30, 34))]
+    outs = []
+    for w in workers:
+        torch.manual_seed(0)
+        w.begin_step([ChunkLayout(400, 0, tables[0], 0), ChunkLayout(50, 0, tables[1], 1)])
+        for layer in range(2):
+            w.attend(layer, torch.randn(450, 9, 64), torch.randn(450, 3, 64), torch.randn(450, 3, 64))
+        w.begin_step([ChunkLayout(1, 400, tables[0], 0), ChunkLayout(1, 50, tables[1], 1)])
+        outs.append([w.attend(layer, *(torch.randn(2, h, 64) for h in (9, 3, 3))) for layer in range(2)])
+    np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)  # dense layer: exact
+    np.testing.assert_allclose(outs[1][0][1], outs[0][0][1], rtol=1e-5, atol=1e-6)  # short sequence: exact
+    assert not np.allclose(outs[1][0][0], outs[0][0][0], atol=1e-4)  # long one sampled
+    touched, eligible = workers[1].sparse.take_stats()
+    assert eligible == 9 * (400 - 64 - 4) and 0 < touched < 0.2 * eligible  # indexed at prefill: 0..335
+
+
+def test_server_with_magicpig_samples_long_prompts():
+    """hetserve serve --kv-format oaken --attention magicpig: long prompts are answered through
+    sampled attention, short ones exactly; concurrent requests all complete; blocks come back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from server.config import ServeConfig
+    from tests.conftest import SHARED, RunningServer
+
+    cfg = ServeConfig(kv_format="oaken", attention="magicpig", lsh_min_context=256, lsh_window=32,
+                      kv_cache_bytes=256 * 2**20, max_num_seqs=8)
+    server = RunningServer(cfg)
+    text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:6000]
+    try:
+        def ask(i):
+            body = {"prompt": text[i * 100:i * 100 + 1800] if i % 2 else "Hello, my name is", "max_tokens": 24,
+                    "temperature": 0, "ignore_eos": True}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=600)
+            assert r.status_code == 200, r.text
+            return r.json()
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(ask, range(6)))
+        assert all(r["usage"]["completion_tokens"] == 24 for r in replies)
+        assert all(r["usage"]["prompt_tokens"] > 300 for r in replies[1::2])
+        touched, eligible = server.engine.backend.attn_worker.sparse.take_stats()
+        assert 0 < touched < 0.3 * eligible
+        assert server.engine.blocks.used_bytes == 0
+        ask(0)  # the next step tells the worker which sequences ended: only this one's state is left
+        assert len(server.engine.backend.attn_worker.sparse.seqs) == 1
+    finally:
+        server.close()
+
+
+def test_topk_keeps_the_highest_scoring_keys():
+    """TopK with frac 1 is exact attention; with a budget it equals softmax over sinks, window and
+    the top-scoring middle keys, computed in NumPy."""
+    from cpu_attn.topk import topk_decode_attention
+
+    rng = np.random.default_rng(7)
+    store = oaken_store()
+    seq_lens = [300, 90]
+    tables, _ = write_sequences(store, rng, seq_lens)
+    q = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    lens = np.array(seq_lens, np.int32)
+    exact, _ = store.decode_attention(0, q, tables, lens, 0.125)
+    np.testing.assert_allclose(topk_decode_attention(store, 0, q, tables, lens, 0.125, np.ones(2), 4, 16), exact,
+                               atol=1e-5, rtol=1e-4)
+    out = topk_decode_attention(store, 0, q, tables, lens, 0.125, np.full(2, 0.1), 4, 16)
+    for b, n in enumerate(seq_lens):
+        kg, vg = store.gather(0, tables[b], n)
+        for h in range(9):
+            s = kg[:, h // 3] @ q[b, h] * 0.125
+            middle = np.arange(4, n - 16)
+            top = middle[np.argsort(-s[middle])[:round(0.1 * len(middle))]]
+            keep = np.r_[0:4, top, n - 16:n]
+            p = np.exp(s[keep] - s[keep].max())
+            np.testing.assert_allclose(out[b, h], p @ vg[keep, h // 3] / p.sum(), atol=1e-5, rtol=1e-4)

@@ -1,0 +1,136 @@
+"""MagicPIG per-sequence state for the attention worker (issue #4): key centers, hash tables per
+(sequence, layer, kv-head), codes of keys not yet indexed, and the per-layer decision between
+exact and sampled attention.
+
+Per sequence and layer:
+    mu       [Hkv, D]          mean key of the first prefill chunk (keys are hashed centered)
+    tables   offsets [Hkv, L, 2^K + 1], ids [Hkv, L, indexed]   keys 0..indexed-1
+    pending  [P, Hkv, L] int32 codes of keys indexed .. indexed + P - 1
+Keys stay pending (and are attended exactly, as the local window) until `merge_every` of them
+lie before the window; then they are merged into the tables in one pass (lsh.merge_tables).
+Layers in `dense_layers`, and sequences shorter than `min_context`, are attended exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from numba.typed import List
+
+from cpu_attn import lsh
+from gpu_model.lsh import simhash, simhash_matrix
+
+
+@dataclass(frozen=True)
+class LshConfig:
+    k: int = 10
+    l: int = 150
+    sinks: int = 4
+    window: int = 64
+    dense_layers: tuple[int, ...] | None = None  # None: layer 0 and the middle layer, as MagicPIG
+    min_context: int = 1024
+    merge_every: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.k <= 15 and self.l >= 2 and self.sinks >= 0 and self.window >= 1 and self.merge_every >= 1):
+            raise ValueError("LSH needs 1 <= k <= 15, l >= 2, sinks >= 0, window >= 1, merge_every >= 1")
+
+
+@dataclass
+class _Layer:
+    mu: np.ndarray
+    offsets: list[np.ndarray] = field(default_factory=list)  # per kv-head [L, 2^K + 1]
+    ids: list[np.ndarray] = field(default_factory=list)  # per kv-head [L, indexed]
+    indexed: int = 0
+    pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L]
+
+
+class MagicPig:
+    def __init__(self, cfg: LshConfig, num_layers: int, num_kv_heads: int, head_dim: int):
+        self.cfg = cfg
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        dense = cfg.dense_layers if cfg.dense_layers is not None else (0, num_layers // 2)
+        self.sampled_layers = [layer not in dense for layer in range(num_layers)]
+        self.w = simhash_matrix(head_dim, cfg.k, cfg.l, cfg.seed)
+        self.log_u = lsh.log_u_table(cfg.k, cfg.l)
+        self.seqs: dict[int, list[_Layer | None]] = {}
+        self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.int32), np.zeros((cfg.l, 1), np.uint16))
+        self.touched = 0
+        """Keys sampled (summed over query heads) since the last take_stats."""
+        self.eligible = 0
+        """Keys that could have been sampled (outside sinks and window, summed over query heads)."""
+
+    def free(self, seq_ids) -> None:
+        for s in seq_ids:
+            self.seqs.pop(s, None)
+
+    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor) -> None:
+        """k [n, Hkv, D] (CPU float32): the keys of positions start_pos .. start_pos + n - 1."""
+        if not self.sampled_layers[layer]:
+            return
+        layers = self.seqs.setdefault(seq_id, [None] * len(self.sampled_layers))
+        state = layers[layer]
+        if state is None or start_pos == 0:
+            state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
+        codes = simhash(k - torch.from_numpy(state.mu), self.w, self.cfg.k).numpy()
+        state.pending.append(codes)
+        n = start_pos + len(k)
+        if n >= self.cfg.min_context and n - self.cfg.window - state.indexed >= self.cfg.merge_every:
+            self._merge(state, n - self.cfg.window)
+
+    def _merge(self, state: _Layer, upto: int) -> None:
+        codes = np.concatenate(state.pending)
+        take, keep = codes[: upto - state.indexed], codes[upto - state.indexed:]
+        for h in range(self.num_kv_heads):
+            new = np.ascontiguousarray(take[:, h])
+            if state.indexed == 0:
+                offsets, ids = lsh.table_set(new, self.cfg.k)
+                state.offsets.append(offsets)
+                state.ids.append(ids)
+            else:
+                offsets, ids = np.empty_like(state.offsets[h]), np.empty((self.cfg.l, upto), np.uint16)
+                lsh.merge_tables(state.offsets[h], state.ids[h], state.indexed, new, offsets, ids)
+                state.offsets[h], state.ids[h] = offsets, ids
+        state.indexed = upto
+        state.pending = [keep]
+
+    def decode_attention(self, store, layer: int, seq_ids: list[int], q: np.ndarray, block_tables: np.ndarray,
+                         seq_lens: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """Sampled attention for one decode step of `layer`, or None where it should be exact."""
+        if not self.sampled_layers[layer]:
+            return None
+        states = [self.seqs.get(s, [None] * (layer + 1))[layer] for s in seq_ids]
+        if not any(s is not None and s.indexed for s in states):
+            return None
+        offsets, ids = List(), List()
+        indexed = np.zeros(len(seq_ids) * self.num_kv_heads, np.int32)
+        mu = np.zeros((len(seq_ids), self.num_kv_heads, self.head_dim), np.float32)
+        for b, state in enumerate(states):
+            for h in range(self.num_kv_heads):
+                if state is not None and state.indexed:
+                    offsets.append(state.offsets[h])
+                    ids.append(state.ids[h])
+                    indexed[b * self.num_kv_heads + h] = state.indexed
+                else:
+                    offsets.append(self._empty[0])
+                    ids.append(self._empty[1])
+            if state is not None:
+                mu[b] = state.mu
+        set_of = np.arange(len(indexed), dtype=np.int32).reshape(len(seq_ids), self.num_kv_heads)
+        q_codes = simhash(torch.from_numpy(q), self.w, self.cfg.k).numpy()
+        out, lse, touched = store.sampled_decode_attention(
+            layer, q, q_codes, block_tables, seq_lens, scale, (set_of, indexed, offsets, ids), mu, self.log_u,
+            self.cfg.sinks, self.cfg.window)
+        group = q.shape[1] // self.num_kv_heads
+        tails = np.maximum(np.minimum(indexed.reshape(len(seq_ids), -1), seq_lens[:, None] - self.cfg.window),
+                           np.minimum(self.cfg.sinks, seq_lens)[:, None])
+        self.touched += int(touched.sum())
+        self.eligible += int(group * (tails - np.minimum(self.cfg.sinks, seq_lens)[:, None]).sum())
+        return out, lse
+
+    def take_stats(self) -> tuple[int, int]:
+        stats = self.touched, self.eligible
+        self.touched = self.eligible = 0
+        return stats
