@@ -2,8 +2,11 @@
 (sequence, layer, kv-head), codes of keys not yet indexed, and the per-layer decision between
 exact and sampled attention.
 
+The codes come from the model worker (gpu_model.lsh.LshCoder, made by `MagicPig.coder`), which
+hashes q and k next to the projection, keys centered the same way as here.
+
 Per sequence and layer:
-    mu       [Hkv, D]          mean key of the first prefill chunk (keys are hashed centered)
+    mu       [Hkv, D]          mean key of the first prefill chunk (for the angle in u)
     tables   offsets [Hkv, L, 2^K + 1], ids [Hkv, L, indexed]   keys 0..indexed-1
     pending  [P, Hkv, L] int32 codes of keys indexed .. indexed + P - 1
 Keys stay pending (and are attended exactly, as the local window) until `merge_every` of them
@@ -19,7 +22,7 @@ import torch
 from numba.typed import List
 
 from cpu_attn import lsh
-from gpu_model.lsh import simhash, simhash_matrix
+from gpu_model.lsh import LshCoder
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,6 @@ class MagicPig:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         dense = cfg.dense_layers if cfg.dense_layers is not None else (0, num_layers // 2)
         self.sampled_layers = [layer not in dense for layer in range(num_layers)]
-        self.w = simhash_matrix(head_dim, cfg.k, cfg.l, cfg.seed)
         self.log_u = lsh.log_u_table(cfg.k, cfg.l)
         self.seqs: dict[int, list[_Layer | None]] = {}
         self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.int32), np.zeros((cfg.l, 1), np.uint16))
@@ -62,20 +64,26 @@ class MagicPig:
         self.eligible = 0
         """Keys that could have been sampled (outside sinks and window, summed over query heads)."""
 
+    def coder(self, device: str | torch.device = "cpu") -> LshCoder:
+        """The model worker's half: codes of this configuration, computed on `device`."""
+        return LshCoder(self.head_dim, self.cfg.k, self.cfg.l, self.cfg.seed, device)
+
     def free(self, seq_ids) -> None:
         for s in seq_ids:
             self.seqs.pop(s, None)
 
-    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor) -> None:
-        """k [n, Hkv, D] (CPU float32): the keys of positions start_pos .. start_pos + n - 1."""
+    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes: np.ndarray | None) -> None:
+        """k [n, Hkv, D] (CPU float32): the keys of positions start_pos .. start_pos + n - 1;
+        k_codes [n, Hkv, L] int32: their centered codes (gpu_model.lsh.LshCoder)."""
         if not self.sampled_layers[layer]:
             return
+        if k_codes is None:
+            raise ValueError("MagicPIG needs the key and query codes of the model worker's LshCoder")
         layers = self.seqs.setdefault(seq_id, [None] * len(self.sampled_layers))
         state = layers[layer]
         if state is None or start_pos == 0:
             state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
-        codes = simhash(k - torch.from_numpy(state.mu), self.w, self.cfg.k).numpy()
-        state.pending.append(codes)
+        state.pending.append(k_codes)
         n = start_pos + len(k)
         if n >= self.cfg.min_context and n - self.cfg.window - state.indexed >= self.cfg.merge_every:
             self._merge(state, n - self.cfg.window)
@@ -96,9 +104,11 @@ class MagicPig:
         state.indexed = upto
         state.pending = [keep]
 
-    def decode_attention(self, store, layer: int, seq_ids: list[int], q: np.ndarray, block_tables: np.ndarray,
-                         seq_lens: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray] | None:
-        """Sampled attention for one decode step of `layer`, or None where it should be exact."""
+    def decode_attention(self, store, layer: int, seq_ids: list[int], q: np.ndarray, q_codes: np.ndarray,
+                         block_tables: np.ndarray, seq_lens: np.ndarray,
+                         scale: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """Sampled attention for one decode step of `layer` (q [B, Hq, D], q_codes [B, Hq, L]), or
+        None where it should be exact."""
         if not self.sampled_layers[layer]:
             return None
         states = [self.seqs.get(s, [None] * (layer + 1))[layer] for s in seq_ids]
@@ -119,7 +129,6 @@ class MagicPig:
             if state is not None:
                 mu[b] = state.mu
         set_of = np.arange(len(indexed), dtype=np.int32).reshape(len(seq_ids), self.num_kv_heads)
-        q_codes = simhash(torch.from_numpy(q), self.w, self.cfg.k).numpy()
         out, lse, touched = store.sampled_decode_attention(
             layer, q, q_codes, block_tables, seq_lens, scale, (set_of, indexed, offsets, ids), mu, self.log_u,
             self.cfg.sinks, self.cfg.window)

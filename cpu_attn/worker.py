@@ -83,22 +83,21 @@ class AttentionWorker:
             decode_seq_ids=decode_ids,
         )
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D], k, v: [T, Hkv, D] (CPU float32) -> attention output [T, Hq * D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:
+        """q: [T, Hq, D], k, v: [T, Hkv, D] (CPU float32), codes: (q codes, k codes) from the model
+        worker's LshCoder or None -> attention output [T, Hq * D]."""
         t0 = time.perf_counter()
         plan = self._plan
-        assert plan is not None, "begin_step must come first"
-        self.store.write(layer, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy())
-        if self.sparse is not None:
-            for first, n, start, seq_id in plan.chunks:
-                self.sparse.append(layer, seq_id, start, k[first:first + n])
+        self.append(layer, k, v, None if codes is None else codes[1])
+        q_codes = None if codes is None else codes[0].numpy()
         if not plan.prefills:  # decode-only step: the kernel's output is the whole answer
-            o = self._decode(layer, q.numpy())
+            o = self._decode(layer, q.numpy(), q_codes)
             self.busy_s += time.perf_counter() - t0
             return torch.from_numpy(o).reshape(q.shape[0], -1)
         out = torch.empty(q.shape, dtype=q.dtype)
         if len(plan.decode_rows):
-            out[plan.decode_rows] = torch.from_numpy(self._decode(layer, q[plan.decode_rows].numpy()))
+            rows = plan.decode_rows
+            out[rows] = torch.from_numpy(self._decode(layer, q[rows].numpy(), None if q_codes is None else q_codes[rows]))
         for first, n, start, table in plan.prefills:
             if start == 0:
                 k_ctx, v_ctx = k[first : first + n], v[first : first + n]
@@ -109,11 +108,21 @@ class AttentionWorker:
         self.busy_s += time.perf_counter() - t0
         return out.reshape(q.shape[0], -1)
 
-    def _decode(self, layer: int, q: np.ndarray) -> np.ndarray:
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_codes: torch.Tensor | None = None) -> None:
+        """Write the step's k, v [T, Hkv, D] to the store (and k to the sparse part's tables) only."""
+        plan = self._plan
+        assert plan is not None, "begin_step must come first"
+        self.store.write(layer, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy())
+        if self.sparse is not None:
+            for first, n, start, seq_id in plan.chunks:
+                self.sparse.append(layer, seq_id, start, k[first:first + n],
+                                   None if k_codes is None else k_codes[first:first + n].numpy())
+
+    def _decode(self, layer: int, q: np.ndarray, q_codes: np.ndarray | None) -> np.ndarray:
         plan = self._plan
         if self.sparse is not None:
-            sampled = self.sparse.decode_attention(self.store, layer, plan.decode_seq_ids, q, plan.block_tables,
-                                                     plan.seq_lens, self.scale)
+            sampled = self.sparse.decode_attention(self.store, layer, plan.decode_seq_ids, q, q_codes,
+                                                     plan.block_tables, plan.seq_lens, self.scale)
             if sampled is not None:
                 return sampled[0]
         return self.store.decode_attention(layer, q, plan.block_tables, plan.seq_lens, self.scale)[0]

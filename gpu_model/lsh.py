@@ -18,5 +18,42 @@ def simhash_matrix(head_dim: int, k: int, l: int, seed: int = 0) -> torch.Tensor
 
 def simhash(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
     """x [..., head_dim] -> codes [..., L] int32 (L = w.shape[1] // k)."""
-    bits = (x.to(w.dtype) @ w > 0).view(*x.shape[:-1], -1, k).to(torch.int32)
-    return (bits << torch.arange(k, device=x.device, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+    return pack_signs(x.to(w.dtype) @ w, k)
+
+
+def pack_signs(proj: torch.Tensor, k: int) -> torch.Tensor:
+    """Projections [..., K * L] -> codes [..., L] int32: bit b of table t set where column t*K + b > 0."""
+    bits = (proj > 0).view(*proj.shape[:-1], -1, k).to(torch.int32)
+    return (bits << torch.arange(k, device=proj.device, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+
+
+class LshCoder:
+    """A step's query and key codes, computed where q and k are made (the accelerator) and shipped
+    with them to the attention workers.
+
+    Keys are centered per (sequence, layer, kv-head) on the mean key of the sequence's first
+    prefill chunk. (k - mu) . W = k . W - mu . W, so what is kept per sequence and layer is the
+    projected center mu . W [Hkv, K * L], on the device; `free` drops a finished sequence's."""
+
+    def __init__(self, head_dim: int, k: int, l: int, seed: int = 0, device: str | torch.device = "cpu"):
+        self.k = k
+        self.w = simhash_matrix(head_dim, k, l, seed).to(device)
+        self.centers: dict[int, dict[int, torch.Tensor]] = {}
+
+    def codes(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+              chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D]; chunks [(seq_id, start_pos, num_tokens)] in row order ->
+        (query codes [T, Hq, L], centered key codes [T, Hkv, L]), int32 on the CPU."""
+        proj = k.to(self.w.dtype) @ self.w
+        row = 0
+        for seq_id, start, n in chunks:
+            centers = self.centers.setdefault(seq_id, {})
+            if start == 0 or layer not in centers:
+                centers[layer] = proj[row:row + n].mean(0)
+            proj[row:row + n] -= centers[layer]
+            row += n
+        return simhash(q, self.w, self.k).cpu(), pack_signs(proj, self.k).cpu()
+
+    def free(self, seq_ids) -> None:
+        for s in seq_ids:
+            self.centers.pop(s, None)

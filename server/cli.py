@@ -128,7 +128,35 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lsh-sinks", type=int, default=4, help="MagicPIG exact sink tokens (default: 4)")
     p.add_argument("--lsh-window", type=int, default=64, help="MagicPIG exact local window (default: 64)")
     p.add_argument("--lsh-min-context", type=int, default=1024, help="MagicPIG: shorter contexts stay exact (default: 1024)")
+    p.add_argument("--task", choices=["passkey", "niah", "cwe"],
+                   help="score a long-context task instead of perplexity: passkey retrieval, multi-key needle in a "
+                        "haystack, common-words extraction (server/tasks.py)")
+    p.add_argument("--context-tokens", default="2048,4096,8192", help="--task: prompt lengths, comma-separated; at most "
+                   "the model's context less 64 tokens for the answer (default: 2048,4096,8192)")
+    p.add_argument("--num-samples", type=int, default=10, help="--task: prompts per length (default: 10)")
+    p.add_argument("--batch-samples", type=int, default=4, help="--task: prompts run together (default: 4)")
     p.add_argument("--json", help="write the results here as JSON")
+
+
+def _task_command(args, model, tok, formats, cal, lsh) -> list[dict]:
+    from server.tasks import evaluate_task, sentences
+
+    longest = model.cfg.max_position_embeddings
+    lengths = [int(n) for n in args.context_tokens.split(",") if n.strip()]
+    if not lengths or min(lengths) < 256 or max(lengths) > longest:
+        raise ValueError(f"--context-tokens must lie in [256, {longest}]")
+    lengths = [min(n, longest - 64) for n in lengths]  # room for the answer
+    rows = evaluate_task(model, tok, args.task, lengths, args.num_samples, formats, haystack=sentences(Path(args.text).read_text()),
+                         oaken_cal=cal, lsh=lsh, topk_frac=args.topk_frac if args.attention == "topk" else None,
+                         block_size=args.block_size, sparse_fraction=args.oaken_sparse_fraction,
+                         batch_samples=args.batch_samples)
+    print(f"{args.task}: {args.num_samples} prompts per length; accuracy with fp32 KV in 'ref'")
+    print(f"{'context':>7} {'kv_format':10} {'attention':9} {'accuracy':>8} {'ref':>6} {'keys':>6}")
+    for r in rows:
+        keys = f"{r['keys_touched_frac']:6.2%}" if "keys_touched_frac" in r else "     -"
+        print(f"{r['context_tokens']:7d} {r['kv_format']:10} {r['attention']:9} {r['task_accuracy']:8.1%} "
+              f"{r['task_accuracy_ref']:6.1%} {keys}")
+    return rows
 
 
 def eval_command(args: argparse.Namespace) -> None:
@@ -152,11 +180,17 @@ def eval_command(args: argparse.Namespace) -> None:
     model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
     model = load_model(model_dir)
     cal = oaken_thresholds(model, model_dir, args.oaken_thresholds) if "oaken" in formats else None
-    windows = text_windows(Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text()), args.num_windows,
-                           args.window_tokens)
+    tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:
         lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
                                                                min_context=args.lsh_min_context)
+        if args.task:
+            results = _task_command(args, model, tok, formats, cal, lsh)
+            if args.json:
+                Path(args.json).write_text(json.dumps({**results[0], "results": results}, indent=1))
+                print(f"wrote {args.json}")
+            return
+        windows = text_windows(tok.encode(text.read_text()), args.num_windows, args.window_tokens)
         results = evaluate(model, windows, formats, prefill_tokens=args.prefill_tokens, batch_windows=args.batch_windows,
                            block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction,
                            exact_recent=args.oaken_recent == "exact", lsh=lsh,

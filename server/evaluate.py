@@ -21,7 +21,7 @@ import torch
 from cpu_attn.calibrate import OakenThresholds
 from cpu_attn.kv_store import OakenKVStore, SimQuantKVStore, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
-from cpu_attn.topk import TopK
+from cpu_attn.topk import AnnTopK, TopK
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.worker import ModelWorker
 
@@ -53,13 +53,21 @@ def _effective_bits(kv_format: str, store, groups: dict[str, int]) -> float:
     return {"fp16": 16.0, "fp32": 32.0}[kv_format]
 
 
-def _sparse(name: str, lsh: LshConfig | None, topk_frac: float | None, cfg):
+def variant_names(kv_formats: list[str], lsh: LshConfig | None, topk_frac: float | None) -> list[str]:
+    """The formats, then "<format>+magicpig" with `lsh`, then "<format>+topk" and "+topk-ann" with `topk_frac` too."""
+    if lsh is not None and any(f != "oaken" for f in kv_formats):
+        raise ValueError("MagicPIG attention runs over the oaken KV format only")
+    topk = [f"{f}+{a}" for a in ("topk", "topk-ann") for f in kv_formats] if lsh is not None and topk_frac else []
+    return list(kv_formats) + ([f"{f}+magicpig" for f in kv_formats] if lsh is not None else []) + topk
+
+
+def sparse_part(name: str, lsh: LshConfig | None, topk_frac: float | None, cfg):
     """The attention worker's sparse-attention part for one variant, or None for exact."""
     if name.endswith("+magicpig"):
         return MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    if name.endswith("+topk"):
+    if name.endswith(("+topk", "+topk-ann")):
         layers = MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim).sampled_layers
-        return TopK(topk_frac, lsh.sinks, lsh.window, lsh.min_context, layers)
+        return (TopK if name.endswith("+topk") else AnnTopK)(topk_frac, lsh.sinks, lsh.window, lsh.min_context, layers)
     return None
 
 
@@ -70,18 +78,16 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length).
     With `lsh`, every (Oaken) format is also scored with MagicPIG attention, as "<format>+magicpig";
     with `topk_frac` as well, with TopK attention keeping that share of keys, as "<format>+topk"
-    (on the same layers and sequences, with the same sinks and window)."""
+    (exact top-k) and "<format>+topk-ann" (HNSW search), on the same layers and sequences, with
+    the same sinks and window."""
     from tqdm import tqdm
 
     cfg = model.cfg
     window_tokens = len(windows[0])
     if not 0 < prefill_tokens < window_tokens - 1:
         raise ValueError(f"prefill_tokens must be in [1, {window_tokens - 2}] for windows of {window_tokens} tokens")
-    worker = ModelWorker(model)
-    if lsh is not None and any(f != "oaken" for f in kv_formats):
-        raise ValueError("MagicPIG attention runs over the oaken KV format only")
-    variants = list(kv_formats) + ([f"{f}+magicpig" for f in kv_formats] if lsh is not None else []) + \
-        ([f"{f}+topk" for f in kv_formats] if lsh is not None and topk_frac is not None else [])
+    worker = ModelWorker(model, None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim).coder())
+    variants = variant_names(kv_formats, lsh, topk_frac)
     names = ["fp32-exact"] + variants
     scores = {name: _Score() for name in names}
     blocks_per_window = -(-window_tokens // block_size)
@@ -94,7 +100,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
                                    cfg.head_dim, block_size, num * blocks_per_window, oaken_cal, sparse_fraction,
                                    num if exact_recent else 0)
                   for name in names}
-        attn = {name: AttentionWorker(store, cfg.head_dim, _sparse(name, lsh, topk_frac, cfg))
+        attn = {name: AttentionWorker(store, cfg.head_dim, sparse_part(name, lsh, topk_frac, cfg))
                 for name, store in stores.items()}
         tables = [tuple(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(num)]
         # step 0 prefills every window; step s > 0 decodes token prefill_tokens + s - 1
@@ -110,7 +116,8 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
             logp = {}
             for name in names:
                 attn[name].begin_step([ChunkLayout(length, start, t, i) for i, t in enumerate(tables)])
-                logits, _ = worker.forward(tokens, positions, rows, attn[name].attend)
+                logits, _ = worker.forward(tokens, positions, rows, attn[name].attend,
+                                           [(i, start, length) for i in range(num)])
                 logp[name] = torch.log_softmax(logits.float().cpu(), -1)
             for name in names:
                 scores[name].add(logp["fp32-exact"], logp[name], targets)

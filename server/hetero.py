@@ -76,8 +76,8 @@ class HeteroBackend:
         store = make_store(kv_format, *geometry, num_blocks, cal, oaken_sparse_fraction, recent)
         self.kv_spec = KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=per_block)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.model_worker = ModelWorker(self.model)
         magicpig = None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.model_worker = ModelWorker(self.model, None if magicpig is None else magicpig.coder(device))
         self.attn_worker = AttentionWorker(store, cfg.head_dim, magicpig)
         log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s", num_blocks, block_size,
                  num_blocks * per_block / 2**20, kv_format, device)
@@ -92,13 +92,15 @@ class HeteroBackend:
                 sample_rows.append(len(token_ids) - 1)
                 params.append(c.sampling)
                 output_indices.append(c.output_index)
+        self.model_worker.free(inp.freed_seq_ids)
         self.attn_worker.free(inp.freed_seq_ids)
         self.attn_worker.begin_step([ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id)
                                      for c in inp.chunks])
         if not token_ids:
             return StepOutput(sampled={})
         tokens, accel_s = self.model_worker.step(token_ids, positions, sample_rows, params, output_indices,
-                                                 self.attn_worker.attend)
+                                                 self.attn_worker.attend,
+                                                 [(c.seq_id, c.start_pos, len(c.token_ids)) for c in inp.chunks])
         sampled_ids = [c.seq_id for c in inp.chunks if c.sampling is not None]
         return StepOutput(
             sampled=dict(zip(sampled_ids, tokens)),

@@ -162,6 +162,33 @@ def test_sampled_attention_follows_the_estimator():
             np.testing.assert_allclose(lse[b, h], logits.max() + np.log(p.sum()), atol=2e-5, rtol=1e-5)
 
 
+def test_coder_centers_keys_on_their_first_chunk():
+    """LshCoder (the model worker's half): query codes are plain SimHash; key codes are those of
+    k - mean(first prefill chunk's keys), per sequence and layer, kept for later chunks; a new
+    prefill recenters; free() drops the centers."""
+    from gpu_model.lsh import LshCoder
+
+    coder = LshCoder(64, 8, 20, seed=3)
+    w = coder.w.numpy()
+    k = torch.randn(300, 3, 64) + 2.0
+    q = torch.randn(300, 9, 64)
+    first = [coder.codes(1, q[:200], k[:200], [(5, 0, 120), (6, 0, 80)])]
+    later = coder.codes(1, q[200:], k[200:], [(6, 80, 40), (5, 120, 60)])
+    mu5, mu6 = k[:120].mean(0).numpy(), k[120:200].mean(0).numpy()
+    centered = np.concatenate([k[:120] - mu5, k[120:200] - mu6, k[200:240] - mu6, k[240:] - mu5])
+    got_k = np.concatenate([first[0][1], later[1]])
+    got_q = np.concatenate([first[0][0], later[0]])
+    proj = centered.astype(np.float64) @ w
+    clear = (np.abs(proj) > 1e-4).reshape(300, 3, 20, 8).all(-1)  # codes away from a sign flip by rounding
+    np.testing.assert_array_equal(got_k[clear], reference_codes(centered, w, 8)[clear])
+    np.testing.assert_array_equal(got_q, reference_codes(q.numpy(), w, 8))
+    assert got_k.dtype == np.int32 and sorted(coder.centers) == [5, 6]
+    coder.codes(1, q[:10], k[:10] + 5, [(5, 0, 10)])
+    np.testing.assert_allclose(coder.centers[5][1].numpy(), (k[:10] + 5).mean(0).numpy() @ w, rtol=1e-4, atol=1e-3)
+    coder.free([5, 6])
+    assert coder.centers == {}
+
+
 def test_magicpig_state_indexes_centered_keys_in_batches():
     """Prefill builds the tables over all but the window; decode keys wait in the window and are
     merged every `merge_every` keys; the tables always equal tables built from scratch over the
@@ -170,24 +197,29 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
 
     cfg = LshConfig(k=6, l=12, window=64, min_context=512, merge_every=100, dense_layers=(1,))
     mp = MagicPig(cfg, num_layers=2, num_kv_heads=2, head_dim=64)
+    coder = mp.coder()
     keys = torch.randn(1000, 2, 64) + 3.0  # a common offset that centering must remove
-    mp.append(1, 7, 0, keys[:600])
+    codes = np.concatenate([coder.codes(0, keys[:1], keys[:600], [(7, 0, 600)])[1]] +
+                           [coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1)])[1] for n in range(600, 1000)])
+    with pytest.raises(ValueError, match="codes"):
+        mp.append(0, 7, 0, keys[:600], None)
+    mp.append(1, 7, 0, keys[:600], codes[:600])
     assert 7 not in mp.seqs or mp.seqs[7][1] is None  # dense layer: no state
-    mp.append(0, 7, 0, keys[:600])
+    mp.append(0, 7, 0, keys[:600], codes[:600])
     state = mp.seqs[7][0]
     np.testing.assert_allclose(state.mu, keys[:600].mean(0).numpy(), rtol=1e-5, atol=1e-5)
     assert state.indexed == 536
     for n in range(600, 1000):
-        mp.append(0, 7, n, keys[n:n + 1])
+        mp.append(0, 7, n, keys[n:n + 1], codes[n:n + 1])
         expect = 536 + 100 * ((n + 1 - 64 - 536) // 100)
         assert state.indexed == expect, n
-    codes = simhash(keys[:state.indexed] - torch.from_numpy(state.mu), mp.w, cfg.k).numpy()
+    codes = codes[:state.indexed]
     for h in range(2):
         offsets, ids = lsh.table_set(np.ascontiguousarray(codes[:, h]), cfg.k)
         np.testing.assert_array_equal(state.offsets[h], offsets)
         np.testing.assert_array_equal(state.ids[h], ids)
     assert sum(len(p) for p in state.pending) == 1000 - state.indexed
-    mp.append(0, 7, 0, keys[:10])
+    mp.append(0, 7, 0, keys[:10], codes[:10])
     assert mp.seqs[7][0].indexed == 0 and mp.seqs[7][0] is not state
     mp.free([7])
     assert 7 not in mp.seqs
@@ -203,15 +235,21 @@ def test_magicpig_worker_is_exact_below_min_context_and_samples_above():
     cfg = LshConfig(min_context=256, dense_layers=(1,))
     stores = [oaken_store(num_blocks=64) for _ in range(2)]
     workers = [AttentionWorker(stores[0], 64), AttentionWorker(stores[1], 64, MagicPig(cfg, 2, 3, 64))]
+    coder = workers[1].sparse.coder()
     tables = [tuple(range(0, 30)), tuple(range(30, 34))]
     outs = []
     for w in workers:
         torch.manual_seed(0)
         w.begin_step([ChunkLayout(400, 0, tables[0], 0), ChunkLayout(50, 0, tables[1], 1)])
         for layer in range(2):
-            w.attend(layer, torch.randn(450, 9, 64), torch.randn(450, 3, 64), torch.randn(450, 3, 64))
+            q, k, v = torch.randn(450, 9, 64), torch.randn(450, 3, 64), torch.randn(450, 3, 64)
+            w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 0, 400), (1, 0, 50)]))
         w.begin_step([ChunkLayout(1, 400, tables[0], 0), ChunkLayout(1, 50, tables[1], 1)])
-        outs.append([w.attend(layer, *(torch.randn(2, h, 64) for h in (9, 3, 3))) for layer in range(2)])
+        step = []
+        for layer in range(2):
+            q, k, v = (torch.randn(2, h, 64) for h in (9, 3, 3))
+            step.append(w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 400, 1), (1, 50, 1)])))
+        outs.append(step)
     np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)  # dense layer: exact
     np.testing.assert_allclose(outs[1][0][1], outs[0][0][1], rtol=1e-5, atol=1e-6)  # short sequence: exact
     assert not np.allclose(outs[1][0][0], outs[0][0][0], atol=1e-4)  # long one sampled
@@ -277,3 +315,31 @@ def test_topk_keeps_the_highest_scoring_keys():
             keep = np.r_[0:4, top, n - 16:n]
             p = np.exp(s[keep] - s[keep].max())
             np.testing.assert_allclose(out[b, h], p @ vg[keep, h // 3] / p.sum(), atol=1e-5, rtol=1e-4)
+
+
+def test_ann_topk_finds_most_of_the_exact_top_keys():
+    """AnnTopK (faiss HNSW per kv-head): every key before the window is in its graph, ids are
+    positions, and the keys it picks overlap the exact top-k; with frac 1 it is exact attention."""
+    from cpu_attn.topk import AnnTopK
+
+    rng = np.random.default_rng(8)
+    store = oaken_store(num_blocks=64)
+    n, window, budget = 460, 16, 40
+    ann = AnnTopK(0.1, 4, window, 256, [True, True])
+    k = rng.standard_normal((n, 3, 64)).astype(np.float32)
+    for start in (0, 400):  # a prefill chunk, then a later chunk: both reach the graphs
+        ann.append(0, 7, start, torch.from_numpy(k[start:400 if start == 0 else n]))
+    graphs = ann.seqs[7][0][0]
+    assert [g.ntotal for g in graphs] == [n - window] * 3
+    q = (k[rng.integers(0, n - window, 9), np.arange(9) // 3] * 0.6 + rng.standard_normal((9, 64)) * 0.3)
+    q = q.astype(np.float32)[None]
+    s = torch.einsum("nhd,hd->hn", torch.from_numpy(k).repeat_interleave(3, 1), torch.from_numpy(q[0]))
+    found = ann._chooser(0, [7], q)(0, s, 4, n - window, budget)
+    exact = s[:, 4:n - window].topk(budget, dim=1).indices + 4
+    recall = np.mean([len(set(f.tolist()) & set(e.tolist())) / budget for f, e in zip(found, exact)])
+    assert recall > 0.8
+    tables, _ = write_sequences(store, rng, [300])
+    lens = np.array([300], np.int32)
+    exact_out, _ = store.decode_attention(0, q, tables, lens, 0.125)
+    np.testing.assert_allclose(AnnTopK(1.0, 4, 16, 256, [True])
+                               .decode_attention(store, 0, [0], q, None, tables, lens, 0.125)[0], exact_out, atol=1e-5, rtol=1e-4)
