@@ -52,8 +52,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = engine.is_alive()
-        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+        status = engine.health()
+        return JSONResponse({"status": status}, status_code=503 if status == "down" else 200)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -67,6 +67,18 @@ class KVSpec:
     """Blocks in the store."""
     bytes_per_block: int
     """Bytes one block takes, K and V of every layer, including any scales."""
+    shards: tuple[int, ...] = ()
+    """Blocks of each CPU attention worker, in block-id order (empty: one store of num_blocks).
+    A sequence's blocks all come from one shard."""
+
+
+class WorkerLost(RuntimeError):
+    """A worker died during a step. `shard` names the CPU attention worker; None means the
+    accelerator worker. The step's results are lost; the workers are being restarted."""
+
+    def __init__(self, message: str, shard: int | None = None):
+        super().__init__(message)
+        self.shard = shard
 
 
 class Backend(Protocol):
@@ -76,3 +88,6 @@ class Backend(Protocol):
     def step(self, inp: StepInput) -> StepOutput: ...
 
     def close(self) -> None: ...
+
+    # optional: live_shards() -> set of CPU attention shards able to take sequences, and
+    # health() -> "ok" | "degraded" | "down"; a backend without them is one healthy shard

@@ -14,22 +14,41 @@ from server.backend import KVSpec
 
 
 class BlockManager:
+    """Blocks split in shards, one per CPU attention worker (`spec.shards`; one shard by default).
+    A sequence takes its first block from the live shard with the most free blocks and every
+    later one from the same shard; a shard set down (its worker died) takes no new sequences."""
+
     def __init__(self, spec: KVSpec):
         self.spec = spec
-        self._free: deque[int] = deque(range(spec.num_blocks))
+        sizes = spec.shards or (spec.num_blocks,)
+        assert sum(sizes) == spec.num_blocks, "shards must add up to num_blocks"
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._free: list[deque[int]] = [deque(range(a, a + n)) for a, n in zip(starts, sizes)]
         self._tables: dict[int, list[int]] = {}
+        self._shard_of: dict[int, int] = {}
+        self.live: set[int] = set(range(len(sizes)))
+        self.max_seq_blocks = max(sizes)
+        """The most blocks one sequence can ever hold (its shard's size)."""
 
     @property
-    def num_free_blocks(self) -> int:
+    def num_shards(self) -> int:
         return len(self._free)
 
     @property
+    def num_free_blocks(self) -> int:
+        return sum(len(self._free[i]) for i in self.live)
+
+    @property
     def used_bytes(self) -> int:
-        return (self.spec.num_blocks - len(self._free)) * self.spec.bytes_per_block
+        return (self.spec.num_blocks - sum(map(len, self._free))) * self.spec.bytes_per_block
 
     @property
     def capacity_bytes(self) -> int:
         return self.spec.num_blocks * self.spec.bytes_per_block
+
+    def shard_used_bytes(self) -> list[int]:
+        sizes = self.spec.shards or (self.spec.num_blocks,)
+        return [(n - len(f)) * self.spec.bytes_per_block for n, f in zip(sizes, self._free)]
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.spec.block_size)
@@ -38,20 +57,35 @@ class BlockManager:
         """Blocks `seq_id` still needs to hold `num_tokens` tokens."""
         return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
 
+    def shard_of(self, seq_id: int) -> int | None:
+        return self._shard_of.get(seq_id)
+
+    def _shard_for(self, seq_id: int) -> int | None:
+        shard = self._shard_of.get(seq_id)
+        if shard is None and self.live:
+            shard = max(sorted(self.live), key=lambda i: len(self._free[i]))
+        return shard
+
     def can_hold(self, seq_id: int, num_tokens: int, reserve: int = 0) -> bool:
-        return self.num_missing(seq_id, num_tokens) + reserve <= len(self._free)
+        shard = self._shard_for(seq_id)
+        return shard is not None and self.num_missing(seq_id, num_tokens) + reserve <= len(self._free[shard])
 
     def allocate(self, seq_id: int, num_tokens: int) -> tuple[int, ...]:
         """Grow `seq_id`'s table to cover `num_tokens`; returns the whole table."""
         missing = self.num_missing(seq_id, num_tokens)
-        if missing > len(self._free):
-            raise MemoryError(f"sequence {seq_id} needs {missing} blocks, {len(self._free)} free")
+        shard = self._shard_for(seq_id)
+        free = self._free[shard] if shard is not None else deque()
+        if missing > len(free):
+            raise MemoryError(f"sequence {seq_id} needs {missing} blocks, {len(free)} free in its shard")
+        self._shard_of[seq_id] = shard
         table = self._tables.setdefault(seq_id, [])
-        table.extend(self._free.popleft() for _ in range(missing))
+        table.extend(free.popleft() for _ in range(missing))
         return tuple(table)
 
     def free(self, seq_id: int) -> None:
-        self._free.extend(self._tables.pop(seq_id, ()))
+        shard = self._shard_of.pop(seq_id, None)
+        if shard is not None:
+            self._free[shard].extend(self._tables.pop(seq_id, ()))
 
     def table(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._tables.get(seq_id, ()))

@@ -21,13 +21,20 @@ def build_engine(cfg: ServeConfig):
     from server.scheduler import SchedulerConfig
 
     model_dir = resolve_model_dir(cfg.model, Path(cfg.model_cache_dir).expanduser())
-    backend = HeteroBackend(model_dir, device=cfg.device, dtype=cfg.dtype, kv_format=cfg.kv_format,
-                            kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
-                            max_model_len=cfg.max_model_len, gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens,
-                            oaken_thresholds_path=cfg.oaken_thresholds, oaken_sparse_fraction=cfg.oaken_sparse_fraction,
-                            oaken_recent_blocks=cfg.max_num_seqs if cfg.oaken_recent_blocks is None
-                            else cfg.oaken_recent_blocks, lsh=cfg.lsh_config())
-    tokenizer = Tokenizer(model_dir, backend.model.cfg.eos_token_ids)
+    common = dict(device=cfg.device, dtype=cfg.dtype, kv_format=cfg.kv_format,
+                  kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
+                  max_model_len=cfg.max_model_len, gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens,
+                  oaken_thresholds_path=cfg.oaken_thresholds, oaken_sparse_fraction=cfg.oaken_sparse_fraction,
+                  oaken_recent_blocks=cfg.max_num_seqs if cfg.oaken_recent_blocks is None else cfg.oaken_recent_blocks,
+                  lsh=cfg.lsh_config())
+    if cfg.executor == "ray":
+        from server.ray_executor import RayBackend
+
+        backend = RayBackend(model_dir, **common, ray_address=cfg.ray_address, cpu_actors=cfg.ray_cpu_actors,
+                             actor_cpus=cfg.ray_actor_cpus, kv_resource=cfg.ray_kv_resource)
+    else:
+        backend = HeteroBackend(model_dir, **common)
+    tokenizer = Tokenizer(model_dir, backend.model_cfg.eos_token_ids)
     engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
     return engine, name, backend.max_model_len
@@ -38,12 +45,14 @@ def warm_up(engine) -> None:
     from server.backend import SamplingParams
     from server.engine import EngineRequest
 
-    done = threading.Event()
-    # a prompt long enough to take the prefill path's larger kernels, then decode steps
-    engine.submit(EngineRequest("warmup", list(range(1, 129)), SamplingParams(temperature=0.0), 4,
-                                on_event=lambda ev: ev.finish_reason and done.set()))
-    if not done.wait(timeout=300):
-        raise RuntimeError("warm-up request did not finish in 300 s")
+    shards = engine.blocks.num_shards
+    done = threading.Semaphore(0)
+    # prompts long enough to take the prefill path's larger kernels, then decode steps; one per KV shard
+    for i in range(shards):
+        engine.submit(EngineRequest(f"warmup-{i}", list(range(1, 129)), SamplingParams(temperature=0.0), 4,
+                                    on_event=lambda ev: ev.finish_reason and done.release()))
+    if not all(done.acquire(timeout=300) for _ in range(shards)):
+        raise RuntimeError("warm-up requests did not finish in 300 s")
 
 
 def serve(cfg: ServeConfig) -> None:

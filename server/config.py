@@ -65,7 +65,15 @@ class ServeConfig:
     max_num_seqs: int = _opt(64, "most requests in the running batch")
     max_num_batched_tokens: int = _opt(512, "token budget of one step (decodes plus prefill chunks)")
     max_model_len: int | None = _opt(None, "longest prompt plus output in tokens (default: the model's context)")
-    executor: str = _opt("local", "how workers run: local (one process)")
+    executor: str = _opt("local", "how workers run: local (one process), or ray (a model actor and CPU attention "
+                                  "actors; a local Ray cluster unless ray_address is given)")
+    ray_address: str | None = _opt(None, "ray executor: address of an existing Ray cluster to join, e.g. auto or "
+                                         "HEAD_IP:6379 (default: start a local one)")
+    ray_cpu_actors: int = _opt(2, "ray executor: CPU attention actors; the KV capacity is split among them")
+    ray_actor_cpus: int = _opt(0, "ray executor: CPUs (and kernel threads) per CPU attention actor (0: the "
+                                  "machine's cores divided by ray_cpu_actors)")
+    ray_kv_resource: str = _opt("kv_node", "ray executor: custom resource every CPU attention actor needs one of, so "
+                                           "they land on the nodes that offer it (empty: any node)")
     log_level: str = _opt("info", "debug, info, warning or error")
 
     def __post_init__(self) -> None:
@@ -79,7 +87,8 @@ class ServeConfig:
             (self.attention == "exact" or self.kv_format == "oaken", "attention magicpig needs kv_format oaken"),
             (re.fullmatch(r"\s*(\d+\s*(,\s*\d+\s*)*)?", self.lsh_dense_layers or ""),
              "lsh_dense_layers must be comma-separated layer numbers"),
-            (self.executor == "local", f"executor must be local, not {self.executor!r}"),
+            (self.executor in ("local", "ray"), f"executor must be local or ray, not {self.executor!r}"),
+            (self.ray_cpu_actors >= 1 and self.ray_actor_cpus >= 0, "ray_cpu_actors must be >= 1, ray_actor_cpus >= 0"),
             (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable
 
-from server.backend import Backend, SamplingParams
+from server.backend import Backend, SamplingParams, WorkerLost
 from server.block_manager import BlockManager
 from server.detokenizer import IncrementalDetokenizer
 from server.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -86,6 +86,14 @@ class Engine:
         self._stopping.set()
         self._inbox.put(("stop", None))
         self._thread.join(timeout=30)
+        self.backend.close()
+
+    def health(self) -> str:
+        """ok; degraded (serving, with a CPU attention worker down); down (not serving)."""
+        if not self.is_alive():
+            return "down"
+        health = getattr(self.backend, "health", None)
+        return health() if health else "ok"
 
     @property
     def num_running(self) -> int:
@@ -132,13 +140,27 @@ class Engine:
         self.scheduler.add(seq)
 
     def step(self) -> None:
+        live_shards = getattr(self.backend, "live_shards", None)
+        if live_shards:
+            self.blocks.live = live_shards()
         inp = self.scheduler.schedule()
         for seq in self.scheduler.too_long:
             self._finish(self._live[seq.seq_id], "length")
         self.scheduler.too_long.clear()
         if not inp.chunks:
+            if self.scheduler.waiting and not self.blocks.live:  # every CPU attention worker is down
+                for seq in list(self.scheduler.waiting):
+                    self._finish(self._live[seq.seq_id], "error", error="no CPU attention worker is available")
             return
-        out = self.backend.step(inp)
+        try:
+            out = self.backend.step(inp)
+        except WorkerLost as exc:
+            if exc.shard is None:
+                raise  # the accelerator worker: every running request fails (see _loop)
+            log.error("%s; recomputing the running sequences on the other workers", exc)
+            self.blocks.live.discard(exc.shard)
+            self.scheduler.preempt_all()
+            return
         self.last_step_timings_s = out.timings_s
         for seq, token in self.scheduler.update(out):
             self._on_token(self._live[seq.seq_id], token)

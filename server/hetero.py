@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +18,6 @@ from gpu_model.worker import ModelWorker
 from server.backend import KVSpec, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
-
 
 
 def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThresholds:
@@ -57,6 +57,63 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+@dataclass
+class FlatBatch:
+    """A StepInput laid out as the model worker's flat batch."""
+
+    token_ids: list[int]
+    positions: list[int]
+    sample_rows: list[int]
+    params: list
+    output_indices: list[int]
+    sampled_ids: list[int]
+    layouts: list[ChunkLayout]
+    chunks: list[tuple[int, int, int]]  # (seq_id, start_pos, num_tokens)
+
+
+def flatten(inp: StepInput) -> FlatBatch:
+    b = FlatBatch([], [], [], [], [], [], [], [])
+    for c in inp.chunks:
+        b.token_ids.extend(c.token_ids)
+        b.positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
+        if c.sampling is not None:
+            b.sample_rows.append(len(b.token_ids) - 1)
+            b.params.append(c.sampling)
+            b.output_indices.append(c.output_index)
+            b.sampled_ids.append(c.seq_id)
+        b.layouts.append(ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id))
+        b.chunks.append((c.seq_id, c.start_pos, len(c.token_ids)))
+    return b
+
+
+def kv_blocks(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_fraction: float,
+              recent_blocks: int) -> tuple[int, int]:
+    """(blocks, bytes per block) of a store of `capacity_bytes` in `kv_format`."""
+    geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
+    per_block = bytes_per_block(kv_format, *geometry, sparse_fraction)
+    recent = recent_blocks if kv_format == "oaken" else 0
+    num_blocks = (capacity_bytes - OakenKVStore.tail_bytes(*geometry, recent)) // per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV capacity {capacity_bytes} B is below one block ({per_block} B)")
+    return num_blocks, per_block
+
+
+def attention_worker(cfg, kv_format: str, num_blocks: int, block_size: int, cal, sparse_fraction: float,
+                     recent_blocks: int, lsh: LshConfig | None) -> AttentionWorker:
+    """A CPU attention worker with its own store (and MagicPIG tables with `lsh`)."""
+    recent = recent_blocks if kv_format == "oaken" else 0
+    store = make_store(kv_format, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, num_blocks, cal,
+                       sparse_fraction, recent)
+    magicpig = None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    return AttentionWorker(store, cfg.head_dim, magicpig)
+
+
+def model_worker(model, lsh: LshConfig | None, device: str) -> ModelWorker:
+    cfg = model.cfg
+    return ModelWorker(model, None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads,
+                                                                cfg.head_dim).coder(device))
+
+
 class HeteroBackend:
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str,
                  kv_capacity_bytes: int, block_size: int, max_model_len: int | None,
@@ -65,45 +122,30 @@ class HeteroBackend:
         device = pick_device(device)
         self.model_dir = model_dir
         self.model = load_model(model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens)
-        cfg = self.model.cfg
-        geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
-        per_block = bytes_per_block(kv_format, *geometry, oaken_sparse_fraction)
-        recent = oaken_recent_blocks if kv_format == "oaken" else 0
-        num_blocks = (kv_capacity_bytes - OakenKVStore.tail_bytes(*geometry, recent)) // per_block
-        if num_blocks < 1:
-            raise ValueError(f"KV capacity {kv_capacity_bytes} B is below one block ({per_block} B)")
+        cfg = self.model_cfg = self.model.cfg
+        num_blocks, per_block = kv_blocks(cfg, kv_format, kv_capacity_bytes, block_size, oaken_sparse_fraction,
+                                          oaken_recent_blocks)
         cal = oaken_thresholds(self.model, model_dir, oaken_thresholds_path) if kv_format == "oaken" else None
-        store = make_store(kv_format, *geometry, num_blocks, cal, oaken_sparse_fraction, recent)
         self.kv_spec = KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=per_block)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        magicpig = None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        self.model_worker = ModelWorker(self.model, None if magicpig is None else magicpig.coder(device))
-        self.attn_worker = AttentionWorker(store, cfg.head_dim, magicpig)
+        self.model_worker = model_worker(self.model, lsh, device)
+        self.attn_worker = attention_worker(cfg, kv_format, num_blocks, block_size, cal, oaken_sparse_fraction,
+                                            oaken_recent_blocks, lsh)
         log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s", num_blocks, block_size,
                  num_blocks * per_block / 2**20, kv_format, device)
 
     def step(self, inp: StepInput) -> StepOutput:
         t0 = time.perf_counter()
-        token_ids, positions, sample_rows, params, output_indices = [], [], [], [], []
-        for c in inp.chunks:
-            token_ids.extend(c.token_ids)
-            positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
-            if c.sampling is not None:
-                sample_rows.append(len(token_ids) - 1)
-                params.append(c.sampling)
-                output_indices.append(c.output_index)
+        b = flatten(inp)
         self.model_worker.free(inp.freed_seq_ids)
         self.attn_worker.free(inp.freed_seq_ids)
-        self.attn_worker.begin_step([ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id)
-                                     for c in inp.chunks])
-        if not token_ids:
+        self.attn_worker.begin_step(b.layouts)
+        if not b.token_ids:
             return StepOutput(sampled={})
-        tokens, accel_s = self.model_worker.step(token_ids, positions, sample_rows, params, output_indices,
-                                                 self.attn_worker.attend,
-                                                 [(c.seq_id, c.start_pos, len(c.token_ids)) for c in inp.chunks])
-        sampled_ids = [c.seq_id for c in inp.chunks if c.sampling is not None]
+        tokens, accel_s = self.model_worker.step(b.token_ids, b.positions, b.sample_rows, b.params, b.output_indices,
+                                                 self.attn_worker.attend, b.chunks)
         return StepOutput(
-            sampled=dict(zip(sampled_ids, tokens)),
+            sampled=dict(zip(b.sampled_ids, tokens)),
             timings_s={"accelerator": accel_s, "cpu_attn": self.attn_worker.take_busy_s(),
                        "step": time.perf_counter() - t0},
         )

@@ -3,7 +3,7 @@
 Every step: running sequences first (a decode takes one token, an unfinished prefill the
 next chunk), then waiting sequences are admitted while the token budget, the running limit
 and KV blocks allow. When a running sequence needs a block and none is free, the most
-recently arrived running sequence is preempted: its blocks are freed and it goes back to the
+recently arrived running sequence (of the same KV shard) is preempted: its blocks are freed and it goes back to the
 front of the queue, to be recomputed from its prompt plus what it has generated so far.
 """
 from __future__ import annotations
@@ -84,14 +84,19 @@ class Scheduler:
         self._freed.append(seq.seq_id)
         seq.num_computed = 0
 
-    def _preempt_last(self) -> Sequence:
-        victim = self.running.pop()
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
         self._release(victim)
         victim.status = SeqStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
-        return victim
+
+    def preempt_all(self) -> None:
+        """Send every running sequence back to the queue (a worker died mid-step)."""
+        while self.running:
+            self._preempt(self.running[-1])
+        self._scheduled = []
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         stop = seq.num_computed + n
@@ -118,14 +123,17 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.blocks.can_hold(seq.seq_id, seq.num_computed + n):
                 is_preempted = True
-                if self.running[-1] is seq and len(self.running) == 1:
-                    # alone and still too big: it can never fit
-                    self.running.pop()
+                shard = self.blocks.shard_of(seq.seq_id)
+                same = [s for s in self.running if self.blocks.shard_of(s.seq_id) == shard]
+                if same == [seq]:
+                    # alone in its shard and still too big: it can never fit
+                    self.running.remove(seq)
                     self._release(seq)
                     seq.status = SeqStatus.FINISHED
                     self.too_long.append(seq)
                     break
-                if self._preempt_last() is seq:
+                self._preempt(same[-1])  # the latest arrival sharing its KV memory
+                if same[-1] is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break
@@ -136,7 +144,7 @@ class Scheduler:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.can_hold(seq.seq_id, seq.num_computed + n):
-                if self.blocks.num_missing(seq.seq_id, seq.num_computed + n) > self.blocks.spec.num_blocks:
+                if self.blocks.num_missing(seq.seq_id, seq.num_computed + n) > self.blocks.max_seq_blocks:
                     self.waiting.popleft()
                     seq.status = SeqStatus.FINISHED
                     self.too_long.append(seq)
