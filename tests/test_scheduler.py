@@ -97,3 +97,20 @@ def test_max_num_seqs_limits_admission():
         s.add(Sequence(i, [1, 2], GREEDY))
     inp, _ = run_step(s)
     assert [c.seq_id for c in inp.chunks] == [0, 1] and len(s.waiting) == 1
+
+
+def test_sharded_blocks_spread_sequences_and_skip_dead_shards():
+    from server.backend import KVSpec
+    from server.block_manager import BlockManager
+
+    blocks = BlockManager(KVSpec(block_size=4, num_blocks=10, bytes_per_block=1, shards=(5, 5)))
+    tables = [blocks.allocate(s, 6) for s in range(3)]  # 2 blocks each
+    assert [blocks.shard_of(s) for s in range(3)] == [0, 1, 0]
+    assert tables[1] == (5, 6) and blocks.allocate(1, 20) == (5, 6, 7, 8, 9)  # grows inside its shard
+    assert not blocks.can_hold(1, 24) and blocks.can_hold(0, 12)
+    assert blocks.max_seq_blocks == 5 and blocks.num_free_blocks == 1
+    blocks.free(1)
+    blocks.live.discard(1)
+    assert blocks.num_free_blocks == 1 and not blocks.can_hold(3, 8)  # shard 1 is down: only shard 0 counts
+    blocks.live.add(1)
+    assert blocks.can_hold(3, 20) and blocks.allocate(3, 20) == (5, 6, 7, 8, 9)

@@ -1,0 +1,84 @@
+"""The Ray executor (real Ray, a local cluster): a model actor and two CPU attention actors give
+the same greedy text as the local executor, and survive a CPU attention actor being killed."""
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from server.config import ServeConfig
+from tests.conftest import RunningServer
+
+pytest.importorskip("ray")
+
+
+def body(i: int, max_tokens: int = 32) -> dict:
+    return {"prompt": f"Request {i}. Tell me about the history of the number {i * 37}.", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+
+
+def complete(url: str, i: int, max_tokens: int = 32) -> str:
+    r = httpx.post(url + "/v1/completions", json=body(i, max_tokens), timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def stream(url: str, i: int, max_tokens: int, first_token: threading.Event) -> tuple[str, str | None]:
+    """(text, error message or None) of a streamed completion."""
+    text, error = "", None
+    with httpx.stream("POST", url + "/v1/completions", json={**body(i, max_tokens), "stream": True}, timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+            else:
+                text += event["choices"][0]["text"]
+                first_token.set()
+    return text, error
+
+
+@pytest.fixture(scope="module")
+def ray_server():
+    srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=512 * 2**20, max_num_seqs=64, executor="ray",
+                                    ray_cpu_actors=2))
+    yield srv
+    srv.close()
+
+
+def test_ray_executor_matches_local_token_for_token(server, ray_server):
+    assert ray_server.engine.blocks.num_shards == 2
+    with ThreadPoolExecutor(6) as pool:
+        ray_texts = list(pool.map(lambda i: complete(ray_server.url, i), range(6)))
+    local_texts = [complete(server.url, i) for i in range(6)]
+    assert ray_texts == local_texts
+    assert all(b == 0 for b in ray_server.engine.blocks.shard_used_bytes())
+
+
+def test_killed_cpu_actor_requests_recompute_or_fail_cleanly(server, ray_server):
+    import ray
+
+    expected = [complete(server.url, i, 48) for i in range(6)]
+    backend = ray_server.engine.backend
+    started = [threading.Event() for _ in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, ray_server.url, i, 48, started[i]) for i in range(6)]
+        assert all(e.wait(120) for e in started)
+        ray.kill(backend.cpu_actors[1], no_restart=False)  # a crash: Ray restarts it
+        results = [f.result(timeout=300) for f in futures]
+    for (text, error), want in zip(results, expected):
+        assert error is not None or text == want, (text, want)
+        assert error is None or "worker" in error
+    assert complete(ray_server.url, 7) == complete(server.url, 7)  # later requests succeed
+    deadline = time.monotonic() + 120
+    while httpx.get(ray_server.url + "/health").json()["status"] != "ok":
+        assert time.monotonic() < deadline, "the killed actor did not come back"
+        time.sleep(0.5)
+    assert ray_server.engine.scheduler.num_preemptions > 0
+    with ThreadPoolExecutor(4) as pool:  # both shards serve again
+        assert list(pool.map(lambda i: complete(ray_server.url, i), range(4))) == \
+            [complete(server.url, i) for i in range(4)]
