@@ -97,7 +97,9 @@ class AttentionWorker:
         out = torch.empty(q.shape, dtype=q.dtype)
         if len(plan.decode_rows):
             rows = plan.decode_rows
-            out[rows] = torch.from_numpy(self._decode(layer, q[rows].numpy(), None if q_codes is None else q_codes[rows]))
+            # index the numpy codes with numpy rows: a one-element torch index would drop the dimension
+            codes_rows = None if q_codes is None else q_codes[rows.numpy()]
+            out[rows] = torch.from_numpy(self._decode(layer, q[rows].numpy(), codes_rows))
         for first, n, start, table in plan.prefills:
             if start == 0:
                 k_ctx, v_ctx = k[first : first + n], v[first : first + n]

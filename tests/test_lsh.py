@@ -236,7 +236,7 @@ def test_magicpig_worker_is_exact_below_min_context_and_samples_above():
     stores = [oaken_store(num_blocks=64) for _ in range(2)]
     workers = [AttentionWorker(stores[0], 64), AttentionWorker(stores[1], 64, MagicPig(cfg, 2, 3, 64))]
     coder = workers[1].sparse.coder()
-    tables = [tuple(range(0, 30)), tuple(range(30, 34))]
+    tables = [tuple(range(0, 30)), tuple(range(30, 34)), tuple(range(34, 36))]
     outs = []
     for w in workers:
         torch.manual_seed(0)
@@ -249,12 +249,19 @@ def test_magicpig_worker_is_exact_below_min_context_and_samples_above():
         for layer in range(2):
             q, k, v = (torch.randn(2, h, 64) for h in (9, 3, 3))
             step.append(w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 400, 1), (1, 50, 1)])))
+        # a mixed step with a single decode row (a one-row index must keep the codes' batch axis)
+        w.begin_step([ChunkLayout(1, 401, tables[0], 0), ChunkLayout(20, 0, tables[2], 2)])
+        for layer in range(2):
+            q, k, v = torch.randn(21, 9, 64), torch.randn(21, 3, 64), torch.randn(21, 3, 64)
+            step.append(w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 401, 1), (2, 0, 20)])))
         outs.append(step)
+    np.testing.assert_allclose(outs[1][3], outs[0][3], rtol=1e-5, atol=1e-6)  # mixed step, dense layer
+    assert not np.allclose(outs[1][2][0], outs[0][2][0], atol=1e-4)  # mixed step, long one sampled
     np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)  # dense layer: exact
     np.testing.assert_allclose(outs[1][0][1], outs[0][0][1], rtol=1e-5, atol=1e-6)  # short sequence: exact
     assert not np.allclose(outs[1][0][0], outs[0][0][0], atol=1e-4)  # long one sampled
     touched, eligible = workers[1].sparse.take_stats()
-    assert eligible == 9 * (400 - 64 - 4) and 0 < touched < 0.2 * eligible  # indexed at prefill: 0..335
+    assert eligible == 2 * 9 * (400 - 64 - 4) and 0 < touched < 0.2 * eligible  # indexed at prefill: 0..335
 
 
 def test_server_with_magicpig_samples_long_prompts():
