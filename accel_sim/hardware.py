@@ -1,0 +1,154 @@
+"""Devices, KV formats and the systems built from them.
+
+Device and format numbers live in `data/` (one YAML file per device, one for the KV formats),
+each as `{value, source}` so every constant says where it came from. A `System` is what gets
+simulated: a device kind, the KV format its software stores, and how many devices hold one
+model replica (pipeline stages).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from accel_sim.models import ModelShape
+
+DATA_DIR = Path(__file__).with_name("data")
+WEIGHT_BYTES_PER_PARAM = 2  # fp16/bf16 weights on every system (the paper's baselines are KV-only quantized)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    description: str
+    peak_tflops: float
+    """Matrix (tensor-core / MPU) fp16 peak."""
+    vector_tflops: float
+    """Peak of the units that run decode attention and KV dequantization (counted as FMA = 2 flops)."""
+    mem_bytes: float
+    mem_bw_bytes_s: float
+    eta_mem: float
+    eta_compute: float
+    eta_vector: float
+    kv_dequant_hidden: bool
+    """KV (de)quantization happens in the memory path and costs no compute time (Oaken's engines)."""
+    step_overhead_s: float
+    usable_mem_fraction: float
+    link_bw_bytes_s: float
+    link_latency_s: float
+    active_power_w: float
+    idle_power_w: float
+    sources: dict
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    bits_per_value: float
+    dequant_instr_per_value: float
+    residual_fp16_tokens: int
+    """Newest tokens of each sequence kept in fp16 (KIVI's residual)."""
+
+
+def _load(path: Path) -> dict:
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict), path
+    return data
+
+
+@lru_cache(maxsize=None)
+def load_device(name: str) -> DeviceSpec:
+    path = DATA_DIR / "devices" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown device {name!r}; known: {', '.join(device_names())}")
+    raw = _load(path)
+    fields = {k: v["value"] for k, v in raw.items() if isinstance(v, dict)}
+    sources = {k: v["source"] for k, v in raw.items() if isinstance(v, dict)}
+    return DeviceSpec(name=raw["name"], description=raw["description"], sources=sources,
+                      **{k: (bool(v) if isinstance(v, bool) else float(v)) for k, v in fields.items()})
+
+
+def device_names() -> list[str]:
+    return sorted(p.stem for p in (DATA_DIR / "devices").glob("*.yaml"))
+
+
+@lru_cache(maxsize=None)
+def load_formats() -> dict[str, KVFormat]:
+    raw = _load(DATA_DIR / "kv_formats.yaml")
+    return {name: KVFormat(name, float(f["bits_per_value"]["value"]), float(f["dequant_instr_per_value"]["value"]),
+                           int(f["residual_fp16_tokens"]["value"])) for name, f in raw.items()}
+
+
+# name -> (device, KV format, what runs on it)
+SYSTEMS: dict[str, tuple[str, str, str]] = {
+    "oaken-lpddr": ("oaken-lpddr", "oaken", "Oaken accelerator, LPDDR, Oaken KV"),
+    "oaken-hbm": ("oaken-hbm", "oaken", "Oaken accelerator, HBM, Oaken KV"),
+    "lpu-lpddr": ("oaken-lpddr", "fp16", "the same accelerator without Oaken (LPU), fp16 KV"),
+    "lpu-hbm": ("oaken-hbm", "fp16", "LPU-style accelerator, HBM, fp16 KV"),
+    "a100-vllm": ("a100-80gb", "fp16", "A100 80GB, vLLM fp16"),
+    "a100-kivi": ("a100-80gb", "kivi4", "A100 80GB, KIVI 4-bit KV"),
+    "a100-qserve": ("a100-80gb", "qserve_kv4", "A100 80GB, QServe KV4 (weights fp16, KV-only)"),
+    "h100-vllm": ("h100-sxm", "fp16", "H100 SXM, vLLM fp16"),
+}
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    device: DeviceSpec
+    fmt: KVFormat
+    model: ModelShape
+    num_devices: int
+    """Pipeline stages holding one model replica."""
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.model.total_params * WEIGHT_BYTES_PER_PARAM
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.model.kv_values_per_token * self.fmt.bits_per_value / 8
+
+    def seq_kv_bytes(self, seq_len: float) -> float:
+        """KV bytes one sequence of `seq_len` tokens holds (window-capped, KIVI residual in fp16)."""
+        n = self.model.kv_tokens(seq_len)
+        residual = min(n, self.fmt.residual_fp16_tokens) * self.model.kv_values_per_token * \
+            (16 - self.fmt.bits_per_value) / 8
+        return n * self.kv_bytes_per_token + residual
+
+    @property
+    def per_seq_overhead_tokens(self) -> float:
+        """KIVI's fp16 residual expressed in tokens of this format (0 for the others)."""
+        return self.fmt.residual_fp16_tokens * (16 - self.fmt.bits_per_value) / self.fmt.bits_per_value
+
+    @property
+    def kv_capacity_bytes(self) -> float:
+        """Memory left for KV on all stages after the weights (may be <= 0: the model does not fit)."""
+        d = self.device
+        return self.num_devices * d.mem_bytes * d.usable_mem_fraction - self.weight_bytes
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return max(0, int(self.kv_capacity_bytes // self.kv_bytes_per_token))
+
+    def fits_batch(self, batch: int, seq_len: int) -> bool:
+        """Whether `batch` sequences of `seq_len` tokens all fit at once (the paper's OOM criterion)."""
+        return self.kv_capacity_bytes >= batch * self.seq_kv_bytes(seq_len)
+
+
+def auto_num_devices(device: DeviceSpec, model: ModelShape, min_kv_fraction: float = 0.1) -> int:
+    """Fewest pipeline stages whose memory holds the weights and leaves `min_kv_fraction` for KV."""
+    usable = device.mem_bytes * device.usable_mem_fraction
+    return max(1, math.ceil(model.total_params * WEIGHT_BYTES_PER_PARAM / (usable * (1 - min_kv_fraction))))
+
+
+def make_system(name: str, model: ModelShape, num_devices: int | None = None) -> System:
+    if name not in SYSTEMS:
+        raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+    device_name, fmt_name, _ = SYSTEMS[name]
+    device = load_device(device_name)
+    n = num_devices or auto_num_devices(device, model)
+    return System(name, device, load_formats()[fmt_name], model, n)
