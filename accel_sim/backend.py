@@ -1,0 +1,69 @@
+"""`--backend sim`: real tokens, simulated timing.
+
+The numbers come from the real model (the hetero backend, with the KV format the simulated
+system stores: Oaken for the Oaken devices); each step's duration comes from the cost model
+for the chosen system and a timing model shape (default: the served SmolLM2 itself, or any
+shape from `accel_sim.models`, e.g. llama2-13b to ask what that model would cost). A virtual
+clock advances by the simulated step time; `timings_s` carries `sim_step_s` and `sim_clock_s`,
+from which the engine derives each request's simulated timing.
+"""
+from __future__ import annotations
+
+from accel_sim.cost import StepWork, step_cost
+from accel_sim.hardware import SYSTEMS, System, make_system
+from accel_sim.models import get_model
+from server.backend import StepInput, StepOutput
+
+# simulated KV format -> the CPU store format computing the same numerics
+NUMERICS_KV_FORMAT = {"oaken": "oaken", "fp16": "fp16", "kivi4": "kivi", "qserve_kv4": "int4"}
+
+
+def numerics_kv_format(system_name: str) -> str:
+    """The `--kv-format` whose numerics match what `system_name` stores."""
+    if system_name not in SYSTEMS:
+        raise ValueError(f"unknown sim device {system_name!r}; known: {', '.join(SYSTEMS)}")
+    return NUMERICS_KV_FORMAT[SYSTEMS[system_name][1]]
+
+
+def step_work(inp: StepInput, sliding_window: int | None = None) -> StepWork:
+    """What a scheduler step asks of the model, as the cost model's aggregates."""
+    num_decode, dec_kv, pre_tok, pre_kv, pairs, sampled = 0, 0.0, 0, 0.0, 0.0, 0
+    cap = (lambda n: min(n, sliding_window)) if sliding_window else (lambda n: n)
+    for c in inp.chunks:
+        n, s = len(c.token_ids), c.start_pos
+        sampled += c.sampling is not None
+        if n == 1 and s > 0:
+            num_decode += 1
+            dec_kv += cap(s + 1)
+        else:
+            pre_tok += n
+            pre_kv += cap(s)
+            pairs += n * s + n * (n + 1) / 2
+    return StepWork(num_decode, dec_kv, pre_tok, pre_kv, pairs, sampled)
+
+
+class SimBackend:
+    """Wraps a real backend (for tokens) and a simulated `System` (for time)."""
+
+    def __init__(self, inner, system: System):
+        self.inner = inner
+        self.system = system
+        self.kv_spec = inner.kv_spec
+        self.max_model_len = inner.max_model_len
+        self.model_cfg = inner.model_cfg
+        self.clock_s = 0.0
+
+    @classmethod
+    def build(cls, inner, system_name: str, timing_model: str, num_devices: int | None = None) -> "SimBackend":
+        return cls(inner, make_system(system_name, get_model(timing_model), num_devices))
+
+    def step(self, inp: StepInput) -> StepOutput:
+        out = self.inner.step(inp)
+        if not inp.chunks:
+            return out
+        cost = step_cost(self.system, step_work(inp, self.system.model.sliding_window))
+        self.clock_s += cost.time_s
+        return StepOutput(out.sampled, {**out.timings_s, "sim_step_s": cost.time_s, "sim_clock_s": self.clock_s})
+
+    def close(self) -> None:
+        self.inner.close()
