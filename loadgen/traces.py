@@ -7,7 +7,7 @@ import csv
 import math
 import re
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -74,9 +74,9 @@ _FRACTION = re.compile(r"(\.\d{6})\d+")
 
 
 def parse_azure_time(text: str) -> float:
-    """'2023-11-16 18:15:46.6805900' (7 fractional digits, optional zone) -> POSIX-like seconds."""
-    text = _FRACTION.sub(r"\1", text.strip())  # Python < 3.11 takes at most 6 fractional digits
-    return datetime.fromisoformat(text).timestamp()
+    """'2023-11-16 18:15:46.6805900' (7 fractional digits, optional zone; none means UTC) -> POSIX seconds."""
+    dt = datetime.fromisoformat(_FRACTION.sub(r"\1", text.strip()))  # Python < 3.11 takes at most 6 digits
+    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def _open_rows(path: Path, required: tuple[str, ...]):
@@ -97,7 +97,10 @@ def _open_rows(path: Path, required: tuple[str, ...]):
 
 
 def _count(value: str, name: str) -> int:
-    v = float(value)  # BurstGPT dumps sometimes write counts as 12.0
+    try:
+        v = float(value)  # BurstGPT dumps sometimes write counts as 12.0
+    except ValueError:
+        raise ValueError(f"{name} {value!r} is not a number") from None
     if not math.isfinite(v) or v != int(v) or v < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return int(v)
@@ -139,7 +142,10 @@ def _azure_row(fields: list[str], cols: dict[str, int], line: int) -> TraceReque
 
 
 def _burstgpt_row(fields: list[str], cols: dict[str, int], line: int) -> TraceRequest:
-    t = float(fields[cols["Timestamp"]])
+    try:
+        t = float(fields[cols["Timestamp"]])
+    except ValueError:
+        raise ValueError(f"Timestamp {fields[cols['Timestamp']]!r} is not a number of seconds") from None
     if not math.isfinite(t) or t < 0:
         raise ValueError(f"Timestamp must be finite seconds >= 0, got {fields[cols['Timestamp']]!r}")
 
