@@ -79,8 +79,12 @@ def plot(rows: list[dict], x: str, path: str, title: str) -> None:
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     systems = list(dict.fromkeys(r["system"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.4), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    ncols = min(3, len(models))
+    nrows = -(-len(models) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(max(4.2 * ncols, 6.5), 3.3 * nrows), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models):
         for system in systems:
             pts = sorted((r[x], r) for r in rows if r["model"] == model and r["system"] == system)
             ok = [(v, r["gen_tok_s"]) for v, r in pts if x != "seq_len" or r["fits"]]
@@ -92,8 +96,9 @@ def plot(rows: list[dict], x: str, path: str, title: str) -> None:
         ax.set_title(model, fontsize=9)
         ax.set_xlabel("batch size" if x == "batch" else "total sequence length (x = OOM)", fontsize=8)
         ax.tick_params(labelsize=7)
-    axes[0][0].set_ylabel("generation throughput (tok/s)", fontsize=8)
-    axes[0][-1].legend(fontsize=7)
+    for row in axes:
+        row[0].set_ylabel("generation throughput (tok/s)", fontsize=8)
+    axes.flat[len(models) - 1].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
