@@ -40,6 +40,8 @@ def register(sub) -> None:
     rp.add_argument("--systems", type=_csv(), default=["oaken-lpddr", "a100-vllm"],
                     help="comma-separated; each is replayed separately (default: oaken-lpddr,a100-vllm)")
     rp.add_argument("--replicas", type=int, default=1, help="model replicas in the pool (default: 1)")
+    rp.add_argument("--pool", default=None, help="one mixed pool instead of --systems/--replicas, e.g. "
+                                                  "oaken-lpddr:2,a100-vllm:1 (system:replicas)")
     rp.add_argument("--num-devices", type=int, default=None, help="devices per replica (default: fewest that fit)")
     rp.add_argument("--routing", default="least-loaded", help="least-loaded, round-robin or random")
     rp.add_argument("--time-scale", type=float, default=1.0, help="speed-up of arrivals (2 = twice the rate)")
@@ -104,17 +106,24 @@ def replay_command(args: argparse.Namespace) -> int:
 
     trace = Path(args.trace) if args.trace else AZURE_CONV_TRACE
     limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens)
+    model = get_model(args.model)
+    if args.pool:
+        pools = [[make_system(name, model, args.num_devices) for name, _, n in
+                  (entry.partition(":") for entry in args.pool.split(",")) for _ in range(int(n or 1))]]
+    else:
+        pools = [[make_system(name, model, args.num_devices)] * args.replicas for name in args.systems]
     results = []
-    for name in args.systems:
-        system = make_system(name, get_model(args.model), args.num_devices)
+    for pool in pools:
         t0 = time.perf_counter()
         reqs = read_trace(trace, args.limit, args.time_scale)
-        res = simulate([system] * args.replicas, reqs, limits, args.routing, args.seed)
+        res = simulate(pool, reqs, limits, args.routing, args.seed)
         wall = time.perf_counter() - t0
-        s = {"system": name, "model": args.model, "replicas": args.replicas,
-             "devices_per_replica": system.num_devices, "trace": trace.name, "wall_s": wall, **res.summary()}
+        name = "+".join(dict.fromkeys(s.name for s in pool))
+        s = {"system": name, "model": args.model, "replicas": len(pool),
+             "devices_per_replica": [s.num_devices for s in pool], "trace": trace.name, "wall_s": wall,
+             **res.summary()}
         results.append(s)
-        print(f"{name:12} x{args.replicas} ({system.num_devices} dev each): {s['num_finished']}/{s['num_requests']} done, "
+        print(f"{name:12} x{len(pool)}: {s['num_finished']}/{s['num_requests']} done, "
               f"{s['gen_tok_s']:.0f} gen tok/s, TTFT p50 {s['ttft_p50_s']:.2f} s p99 {s['ttft_p99_s']:.1f} s, "
               f"TPOT {s['tpot_mean_s'] * 1e3:.1f} ms, {s['j_per_gen_token']:.2f} J/token, "
               f"{s['num_preemptions']} preemptions; simulated {s['makespan_s']:.0f} s in {wall:.1f} s")

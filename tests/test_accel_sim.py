@@ -167,6 +167,15 @@ def test_pool_of_two_replicas_serves_a_burst_faster():
     assert two["makespan_s"] < one["makespan_s"] and two["num_finished"] == 64
 
 
+def test_mixed_pool_routes_to_every_replica():
+    m = get_model("llama2-7b")
+    pool = [make_system("oaken-lpddr", m), make_system("a100-vllm", m)]
+    for routing in ("least-loaded", "round-robin", "random"):
+        reqs = [Request(i, i * 0.01, 300, 40) for i in range(100)]
+        simulate(pool, reqs, routing=routing)
+        assert {r.replica for r in reqs} == {0, 1}, routing
+
+
 # ---- traces
 
 def test_burstgpt_layout_is_read(tmp_path):
@@ -211,9 +220,9 @@ def test_cli_replay_writes_json(tmp_path):
     from server.cli import main
 
     out = tmp_path / "r.json"
-    assert main(["sim", "replay", "--limit", "300", "--systems", "oaken-lpddr", "--json", str(out)]) == 0
+    assert main(["sim", "replay", "--limit", "300", "--pool", "oaken-lpddr:1,a100-vllm:2", "--json", str(out)]) == 0
     (s,) = json.loads(out.read_text())["results"]
-    assert s["num_finished"] == 300
+    assert s["num_finished"] == 300 and s["system"] == "oaken-lpddr+a100-vllm" and s["replicas"] == 3
 
 
 # ---- the backend through the real HTTP server
@@ -244,5 +253,11 @@ def test_sim_backend_answers_with_simulated_timing():
         # Llama2-13B on Oaken-LPDDR: each decode step reads 26 GB of weights at 0.99 TB/s, ~26 ms
         assert 0 < sim["ttft_s"] < sim["e2e_s"]
         assert 0.020 < sim["tpot_s"] < 0.035
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert "x_sim" in chunks[-1] and chunks[-1]["choices"][0]["finish_reason"]
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert "hetserve_sim_clock_seconds" in metrics and "hetserve_sim_steps_total" in metrics
     finally:
         srv.close()
