@@ -9,6 +9,7 @@ KubeRay CRDs from ../shared/k8s. Nothing is downloaded.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import io
 import json
@@ -127,7 +128,7 @@ def crd_validators() -> dict[str, jsonschema.Draft7Validator]:
     for kind, name in CRD_FILES.items():
         path = SHARED / "k8s" / name
         assert path.exists(), f"KubeRay CRD {path} missing (shared/k8s/ is part of every checkout's shared/)"
-        crd = yaml.safe_load(path.read_text())
+        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 2 MB of YAML
         (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
         validators[kind] = jsonschema.Draft7Validator(_strict(v1["schema"]["openAPIV3Schema"]))
     return validators
@@ -172,6 +173,18 @@ def test_lint_render_validate(helm, crd_validators, example):
     docs = helm.template(*values)
     assert {"ConfigMap", "Service"} <= {d["kind"] for d in docs}
     validate_all(docs, crd_validators)
+
+
+def test_validation_catches_unknown_fields(helm, crd_validators):
+    """The schema checks are not vacuous: a misspelt field fails them (the API server would drop it)."""
+    for typo in ("worker", "pod"):
+        docs = copy.deepcopy(helm.template(EXAMPLES["gpu-1-cpu-attn-2"]))
+        if typo == "worker":
+            cluster_spec(docs)["workerGroupSpecs"][0]["replica"] = 2
+        else:
+            pod_templates(docs)["head"]["spec"]["containers"][0]["readinesProbe"] = {"periodSeconds": 5}
+        with pytest.raises((AssertionError, kubernetes_validate.ValidationError), match="replica|readinesProbe"):
+            validate_all(docs, crd_validators)
 
 
 @pytest.mark.parametrize("sets", [
