@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tarfile
 import zipfile
 from importlib import metadata
@@ -62,7 +63,8 @@ class Helm:
         self._renders: dict[tuple, list[dict]] = {}
 
     def run(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(self.path), *args], capture_output=True, text=True, env=self.env, timeout=60)
+        return subprocess.run([str(self.path), *args], capture_output=True, text=True, env=self.env, timeout=60,
+                              check=False)
 
     def template(self, *values: Path, sets: tuple[str, ...] = ()) -> list[dict]:
         """Rendered documents (cached: the tests only read them)."""
@@ -257,7 +259,8 @@ def test_gpu_only_on_gpu_group_and_kv_resource_only_on_cpu_attention(helm):
         for c in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
             gpus = {k: c["resources"][k].get("nvidia.com/gpu") for k in ("requests", "limits")}
             is_gpu_container = name == "gpu" and c["name"] == "ray-worker"
-            assert gpus == ({"requests": None, "limits": "1"} if is_gpu_container else {"requests": None, "limits": None}), (name, c["name"])
+            expected = {"requests": None, "limits": "1" if is_gpu_container else None}
+            assert gpus == expected, (name, c["name"])
     assert groups["gpu"]["rayStartParams"]["num-gpus"] == "1"
     assert groups["gpu"]["replicas"] == 1 and groups["cpu-attn"]["replicas"] == 2
 
@@ -284,7 +287,8 @@ def test_pdb_selects_each_worker_group(helm):
     docs = helm.template(EXAMPLES["gpu-1-cpu-attn-2"])
     labels = {g: t["metadata"]["labels"] for g, t in pod_templates(docs).items()}
     pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
-    selected = sorted(g for p in pdbs for g, lab in labels.items() if p["spec"]["selector"]["matchLabels"].items() <= lab.items())
+    selected = sorted(g for p in pdbs for g, lab in labels.items()
+                      if p["spec"]["selector"]["matchLabels"].items() <= lab.items())
     assert selected == ["cpu-attn", "gpu"]
     assert not [d for d in helm.template(EXAMPLES["cpu-single-node"]) if d["kind"] == "PodDisruptionBudget"]
 
@@ -338,17 +342,19 @@ def test_container_scripts_run(helm, tmp_path, example):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in ("ray", "hetserve"):
-        (bin_dir / name).write_text(f'#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(["{name}", *sys.argv[1:]]))\n')
+        script = f'#!{sys.executable}\nimport json, sys\nprint(json.dumps(["{name}", *sys.argv[1:]]))\n'
+        (bin_dir / name).write_text(script)
         (bin_dir / name).chmod(0o755)
     spec = cluster_spec(helm.template(EXAMPLES[example]))
-    groups = [("head", True, spec["headGroupSpec"])] + [(g["groupName"], False, g) for g in spec.get("workerGroupSpecs", [])]
+    groups = [("head", True, spec["headGroupSpec"])]
+    groups += [(g["groupName"], False, g) for g in spec.get("workerGroupSpecs", [])]
     for name, is_head, group in groups:
         (container,) = group["template"]["spec"]["containers"]
         assert container["command"] == ["/bin/bash", "-c", "--"]
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin",
                "KUBERAY_GEN_RAY_START_CMD": kuberay_start_cmd(is_head, group["rayStartParams"])}
         out = subprocess.run(["/bin/bash", "-c", "--", container["args"][0]], env=env, capture_output=True,
-                             text=True, timeout=30)
+                             text=True, timeout=30, check=False)
         assert out.returncode == 0, (name, out.stderr)
         calls = [json.loads(line) for line in out.stdout.splitlines()]
         rays = [c for c in calls if c[0] == "ray"]
@@ -432,7 +438,10 @@ def test_dockerfile_agrees_with_chart():
         image = re.sub(r"\$\{(\w+)\}", lambda m: global_args[m.group(1)], stage.split()[0])
         assert re.search(r":\d+\.\d+\.\d+[\w.-]*$|@sha256:[0-9a-f]{64}$", image), f"unpinned base image {image}"
     final = ins[max(i for i, (k, _) in enumerate(ins) if k == "FROM"):]
-    get = lambda key: [a for k, a in final if k == key]  # noqa: E731
+
+    def get(key: str) -> list[str]:
+        return [a for k, a in final if k == key]
+
     (user,) = get("USER")
     assert user.split(":")[0] == str(values["podSecurityContext"]["runAsUser"]) != "0"
     assert values["modelCache"]["mountPath"] in json.loads(get("VOLUME")[0])
