@@ -57,41 +57,66 @@ class StepCost:
                 "link_s": self.link_s, "overhead_s": self.overhead_s}
 
 
+class CostModel:
+    """`step_cost` for one system, with every per-system constant computed once (the simulator
+    calls `time_s` hundreds of thousands of times per trace)."""
+
+    def __init__(self, sys: System):
+        m, d, f = sys.model, sys.device, sys.fmt
+        p = self.p = sys.num_devices
+        self.model, self.overhead_s = m, d.step_overhead_s
+        self.bw = d.mem_bw_bytes_s * d.eta_mem
+        self.matrix = d.peak_tflops * 1e12 * d.eta_compute
+        vector_fma = d.vector_tflops * 1e12 / 2 * d.eta_vector  # FMA (or int) instructions per second
+        self.is_moe = m.num_experts > 1
+        self.dense_weight_bytes = (m.layer_params + m.head_params) * WEIGHT_BYTES_PER_PARAM / p
+        self.head_bytes = m.head_params * WEIGHT_BYTES_PER_PARAM
+        self.lin_flops_per_token = 2.0 * m.active_layer_params / (p * p)
+        self.head_flops = 2.0 * m.head_params / (p * p)
+        self.kv_bytes_per_token = sys.kv_bytes_per_token / (p * p)
+        self.seq_overhead_bytes = sys.per_seq_overhead_tokens * sys.kv_bytes_per_token / (p * p)
+        values = m.kv_values_per_token / (p * p)
+        group = m.num_heads / m.num_kv_heads
+        dequant = 0.0 if d.kv_dequant_hidden else f.dequant_instr_per_value
+        # q·K and p·V: one FMA per KV value per query head of its group; groups of >= 4 heads run as
+        # small matrix products on the matrix units (FlashInfer/QServe GQA decode), smaller ones on vector
+        fma_on_vector = group if group < GQA_MATRIX_GROUP else 0.0
+        self.decode_vector_s_per_token = values * (fma_on_vector + dequant) / vector_fma
+        self.decode_matrix_flops_per_token = 0.0 if fma_on_vector else 2.0 * values * group
+        self.prefill_flops_per_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim / (p * p)
+        self.link_s_per_token = m.hidden_size * WEIGHT_BYTES_PER_PARAM / d.link_bw_bytes_s / p
+        self.link_latency_s = d.link_latency_s if p > 1 else 0.0
+
+    def parts(self, num_decode: int, decode_kv: float, prefill_tokens: int, prefill_kv_read: float,
+              pairs: float, num_sampled: int) -> tuple[float, float, float, float, float]:
+        """(linear_s, attention_s, link_s, bytes, flops) of one stage and one micro-batch."""
+        tokens = num_decode + prefill_tokens
+        if self.is_moe:
+            weight_bytes = (self.model.layer_params_touched(tokens / self.p) * WEIGHT_BYTES_PER_PARAM
+                            + self.head_bytes) / self.p
+        else:
+            weight_bytes = self.dense_weight_bytes
+        lin_flops = self.lin_flops_per_token * tokens + self.head_flops * num_sampled
+        linear_s = max(weight_bytes / self.bw, lin_flops / self.matrix)
+        kv_bytes = (decode_kv + prefill_kv_read + tokens) * self.kv_bytes_per_token + \
+            num_decode * self.seq_overhead_bytes  # reads + this step's writes
+        matrix_flops = self.prefill_flops_per_pair * pairs + self.decode_matrix_flops_per_token * decode_kv
+        attention_s = max(kv_bytes / self.bw,
+                          self.decode_vector_s_per_token * decode_kv + matrix_flops / self.matrix)
+        link_s = self.link_s_per_token * tokens + self.link_latency_s if self.p > 1 else 0.0
+        return linear_s, attention_s, link_s, weight_bytes + kv_bytes, lin_flops + matrix_flops
+
+    def time_s(self, *work) -> float:
+        """Step time for StepWork's fields given positionally."""
+        linear_s, attention_s, link_s, _, _ = self.parts(*work)
+        return self.p * (linear_s + attention_s + link_s) + self.overhead_s
+
+
 def step_cost(sys: System, w: StepWork) -> StepCost:
-    m, d, f = sys.model, sys.device, sys.fmt
-    p = sys.num_devices
-    bw = d.mem_bw_bytes_s * d.eta_mem
-    matrix = d.peak_tflops * 1e12 * d.eta_compute
-    vector_fma = d.vector_tflops * 1e12 / 2 * d.eta_vector  # FMA (or int) instructions per second
-    tokens = w.num_decode + w.prefill_tokens
-    tok_mb = tokens / p  # tokens of one micro-batch
-
-    # linears, one stage, one micro-batch
-    weight_bytes = (m.layer_params_touched(tok_mb) + m.head_params) * WEIGHT_BYTES_PER_PARAM / p
-    lin_flops = 2.0 * (m.active_layer_params * tokens + m.head_params * w.num_sampled) / (p * p)
-    linear_s = max(weight_bytes / bw, lin_flops / matrix)
-
-    # attention, one stage, one micro-batch
-    kv_tokens = w.decode_kv_tokens + w.prefill_kv_read_tokens + tokens  # reads + this step's writes
-    kv_bytes = kv_tokens * sys.kv_bytes_per_token + w.num_decode * sys.per_seq_overhead_tokens * \
-        sys.kv_bytes_per_token
-    kv_bytes /= p * p
-    group = m.num_heads / m.num_kv_heads
-    dequant = 0.0 if d.kv_dequant_hidden else f.dequant_instr_per_value
-    decode_values = w.decode_kv_tokens * m.kv_values_per_token / (p * p)
-    # q·K and p·V: one FMA per KV value per query head of its group; groups of >= 4 heads run as
-    # small matrix products on the matrix units (FlashInfer/QServe GQA decode), smaller ones on vector
-    fma_on_vector = group if group < GQA_MATRIX_GROUP else 0.0
-    vector_s = decode_values * (fma_on_vector + dequant) / vector_fma
-    matrix_flops = 4.0 * m.num_layers * m.num_heads * m.head_dim * w.prefill_attn_pairs / (p * p)
-    if fma_on_vector == 0.0:
-        matrix_flops += 2.0 * decode_values * group
-    attention_s = max(kv_bytes / bw, vector_s + matrix_flops / matrix)
-
-    link_s = 0.0
-    if p > 1:
-        link_s = tok_mb * m.hidden_size * WEIGHT_BYTES_PER_PARAM / d.link_bw_bytes_s + d.link_latency_s
-    stage_s = linear_s + attention_s + link_s
-    time_s = p * stage_s + d.step_overhead_s
-    return StepCost(time_s, p * linear_s, p * attention_s, p * link_s, d.step_overhead_s,
-                    p * p * (weight_bytes + kv_bytes), p * p * (lin_flops + matrix_flops))
+    c = CostModel(sys)
+    p = c.p
+    linear_s, attention_s, link_s, nbytes, flops = c.parts(
+        w.num_decode, w.decode_kv_tokens, w.prefill_tokens, w.prefill_kv_read_tokens, w.prefill_attn_pairs,
+        w.num_sampled)
+    return StepCost(p * (linear_s + attention_s + link_s) + c.overhead_s, p * linear_s, p * attention_s, p * link_s,
+                    c.overhead_s, p * p * nbytes, p * p * flops)

@@ -20,7 +20,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from accel_sim.cost import StepWork, step_cost
+from accel_sim.cost import CostModel
 from accel_sim.hardware import System
 
 
@@ -68,6 +68,7 @@ class Replica:
     def __init__(self, index: int, system: System, limits: SchedulerLimits):
         self.index, self.system, self.limits = index, system, limits
         self.capacity_tokens = system.kv_capacity_tokens
+        self.cost = CostModel(system)
         self.slack = limits.block_size + system.per_seq_overhead_tokens  # per sequence
         self.waiting: deque[_Seq] = deque()
         self.prefilling: list[_Seq] = []
@@ -80,6 +81,8 @@ class Replica:
         self.is_busy = False
         self.busy_s = 0.0
         self.max_concurrency = 0
+        self.num_generated = 0
+        """Tokens sampled (each request's output is generated exactly once, across preemptions)."""
         self._pending: tuple | None = None
         self._order = 0
 
@@ -133,7 +136,7 @@ class Replica:
             length = s.base + self.iter
             self.num_decode -= 1
             self.sum_len -= s.base
-            s.prompt, s.finish_iter = length, -1
+            s.prompt, s.remaining, s.finish_iter = length, s.finish_iter - self.iter, -1
         else:
             self.prefilling.remove(s)
             self.used_prefill -= s.prompt + 1
@@ -162,21 +165,21 @@ class Replica:
         window = self.system.model.sliding_window
         dec_kv = self.decode_tokens() if not window else min(self.decode_tokens(), self.num_decode * window)
         num_sampled = self.num_decode + sum(1 for s, n in chunks if s.prefilled + n == s.prompt)
-        work = StepWork(self.num_decode, float(dec_kv), pre_tok, kv_read, pairs, num_sampled)
-        cost = step_cost(self.system, work)
-        self._pending = (chunks,)
+        dt = self.cost.time_s(self.num_decode, dec_kv, pre_tok, kv_read, pairs, num_sampled)
+        self._pending = (chunks, self.num_decode)
         self.is_busy = True
-        self.busy_s += cost.time_s
-        return cost.time_s
+        self.busy_s += dt
+        return dt
 
     def finish_step(self, now: float, finished: list[Request]) -> None:
-        (chunks,) = self._pending
+        chunks, num_decode = self._pending
         self.is_busy = False
         # decodes: every decoding sequence grew by one token
         self.iter += 1
+        self.num_generated += num_decode
         while self.heap and self.heap[0][0] <= self.iter:
-            _, _, s = heapq.heappop(self.heap)
-            if not s.is_alive:
+            finish_iter, _, s = heapq.heappop(self.heap)
+            if not s.is_alive or s.finish_iter != finish_iter:  # stale: preempted since
                 continue
             s.is_alive = False
             self.num_decode -= 1
@@ -192,6 +195,7 @@ class Replica:
             if math.isnan(s.req.first_token_s):
                 s.req.first_token_s = now
             s.remaining -= 1
+            self.num_generated += 1
             if s.remaining <= 0:
                 s.is_alive = False
                 s.req.finish_s = now

@@ -134,6 +134,7 @@ def test_memory_pressure_preempts_and_still_finishes_everything():
     s = res.summary()
     assert s["num_finished"] == 64 and s["num_preemptions"] > 0
     assert all(r.finish_s > r.first_token_s > 0 for r in reqs)
+    assert res.replicas[0].num_generated == 64 * 1024  # preempted sequences resume, not restart or overrun
 
 
 def test_step_count_is_exact_for_one_request():
