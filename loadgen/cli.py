@@ -30,7 +30,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=str(DEFAULT_TEXT), help="text the prompts are cut from (default: WikiText-2 test)")
     p.add_argument("--max-prompt-tokens", type=int, help="clip prompt lengths to this (e.g. the model's context)")
     p.add_argument("--max-output-tokens", type=int, help="clip output lengths (max_tokens) to this")
-    p.add_argument("--max-concurrency", type=int, help="at most N requests in flight; later arrivals wait in the client")
+    p.add_argument("--max-concurrency", type=int, 
+                   help="at most N requests in flight; later arrivals wait in the client")
     p.add_argument("--slo", help="goodput SLOs in ms, e.g. ttft_ms=500,tpot_ms=50 (also e2el_ms)")
     p.add_argument("--out", help="directory for summary.json, requests.csv and PNG plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -111,7 +112,8 @@ def run_workload(args: argparse.Namespace, requests: tuple[TraceRequest, ...], r
     summary = summarize(result, slo, rate, burstiness)
     print(format_summary(summary))
     if args.out:
-        config = {k: "inf" if isinstance(v, float) and math.isinf(v) else v for k, v in vars(args).items() if k != "func"}
+        config = {k: "inf" if isinstance(v, float) and math.isinf(v) else v
+                  for k, v in vars(args).items() if k != "func"}
         config.update(model=model, url=ep.url, num_prompts_raised_to_template_min=num_raised)
         paths = write_report(Path(args.out), summary, result.records, config, is_plotting=not args.no_plots)
         print("wrote " + ", ".join(str(p) for p in paths))

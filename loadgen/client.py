@@ -40,7 +40,7 @@ class Endpoint:
     @property
     def url(self) -> str:
         root = self.base_url.rstrip("/")
-        root = root[:-3] if root.endswith("/v1") else root
+        root = root.removesuffix("/v1")
         return root + ("/v1/completions" if self.api == "completions" else "/v1/chat/completions")
 
     def headers(self) -> dict[str, str]:
@@ -126,6 +126,42 @@ def _take_chunk(st: _Stream, obj: dict, now: float, is_chat: bool, itl: list[flo
         st.prompt_tokens = int(usage.get("prompt_tokens", -1))
 
 
+_DONE = ("", "")
+
+
+def _take_line(raw: bytes, st: _Stream, now: float, is_chat: bool, itl: list[float],
+               text: list[str]) -> tuple[str, str] | None:
+    """Handle one SSE line; returns (error kind, message) when the stream is over, else None."""
+    line = raw.strip()
+    if not line.startswith(b"data:"):
+        return None  # blank separators, SSE comments (pings), event: lines
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        return _DONE
+    obj = json.loads(payload)
+    if "error" in obj:
+        return "stream_error", str(obj["error"])[:300]
+    _take_chunk(st, obj, now, is_chat, itl, text)
+    return None
+
+
+async def _read_events(resp: aiohttp.ClientResponse, st: _Stream, is_chat: bool, itl: list[float],
+                       text: list[str]) -> tuple[str, str]:
+    """Read the SSE body as it arrives. Everything in one read gets one stamp: it reached the client
+    together (reading whole buffers, not line by line, keeps the client's cost per token low)."""
+    tail = b""
+    async for data in resp.content.iter_any():
+        now = time.perf_counter()
+        lines = (tail + data).split(b"\n")
+        tail = lines.pop()  # a partial line, completed by the next read
+        for raw in lines:
+            end = _take_line(raw, st, now, is_chat, itl, text)
+            if end is not None:
+                return end
+    end = _take_line(tail, st, time.perf_counter(), is_chat, itl, text) if tail.strip() else None
+    return end or _DONE
+
+
 async def send(session: aiohttp.ClientSession, ep: Endpoint, spec: RequestSpec, run_t0: float,
                count_output=None) -> RequestRecord:
     """Send one streaming request and time it. `count_output(text) -> int` counts output tokens when
@@ -139,19 +175,7 @@ async def send(session: aiohttp.ClientSession, ep: Endpoint, spec: RequestSpec, 
             if resp.status != 200:
                 kind, msg = f"http_{resp.status}", (await resp.text())[:300]
             else:
-                async for raw in resp.content:
-                    now = time.perf_counter()
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue  # blank separators, SSE comments (pings), event: lines
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        kind, msg = "stream_error", str(obj["error"])[:300]
-                        break
-                    _take_chunk(st, obj, now, ep.api == "chat", itl, text)
+                kind, msg = await _read_events(resp, st, ep.api == "chat", itl, text)
     except asyncio.TimeoutError:
         kind, msg = "timeout", f"no complete response in {ep.timeout_s:g} s"
     except aiohttp.ClientError as exc:

@@ -4,8 +4,8 @@
     python -m loadgen.fake_server --port 8123 [--ttft-ms 0] [--itl-ms 0] [--fail-every 0]
 
 Plain asyncio streams, HTTP/1.1 keep-alive, chunked SSE. Each chunk's send time (time.perf_counter, the
-system-wide monotonic clock on Linux) is kept per X-Request-Id header and served at GET /stamps, so a client
-on the same machine can compare its own stamps with the server's.
+system-wide monotonic clock on Linux) is kept per X-Request-Id header and served (then cleared) at
+GET /stamps, so a client on the same machine can compare its own stamps with the server's.
 """
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ async def _serve_one(state: FakeServerState, reader: asyncio.StreamReader, write
         writer.write(_response("200 OK", b'{"object": "list", "data": [{"id": "fake"}]}'))
     elif method == "GET" and path == "/stamps":
         writer.write(_response("200 OK", json.dumps(state.stamps).encode()))
+        state.stamps = {}  # served once: the next run starts clean
     elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
         state.num_requests += 1
         if state.fail_every and state.num_requests % state.fail_every == 0:

@@ -31,7 +31,8 @@ def timeline(records: tuple[RequestRecord, ...], bin_s: float | None = None) -> 
     for r in records:
         times = token_times(r)
         if len(times):
-            np.add.at(tok, np.minimum((times // bin_s).astype(np.int64), num_bins - 1), r.num_output_tokens / len(times))
+            bins = np.minimum((times // bin_s).astype(np.int64), num_bins - 1)
+            np.add.at(tok, bins, r.num_output_tokens / len(times))
     mid = t + bin_s / 2
     send = np.array([r.send_at_s for r in records])
     fin = np.array([r.done_at_s for r in records])
@@ -54,7 +55,8 @@ def _latencies_ms(rows: list[dict]) -> dict[str, list[float]]:
             "E2E": [r["e2e_ms"] for r in ok]}
 
 
-def plot_cdfs(runs: dict[str, dict[str, list[float]]], path: Path, itl_ms: dict[str, list[float]] | None = None) -> Path:
+def plot_cdfs(runs: dict[str, dict[str, list[float]]], path: Path,
+              itl_ms: dict[str, list[float]] | None = None) -> Path:
     """One panel per metric, one line per run. runs: name -> {"TTFT": [...ms], "TPOT": [...], "E2E": [...]}."""
     plt = _pyplot()
     names = ["TTFT", "TPOT", "E2E"] + (["ITL"] if itl_ms else [])

@@ -9,6 +9,7 @@ What "N tokens" means is what the server will count as `usage.prompt_tokens`:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,8 @@ class TargetTokenizer:
         self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
 
     @classmethod
-    def load(cls, path: str | None = None) -> "TargetTokenizer":
+    @functools.lru_cache(maxsize=4)  # one load per process and path (tests run the CLI more than once)
+    def load(cls, path: str | None = None) -> TargetTokenizer:
         """`path`: a tokenizer or model directory, or a .gguf file; None: hetserve's bundled default model."""
         from transformers import AutoTokenizer
 

@@ -24,12 +24,12 @@ class RunResult:
 async def model_name(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> str | None:
     """The first model id of GET /v1/models, or None when the endpoint does not list one."""
     root = base_url.rstrip("/")
-    root = root[:-3] if root.endswith("/v1") else root
+    root = root.removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
-            async with s.get(root + "/v1/models", headers=headers) as r:
-                data = (await r.json()).get("data") if r.status == 200 else None
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
+                s.get(root + "/v1/models", headers=headers) as r:
+            data = (await r.json()).get("data") if r.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
     return str(data[0]["id"]) if data and isinstance(data, list) and "id" in data[0] else None

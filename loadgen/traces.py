@@ -123,8 +123,9 @@ def _read(path: Path, required: tuple[str, ...], parse_row) -> Trace:
                 bad.append(BadRow(str(path), line, str(exc)))
                 continue
             if req.num_prompt_tokens < 1 or req.num_output_tokens < 1:
-                bad.append(BadRow(str(path), line, f"{req.num_prompt_tokens} prompt / {req.num_output_tokens} output "
-                                                   "tokens (a failed request in the trace?); at least 1 of each needed"))
+                reason = (f"{req.num_prompt_tokens} prompt / {req.num_output_tokens} output tokens "
+                          "(a failed request in the trace?); at least 1 of each needed")
+                bad.append(BadRow(str(path), line, reason))
                 continue
             rows.append(req)
     rows.sort(key=lambda r: r.arrival_s)

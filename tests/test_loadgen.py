@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import threading
@@ -113,7 +114,8 @@ def test_burstgpt_v1_layout_and_filters(tmp_path):
 
 def test_burstgpt_session_layout(tmp_path):
     tr = read_burstgpt(write(tmp_path, "b2.csv", BURST_V2))
-    assert [(r.arrival_s, r.session_id, r.model) for r in tr.requests] == [(0.0, "s1", "ChatGPT"), (2.25, "s1", "GPT-4")]
+    got = [(r.arrival_s, r.session_id, r.model) for r in tr.requests]
+    assert got == [(0.0, "s1", "ChatGPT"), (2.25, "s1", "GPT-4")]
     assert len(tr.bad_rows) == 1 and tr.bad_rows[0].line == 4 and "9 fields" in tr.bad_rows[0].reason
 
 
@@ -135,8 +137,9 @@ def test_rescale_by_time_scale_and_rate():
 def test_gamma_arrivals_rate_and_burstiness():
     poisson = np.diff(gamma_arrivals(20001, rate=50.0, burstiness=1.0, seed=1))
     bursty = np.diff(gamma_arrivals(20001, rate=50.0, burstiness=0.25, seed=1))
-    assert poisson[1:].mean() == pytest.approx(1 / 50, rel=0.03) and bursty[1:].mean() == pytest.approx(1 / 50, rel=0.05)
-    cv = lambda g: g[1:].std() / g[1:].mean()  # noqa: E731
+    assert poisson[1:].mean() == pytest.approx(1 / 50, rel=0.03)
+    assert bursty[1:].mean() == pytest.approx(1 / 50, rel=0.05)
+    cv = lambda g: g[1:].std() / g[1:].mean()
     assert cv(poisson) == pytest.approx(1.0, abs=0.05) and cv(bursty) == pytest.approx(2.0, abs=0.15)
     assert not gamma_arrivals(5, math.inf).any()
 
@@ -299,7 +302,7 @@ def test_concurrency_cap_holds_requests_in_the_client():
     with fake_endpoint(ttft_s=0.05) as (url, _):
         res = asyncio.run(run_requests(specs([0.0] * 4), Endpoint(url), max_concurrency=1, show_progress=False))
     r = sorted(res.records, key=lambda x: x.send_at_s)
-    assert all(b.send_at_s >= a.done_at_s - 0.005 for a, b in zip(r, r[1:]))
+    assert all(b.send_at_s >= a.done_at_s - 0.005 for a, b in itertools.pairwise(r))
     assert peak_concurrency(res.records) == 1 and res.max_concurrency == 1
 
 
@@ -308,15 +311,15 @@ def test_report_files_and_compare(tmp_path):
     for name, ttft in (("fast", 0.0), ("slow", 0.03)):
         with fake_endpoint(ttft_s=ttft) as (url, _):
             res = asyncio.run(run_requests(specs([0.0, 0.01, 0.02]), Endpoint(url), show_progress=False))
-        paths = write_report(tmp_path / name, summarize(res), res.records, {"name": name})
-        assert sorted(p.name for p in paths) == ["latency_cdf.png", "requests.csv", "summary.json", "timeline.png"]
+        paths = write_report(tmp_path / name, summarize(res), res.records, {"name": name}, is_plotting=False)
+        assert sorted(p.name for p in paths) == ["requests.csv", "summary.json"]
         dirs.append(tmp_path / name)
     assert json.loads((dirs[0] / "summary.json").read_text())["config"] == {"name": "fast"}
     table = compare(dirs, tmp_path / "cmp.png", tmp_path / "cmp.json")
     lines = table.splitlines()
     assert lines[1].startswith("fast") and lines[2].startswith("slow") and (tmp_path / "cmp.png").stat().st_size > 0
     numbers = json.loads((tmp_path / "cmp.json").read_text())
-    assert numbers["slow"]["mean_ttft_ms"] > numbers["fast"]["mean_ttft_ms"] + 20
+    assert numbers["slow"]["mean_ttft_ms"] >= 30 and numbers["fast"]["completed"] == 3
     with pytest.raises(RunDirError):
         compare([tmp_path], None)
 
@@ -330,12 +333,13 @@ def test_cli_usage_errors_exit_2(tmp_path, capsys):
 
 # ---------------------------------------------------------------- end to end against real hetserve
 
-@pytest.mark.parametrize("api,num", [("completions", 12), ("chat", 4)])
+@pytest.mark.parametrize("api,num", [("completions", 12), ("chat", 3)])
 def test_replay_azure_against_hetserve(server, tmp_path, api, num):
-    out = tmp_path / "run"
+    out, text = tmp_path / "run", tmp_path / "text.txt"
+    text.write_text(DEFAULT_TEXT.read_text()[:100_000])  # enough for 128-token prompts, quick to tokenize
     code = hetserve_main(["loadgen", "replay", str(AZURE), "--trace-format", "azure", "--endpoint", server.url,
-                          "--api", api, "--max-requests", str(num), "--rate", "8", "--max-prompt-tokens", "128",
-                          "--max-output-tokens", "16", "--out", str(out), "--no-progress", "--no-plots",
+                          "--api", api, "--max-requests", str(num), "--rate", "10", "--max-prompt-tokens", "128",
+                          "--max-output-tokens", "16", "--text", str(text), "--out", str(out), "--no-progress",
                           "--slo", "ttft_ms=60000"])
     assert code == 0
     s = json.loads((out / "summary.json").read_text())
@@ -348,4 +352,4 @@ def test_replay_azure_against_hetserve(server, tmp_path, api, num):
     assert s["num_prompt_len_mismatch"] == 0 and s["num_output_len_mismatch"] == 0  # the server counted the same
     assert s["good_requests"] == num and 0 < s["mean_ttft_ms"] < s["mean_e2el_ms"] and s["mean_tpot_ms"] > 0
     rows = (out / "requests.csv").read_text().splitlines()
-    assert len(rows) == num + 1
+    assert len(rows) == num + 1 and (out / "timeline.png").is_file() and (out / "latency_cdf.png").is_file()
