@@ -458,5 +458,8 @@ def test_dockerfile_agrees_with_chart():
     assert f'"torch=={build_args["TORCH_VERSION"]}"' in pyproject
     # every package pyproject installs is copied into the build stage
     packages = re.findall(r'"(\w+)\*"', re.search(r"include = \[(.*?)\]", pyproject).group(1))
-    copied = {a.split()[0] for k, a in ins if k == "COPY" and "--from" not in a}
+    copied = {src for k, a in ins if k == "COPY" and "--from" not in a for src in a.split()[:-1]}
     assert set(packages) <= copied, set(packages) - copied
+    # and the build context keeps them (BuildKit's Dockerfile-specific ignore file)
+    ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().split("\n")
+    assert copied <= {line[1:] for line in ignore if line.startswith("!")}
