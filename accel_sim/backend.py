@@ -67,3 +67,9 @@ class SimBackend:
 
     def close(self) -> None:
         self.inner.close()
+
+    def __getattr__(self, name: str):
+        # the inner backend's optional capabilities (live_shards, health) stay visible to the engine
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
