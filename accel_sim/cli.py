@@ -11,6 +11,16 @@ def _csv(kind=str):
     return lambda s: [kind(x) for x in s.split(",") if x.strip()]
 
 
+def _clean_errors(handler):
+    """Bad names and values end the command with one line, not a traceback."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"hetserve sim {args.sim_command}: {exc}") from None
+    return run
+
+
 def register(sub) -> None:
     p = sub.add_parser("sim", help="simulated Oaken accelerators and GPU baselines (accel_sim)",
                        description="Discrete-event simulation of Oaken accelerators and GPU baselines.")
@@ -28,11 +38,11 @@ def register(sub) -> None:
     sw.add_argument("--seq-batch", type=int, default=16, help="--vs seq_len: batch size (default: 16)")
     sw.add_argument("--out", default="benchmarks/results/sim_sweep",
                     help="output prefix: PREFIX_{batch,seq_len}.png and PREFIX.json (default: %(default)s)")
-    sw.set_defaults(func=sweep_command)
+    sw.set_defaults(func=_clean_errors(sweep_command))
 
     va = ss.add_parser("validate", help="the simulator against the Oaken paper's published numbers")
     va.add_argument("--json", help="write {rows: [{name, target, value, passed, error, ...}]} here")
-    va.set_defaults(func=validate_command)
+    va.set_defaults(func=_clean_errors(validate_command))
 
     rp = ss.add_parser("replay", help="timing-only replay of a request trace (default: Azure conversation)")
     rp.add_argument("--trace", default=None, help="Azure (TIMESTAMP,ContextTokens,GeneratedTokens) or BurstGPT CSV")
@@ -50,7 +60,7 @@ def register(sub) -> None:
     rp.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default: 2048)")
     rp.add_argument("--seed", type=int, default=0, help="seed of the random routing policy")
     rp.add_argument("--json", help="write the summaries here")
-    rp.set_defaults(func=replay_command)
+    rp.set_defaults(func=_clean_errors(replay_command))
 
     dv = ss.add_parser("devices", help="list devices, KV formats and systems with their sources")
     dv.set_defaults(func=devices_command)

@@ -226,6 +226,13 @@ def test_cli_replay_writes_json(tmp_path):
     assert s["num_finished"] == 300 and s["system"] == "oaken-lpddr+a100-vllm" and s["replicas"] == 3
 
 
+def test_cli_reports_bad_names_in_one_line():
+    from server.cli import main
+
+    with pytest.raises(SystemExit, match="hetserve sim replay: unknown system 'tpu'"):
+        main(["sim", "replay", "--systems", "tpu", "--limit", "10"])
+
+
 # ---- the backend through the real HTTP server
 
 def test_config_checks_the_numerics_format():
