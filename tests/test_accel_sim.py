@@ -53,6 +53,15 @@ def test_oaken_bits_are_the_measured_ones():
     assert sys_.kv_bytes_per_token == pytest.approx(2 * 40 * 5120 * 5.17 / 8)
 
 
+def test_kivi_residual_and_qserve_bits():
+    m = get_model("llama2-7b")
+    kivi, qserve = make_system("a100-kivi", m, 1), make_system("a100-qserve", m, 1)
+    values = 2 * 32 * 4096
+    # 1000 tokens: 128 newest in fp16, the rest at 4 bits + fp16 scale/zero per 32 values
+    assert kivi.seq_kv_bytes(1000) == pytest.approx(872 * values * 5 / 8 + 128 * values * 2)
+    assert qserve.seq_kv_bytes(1000) == pytest.approx(1000 * values * 4.25 / 8)
+
+
 # ---- cost model, hand-computed
 
 def test_decode_step_is_weights_plus_kv_over_bandwidth():
