@@ -219,6 +219,8 @@ def test_config_is_a_valid_serve_config(helm, tmp_path, example):
     path.write_text(only(docs, "ConfigMap")["data"]["config.yaml"])
     cfg = ServeConfig.from_file(path)
     assert (cfg.host, cfg.port) == ("0.0.0.0", 8000)
+    # the bundled model's thresholds, calibrated into the image (test_dockerfile_agrees_with_chart)
+    assert cfg.oaken_thresholds == "/opt/hetserve/oaken_thresholds.json"
 
 
 # ---------------------------------------------------------------- what the manifests carry
@@ -452,6 +454,12 @@ def test_dockerfile_agrees_with_chart():
     assert entrypoint[entrypoint.index("--port") + 1] == str(values["hetserve"]["port"])
     (healthcheck,) = get("HEALTHCHECK")
     assert f"127.0.0.1:{values['hetserve']['port']}/health" in healthcheck
+    # Oaken thresholds calibrated at build time on WikiText-2 valid (never test), shipped where the chart says
+    thresholds = values["hetserve"]["imageOakenThresholds"]
+    (calibration,) = [a.split()[1] for k, a in ins if k == "COPY" and a.startswith("--from=shared ")]
+    assert calibration == "data/wikitext-2/valid.txt" and (SHARED / calibration).is_file()
+    assert any(k == "RUN" and "hetserve calibrate" in a and f"--out {thresholds}" in a for k, a in ins)
+    assert [a.split()[-1] for a in get("COPY") if a.startswith("--from=build")] == ["/opt/venv", thresholds]
     build_args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
     assert build_args["RAY_VERSION"] == values["rayVersion"]
     pyproject = (ROOT / "pyproject.toml").read_text()

@@ -44,7 +44,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* The hetserve config file: chart-managed options over the user's (the schema forbids the user from
-     setting the managed ones, so nothing is silently overridden). */}}
+     setting the managed ones, so nothing is silently overridden), and the image's Oaken thresholds for
+     the bundled model unless the user names another model or thresholds file. */}}
 {{- define "hetserve.config" -}}
 {{- $v := .Values -}}
 {{- $managed := dict "host" "0.0.0.0" "port" $v.hetserve.port "executor" $v.hetserve.executor "model_cache_dir" $v.modelCache.mountPath -}}
@@ -57,7 +58,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- else -}}
 {{- $_ := set $managed "kv_cache_bytes" (printf "%dGiB" (int $v.hetserve.localKvCacheGiB)) -}}
 {{- end -}}
-{{- toYaml (merge $managed (deepCopy $v.hetserve.config)) }}
+{{- $config := deepCopy $v.hetserve.config -}}
+{{- if and $v.hetserve.imageOakenThresholds (not (hasKey $config "model")) (not (hasKey $config "oaken_thresholds")) -}}
+{{- $_ := set $config "oaken_thresholds" $v.hetserve.imageOakenThresholds -}}
+{{- end -}}
+{{- toYaml (merge $managed $config) }}
 {{- end }}
 
 {{/* Cross-field checks the JSON schema cannot express */}}
