@@ -13,6 +13,7 @@ CSV_COLUMNS = ("index", "arrival_s", "send_at_s", "done_at_s", "is_success", "er
                "e2e_ms", "num_chunks", "mean_itl_ms", "max_itl_ms", "error")
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+LAG_WARN_MS = 50.0  # p99 send lag above which the run did not follow its schedule
 _UPPER = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 
 
@@ -39,6 +40,7 @@ def format_summary(s: dict) -> str:
     row("Peak output token throughput (tok/s):", s["max_output_tokens_per_s"])
     row("Total token throughput (tok/s):", s["total_token_throughput"])
     row("Peak concurrent requests:", s["max_concurrent_requests"])
+    row("Send lag vs schedule, mean / p99 (ms):", f"{s['mean_send_lag_ms']:.1f} / {s['p99_send_lag_ms']:.1f}")
     for m in METRICS:
         lines.append(f"{' ' + _TITLES[m] + ' ':-^60}")
         row(f"Mean {_UPPER[m]} (ms):", s[f"mean_{m}_ms"])
@@ -46,6 +48,9 @@ def format_summary(s: dict) -> str:
         for p in PERCENTILES:
             row(f"P{p} {_UPPER[m]} (ms):", s[f"p{p}_{m}_ms"])
     lines.append("=" * 60)
+    if s["p99_send_lag_ms"] > LAG_WARN_MS and s["max_concurrency"] is None:
+        lines.append(f"warning: the client sent 1% of requests over {s['p99_send_lag_ms']:.0f} ms late: it could not keep "
+                     "the schedule (CPU-bound?), so the offered load was lower than the trace's")
     if s["num_output_len_mismatch"]:
         lines.append(f"note: {s['num_output_len_mismatch']} requests returned a different number of output tokens "
                      "than max_tokens (server ignores ignore_eos?)")

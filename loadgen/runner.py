@@ -3,6 +3,7 @@ finished (an optional concurrency cap holds requests in the client until a slot 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from dataclasses import dataclass
 
@@ -58,43 +59,55 @@ class _Progress:
             self.bar.set_postfix(in_flight=self.in_flight, failed=self.failed, refresh=False)
 
 
+async def _dispatch(session: aiohttp.ClientSession, specs: list[RequestSpec], ep: Endpoint,
+                    gate: asyncio.Semaphore | None, progress: _Progress, count_output) -> tuple[list, float]:
+    """Create each request's task at its arrival time; returns (records in spec order, start perf_counter)."""
+    records: list[RequestRecord | None] = [None] * len(specs)
+
+    async def one(pos: int, t0: float) -> None:
+        if gate is not None:
+            await gate.acquire()
+        progress.started()
+        try:
+            rec = await send(session, ep, specs[pos], t0, count_output)
+        finally:
+            if gate is not None:
+                gate.release()
+        records[pos] = rec
+        progress.done(rec)
+
+    tasks = []
+    t0 = time.perf_counter()
+    for i in sorted(range(len(specs)), key=lambda i: specs[i].arrival_s):
+        delay = t0 + specs[i].arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, t0)))
+    await asyncio.gather(*tasks)
+    return records, t0
+
+
 async def run_requests(specs: list[RequestSpec], ep: Endpoint, max_concurrency: int | None = None,
                        show_progress: bool = True, count_output=None) -> RunResult:
     """Send `specs` open-loop at their `arrival_s` (s from now); returns when every response has ended."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max concurrency must be >= 1, got {max_concurrency}")
-    order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_s)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     progress = _Progress(len(specs), show_progress)
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=ep.timeout_s, sock_connect=min(ep.timeout_s, 30.0))
-    records: list[RequestRecord | None] = [None] * len(specs)
-
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**18) as session:
-        async def one(pos: int, t0: float) -> None:
-            spec = specs[pos]
-            if gate is not None:
-                await gate.acquire()
-            progress.started()
-            try:
-                rec = await send(session, ep, spec, t0, count_output)
-            finally:
-                if gate is not None:
-                    gate.release()
-            records[pos] = rec
-            progress.done(rec)
-
-        ticker = asyncio.create_task(progress.ticker())
-        tasks = []
-        t0 = time.perf_counter()
-        for i in order:
-            delay = t0 + specs[i].arrival_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, t0)))
-        await asyncio.gather(*tasks)
+    # Everything allocated so far (a tokenizer, torch, prompts) leaves the collector's view: otherwise its
+    # full collections walk millions of objects and stall the event loop for seconds mid-run.
+    gc.collect()
+    gc.freeze()
+    ticker = asyncio.create_task(progress.ticker())
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**18) as session:
+            records, t0 = await _dispatch(session, specs, ep, gate, progress, count_output)
+    finally:
         ticker.cancel()
-    progress.bar.close()
+        progress.bar.close()
+        gc.unfreeze()
     done = [r for r in records if r is not None]
     assert len(done) == len(specs), "every request ends with a record"
     first = min((r.send_at_s for r in done), default=0.0)
