@@ -132,6 +132,7 @@ def summarize(result: RunResult, slo_ms: dict[str, float] | None = None, rate: f
         "input_lens": [r.num_prompt_tokens for r in recs],
         "output_lens": [r.num_output_tokens for r in recs],
         "ttfts": [r.ttft_s for r in recs],
+        "start_times": [r.send_at_s for r in recs],
         "itls": [[round(x, 7) for x in r.itl_s] for r in recs],
         "errors": [r.error for r in recs],
     })
