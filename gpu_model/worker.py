@@ -32,25 +32,46 @@ class ModelWorker:
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.is_cpu else t.float().cpu()
 
-    @torch.inference_mode()
     def forward(self, token_ids: Sequence[int], positions: Sequence[int], logit_rows: Sequence[int],
                 attend: AttendFn, chunks: Chunks = ()) -> tuple[torch.Tensor, float]:
         """Run every layer over the flat batch -> logits at `logit_rows` [R, vocab] (float32, on the
         model's device) and the seconds spent outside `attend`. `chunks` is needed with `lsh`."""
+        sent = []
+        (logits,), busy_s = self.forward_pipelined([(token_ids, positions, logit_rows, chunks)],
+                                                   lambda _, *args: sent.append(args), lambda _: attend(*sent.pop()))
+        return logits, busy_s
+
+    @torch.inference_mode()
+    def forward_pipelined(self, batches: Sequence[tuple], send: Callable, recv: Callable) -> tuple[list[torch.Tensor], float]:
+        """`forward` over micro-batches [(token_ids, positions, logit_rows, chunks)], layer by layer
+        in turn: send(m, layer, q, k, v, codes) hands micro-batch m's attention to the CPU workers
+        and recv(m) -> [T, Hq * D] waits for it, so while they attend for one micro-batch this
+        worker runs the other's linears. Returns each one's logits and the seconds outside recv."""
         t0 = time.perf_counter()
         m, dev = self.model, self.model.device
-        x = m.embed(torch.tensor(token_ids, device=dev))
-        cos, sin = m.rope(torch.tensor(positions, device=dev))
-        attend_s = 0.0
+        xs, ropes = [], []
+        for token_ids, positions, _, _ in batches:
+            xs.append(m.embed(torch.tensor(token_ids, device=dev)))
+            ropes.append(m.rope(torch.tensor(positions, device=dev)))
+
+        def issue(b: int, i: int) -> None:
+            q, k, v = m.pre_attention(i, xs[b], *ropes[b])
+            codes = None if self.lsh is None else self.lsh.codes(i, q, k, batches[b][3])
+            send(b, i, self._to_host(q), self._to_host(k), self._to_host(v), codes)
+
+        for b in range(len(batches)):
+            issue(b, 0)
+        wait_s = 0.0
         for i in range(m.cfg.num_layers):
-            q, k, v = m.pre_attention(i, x, cos, sin)
-            codes = None if self.lsh is None else self.lsh.codes(i, q, k, chunks)
-            t1 = time.perf_counter()
-            o = attend(i, self._to_host(q), self._to_host(k), self._to_host(v), codes)
-            attend_s += time.perf_counter() - t1
-            x = m.post_attention(i, x, o.to(device=dev, dtype=m.dtype))
-        logits = m.logits(x[torch.tensor(logit_rows, device=dev, dtype=torch.long)])
-        return logits, time.perf_counter() - t0 - attend_s
+            for b in range(len(batches)):
+                t1 = time.perf_counter()
+                o = recv(b)
+                wait_s += time.perf_counter() - t1
+                xs[b] = m.post_attention(i, xs[b], o.to(device=dev, dtype=m.dtype))
+                if i + 1 < m.cfg.num_layers:
+                    issue(b, i + 1)
+        logits = [m.logits(x[torch.tensor(rows, device=dev, dtype=torch.long)]) for x, (_, _, rows, _) in zip(xs, batches)]
+        return logits, time.perf_counter() - t0 - wait_s
 
     def step(
         self,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from server.backend import SamplingParams
 from server.engine import Engine, EngineRequest, RequestEvent
@@ -54,6 +54,16 @@ def create_app(state: ServerState) -> FastAPI:
     async def health() -> JSONResponse:
         status = engine.health()
         return JSONResponse({"status": status}, status_code=503 if status == "down" else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text format; the hetserve_sim_* series appear when the backend simulates timing."""
+        lines = [f"hetserve_requests_running {engine.num_running}", f"hetserve_requests_waiting {engine.num_waiting}"]
+        if engine.sim_steps:
+            lines += [f"hetserve_sim_clock_seconds {engine.sim_clock_s:.6f}",
+                      f"hetserve_sim_steps_total {engine.sim_steps}",
+                      f"hetserve_sim_output_tokens_total {engine.sim_output_tokens}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -147,7 +157,8 @@ class _Shape:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": ev.finish_reason}
         else:
             choice = {"index": 0, "text": text, "finish_reason": ev.finish_reason, "logprobs": None}
-        return {**self._base(False), "choices": [choice], "usage": self.usage(ev)}
+        sim = {"x_sim": ev.sim} if ev.sim else {}
+        return {**self._base(False), "choices": [choice], "usage": self.usage(ev), **sim}
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
         if self.chat:
@@ -173,7 +184,8 @@ async def _stream(engine: Engine, events: asyncio.Queue, shape: _Shape, include_
                 yield _sse(APIError(500, ev.error or "generation failed").body())
                 break
             if ev.text or ev.finish_reason:
-                yield _sse(shape.chunk(ev.text, ev.finish_reason))
+                sim = {"x_sim": ev.sim} if ev.finish_reason and ev.sim else {}
+                yield _sse({**shape.chunk(ev.text, ev.finish_reason), **sim})
         if include_usage:
             yield _sse({**shape._base(True), "choices": [], "usage": shape.usage(ev)})
         yield "data: [DONE]\n\n"

@@ -31,9 +31,14 @@ def build_engine(cfg: ServeConfig):
         from server.ray_executor import RayBackend
 
         backend = RayBackend(model_dir, **common, ray_address=cfg.ray_address, cpu_actors=cfg.ray_cpu_actors,
-                             actor_cpus=cfg.ray_actor_cpus, kv_resource=cfg.ray_kv_resource)
+                             actor_cpus=cfg.ray_actor_cpus, kv_resource=cfg.ray_kv_resource,
+                             microbatches=cfg.ray_microbatches)
     else:
         backend = HeteroBackend(model_dir, **common)
+    if cfg.backend == "sim":
+        from accel_sim.backend import SimBackend
+
+        backend = SimBackend.build(backend, cfg.sim_device, cfg.sim_model)
     tokenizer = Tokenizer(model_dir, backend.model_cfg.eos_token_ids)
     engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
@@ -236,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
                             description="Prefill and decode windows of text through the KV store in each format, "
                                         "against exact fp32 KV in lockstep: perplexity, KL, top-1 agreement, bits.")
     add_eval_arguments(p_eval)
+    # packages with their own subcommands: register(sub) adds parsers that set_defaults(func=handler)
+    from accel_sim.cli import register as register_sim
+    register_sim(sub)
+    from loadgen.cli import register as register_loadgen
+    register_loadgen(sub)
     args = parser.parse_args(argv)
+    if hasattr(args, "func"):
+        return args.func(args) or 0
     if args.command in ("calibrate", "eval"):
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         (calibrate_command if args.command == "calibrate" else eval_command)(args)

@@ -43,7 +43,7 @@ class ServeConfig:
     port: int = _opt(8000, "TCP port")
     device: str = _opt("auto", "where the linear layers run: auto (cuda if present), cuda or cpu")
     dtype: str = _opt("auto", "model dtype: auto (float32 on cpu, bfloat16 on cuda), float32, float16, bfloat16")
-    gguf_blocks_max_tokens: int = _opt(16, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
+    gguf_blocks_max_tokens: int = _opt(2, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
                                            "own Q4_1/Q8_0 blocks instead of the fp32 copy (0 = never)")
     kv_format: str = _opt("fp16", "KV cache format in the CPU store: oaken (about 5 bits, calibrated), fp16, fp32, "
                                   "or the 4-bit baselines int4 and kivi (simulated on fp32 memory, for comparison)")
@@ -72,8 +72,18 @@ class ServeConfig:
     ray_cpu_actors: int = _opt(2, "ray executor: CPU attention actors; the KV capacity is split among them")
     ray_actor_cpus: int = _opt(0, "ray executor: CPUs (and kernel threads) per CPU attention actor (0: the "
                                   "machine's cores divided by ray_cpu_actors)")
+    ray_microbatches: int = _opt(0, "ray executor: split each step's batch into this many micro-batches (1 or 2) "
+                                    "so the model actor computes one while the CPU actors attend for the other "
+                                    "(0: 2 when the model actor has a GPU, else 1: on CPU-only nodes both share the cores)")
     ray_kv_resource: str = _opt("kv_node", "ray executor: custom resource every CPU attention actor needs one of, so "
                                            "they land on the nodes that offer it (empty: any node)")
+    backend: str = _opt("hetero", "what serves requests: hetero (the model on this machine), or sim (the same real "
+                                  "tokens, with per-step timing simulated for --sim-device; reported as x_sim)")
+    sim_device: str = _opt("oaken-lpddr", "backend sim: simulated system (oaken-lpddr, oaken-hbm, a100-vllm, "
+                                          "a100-kivi, a100-qserve, h100-vllm, lpu-lpddr, lpu-hbm); --kv-format must "
+                                          "match its KV format (oaken for the Oaken devices)")
+    sim_model: str = _opt("smollm2-135m", "backend sim: model shape whose timing is simulated (e.g. llama2-13b; "
+                                          "tokens always come from --model)")
     log_level: str = _opt("info", "debug, info, warning or error")
 
     def __post_init__(self) -> None:
@@ -89,6 +99,7 @@ class ServeConfig:
              "lsh_dense_layers must be comma-separated layer numbers"),
             (self.executor in ("local", "ray"), f"executor must be local or ray, not {self.executor!r}"),
             (self.ray_cpu_actors >= 1 and self.ray_actor_cpus >= 0, "ray_cpu_actors must be >= 1, ray_actor_cpus >= 0"),
+            (self.ray_microbatches in (0, 1, 2), "ray_microbatches must be 0 (auto), 1 or 2"),
             (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
@@ -101,6 +112,17 @@ class ServeConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.backend not in ("hetero", "sim"):
+            raise ValueError(f"backend must be hetero or sim, not {self.backend!r}")
+        if self.backend == "sim":
+            from accel_sim.backend import numerics_kv_format
+            from accel_sim.models import get_model
+
+            get_model(self.sim_model)
+            fmt = numerics_kv_format(self.sim_device)
+            if self.kv_format != fmt:
+                raise ValueError(f"backend sim with sim_device {self.sim_device} computes with the {fmt} KV format: "
+                                 f"pass --kv-format {fmt}")
 
     def lsh_config(self):
         """The MagicPIG settings, or None for exact attention."""

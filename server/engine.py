@@ -33,6 +33,8 @@ class RequestEvent:
     finish_reason: str | None = None
     """None while running; then stop, length, abort or error."""
     error: str | None = None
+    sim: dict | None = None
+    """Simulated timing (seconds on the backend's virtual clock), when the backend reports one."""
 
 
 @dataclass
@@ -53,6 +55,10 @@ class _Live:
     req: EngineRequest
     seq: Sequence
     detok: IncrementalDetokenizer
+    sim_start_s: float = 0.0
+    """Virtual clock at arrival, for backends that report `sim_clock_s` (accel_sim)."""
+    sim_first_s: float | None = None
+    sim_last_s: float | None = None
 
 
 class Engine:
@@ -68,6 +74,10 @@ class Engine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hetserve-engine", daemon=True)
         self.last_step_timings_s: dict[str, float] = {}
+        self.sim_clock_s = 0.0
+        """Simulated seconds of backend steps so far (backends reporting `sim_clock_s`), with the counters below."""
+        self.sim_steps = 0
+        self.sim_output_tokens = 0
 
     # ---- called from any thread
     def start(self) -> None:
@@ -107,6 +117,7 @@ class Engine:
     def _loop(self) -> None:
         while not self._stopping.is_set():
             self._drain(block=not self.scheduler.has_work())
+            self._sync_workers()  # also when idle, so /health sees restarted workers come back
             if self.scheduler.has_work():
                 try:
                     self.step()
@@ -135,14 +146,17 @@ class Engine:
 
     def _add(self, req: EngineRequest) -> None:
         seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), req.sampling)
-        self._live[seq.seq_id] = _Live(req, seq, IncrementalDetokenizer(self.tokenizer.decode, req.stop))
+        detok = IncrementalDetokenizer(self.tokenizer.decode, req.stop)
+        self._live[seq.seq_id] = _Live(req, seq, detok, self.sim_clock_s)
         self._by_request_id[req.request_id] = seq.seq_id
         self.scheduler.add(seq)
 
-    def step(self) -> None:
+    def _sync_workers(self) -> None:
         live_shards = getattr(self.backend, "live_shards", None)
         if live_shards:
             self.blocks.live = live_shards()
+
+    def step(self) -> None:
         inp = self.scheduler.schedule()
         for seq in self.scheduler.too_long:
             self._finish(self._live[seq.seq_id], "length")
@@ -150,7 +164,8 @@ class Engine:
         if not inp.chunks:
             if self.scheduler.waiting and not self.blocks.live:  # every CPU attention worker is down
                 for seq in list(self.scheduler.waiting):
-                    self._finish(self._live[seq.seq_id], "error", error="no CPU attention worker is available")
+                    self._finish(self._live[seq.seq_id], "error",
+                                 error="no worker can serve it: the backend is down (see /health); retry later")
             return
         try:
             out = self.backend.step(inp)
@@ -162,8 +177,17 @@ class Engine:
             self.scheduler.preempt_all()
             return
         self.last_step_timings_s = out.timings_s
+        sim_clock = out.timings_s.get("sim_clock_s")
         for seq, token in self.scheduler.update(out):
-            self._on_token(self._live[seq.seq_id], token)
+            live = self._live[seq.seq_id]
+            if sim_clock is not None:
+                live.sim_first_s = sim_clock if live.sim_first_s is None else live.sim_first_s
+                live.sim_last_s = sim_clock
+            self._on_token(live, token)
+        if sim_clock is not None:
+            self.sim_clock_s = sim_clock
+            self.sim_steps += 1
+            self.sim_output_tokens += len(out.sampled)
 
     def _on_token(self, live: _Live, token: int) -> None:
         req, seq = live.req, live.seq
@@ -183,8 +207,13 @@ class Engine:
 
     def _event(self, live: _Live, text: str, token_ids: tuple[int, ...], reason: str | None = None,
                error: str | None = None) -> RequestEvent:
+        sim = None
+        if live.sim_first_s is not None and live.sim_last_s is not None:
+            n = len(live.seq.output_token_ids)
+            sim = {"ttft_s": live.sim_first_s - live.sim_start_s, "e2e_s": live.sim_last_s - live.sim_start_s,
+                   "tpot_s": (live.sim_last_s - live.sim_first_s) / (n - 1) if n > 1 else None}
         return RequestEvent(live.req.request_id, text, token_ids, len(live.seq.prompt_token_ids),
-                            len(live.seq.output_token_ids), reason, error)
+                            len(live.seq.output_token_ids), reason, error, sim)
 
     def _finish(self, live: _Live, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
                 error: str | None = None) -> None:

@@ -10,7 +10,7 @@ Ray actors, on one machine or across a cluster.
 
 Ray places, restarts and addresses the actors; the per-layer exchange goes over a direct TCP
 connection, because a Ray call or a Compiled Graph hop per layer costs more than the layer
-(benchmarks/bench_channel.py). The block manager shards KV blocks by actor, so every sequence
+(benchmarks/bench_executor.py measures both). The block manager shards KV blocks by actor, so every sequence
 lives on one actor, the one with the most free blocks when it was admitted.
 
 Failures: a CPU actor that dies is restarted by Ray; the step fails with WorkerLost(shard), the
@@ -54,10 +54,13 @@ class AttentionActor:
                  sparse_fraction: float, recent_blocks: int, lsh, threads: int):
         import ray
 
+        from cpu_attn.worker import AttentionWorker
         from server.hetero import attention_worker
 
         _set_threads(threads)
         self.worker = attention_worker(cfg, kv_format, num_blocks, block_size, cal, sparse_fraction, recent_blocks, lsh)
+        # micro-batch 1 has its own step plan over the same store and tables
+        self.workers = [self.worker, AttentionWorker(self.worker.store, cfg.head_dim, self.worker.sparse)]
         self.first_block = first_block
         self._listener = socket.create_server((ray.util.get_node_ip_address(), 0))
         threading.Thread(target=self._serve, name="attention-channel", daemon=True).start()
@@ -86,21 +89,35 @@ class AttentionActor:
             self.worker.free(h["seq_ids"])
             return
         try:
+            worker = self.workers[h["mb"]]
             if "layout" in h:
-                self.worker.begin_step([ChunkLayout(n, start, tuple(b - self.first_block for b in table), seq)
-                                        for n, start, table, seq in h["layout"]])
+                worker.begin_step([ChunkLayout(n, start, tuple(b - self.first_block for b in table), seq)
+                                   for n, start, table, seq in h["layout"]])
             q, k, v, *codes = (torch.from_numpy(a) for a in arrays)
-            o = self.worker.attend(h["layer"], q, k, v, tuple(codes) or None)
-            channel.send(conn, {"busy_s": self.worker.take_busy_s()} if h.get("last") else {}, [o.numpy()])
+            o = worker.attend(h["layer"], q, k, v, tuple(codes) or None)
+            channel.send(conn, {"busy_s": worker.take_busy_s()} if h.get("last") else {}, [o.numpy()])
         except Exception as exc:  # reported to the model actor, which fails the step
             log.exception("attention failed")
             channel.send(conn, {"error": f"{type(exc).__name__}: {exc}"})
 
 
+def split(chunks, n: int) -> list[list]:
+    """`chunks` in at most n contiguous groups of about equal token counts (no empty group)."""
+    total = sum(len(c.token_ids) for c in chunks)
+    groups, size = [[]], 0
+    for c in chunks:
+        if size >= total * len(groups) / n and len(groups) < n:
+            groups.append([])
+        groups[-1].append(c)
+        size += len(c.token_ids)
+    return groups
+
+
 class ModelActor:
     """The accelerator side: the model worker, and one channel per attention shard."""
 
-    def __init__(self, model_dir: str, device: str, dtype: str, gguf_blocks_max_tokens: int, lsh, threads: int):
+    def __init__(self, model_dir: str, device: str, dtype: str, gguf_blocks_max_tokens: int, lsh, threads: int,
+                 microbatches: int):
         from gpu_model.loader import load_model
         from server.hetero import model_worker, pick_dtype, pick_device
 
@@ -114,6 +131,7 @@ class ModelActor:
         self.first_blocks: list[int] = []
         self.socks: list[socket.socket | None] = []
         self.pending_free: list[list[int]] = []
+        self.microbatches = microbatches
 
     def config(self):
         return self.model.cfg
@@ -152,59 +170,73 @@ class ModelActor:
         return WorkerLost(f"CPU attention worker {shard} lost: {type(exc).__name__}: {exc}", shard)
 
     def step(self, inp: StepInput) -> tuple[dict[int, int], dict[str, float]]:
-        from server.hetero import flatten
+        from gpu_model.sampler import sample
 
         t0 = time.perf_counter()
-        b = flatten(inp)
         self.worker.free(inp.freed_seq_ids)
-        for pending in self.pending_free:
+        for s, pending in enumerate(self.pending_free):
             pending.extend(inp.freed_seq_ids)
-        shard_of = [bisect.bisect_right(self.first_blocks, c.block_table[0]) - 1 for c in inp.chunks]
-        parts: dict[int, tuple[list[int], list]] = {}  # shard -> (rows, layout)
+            if pending and self.socks[s] is not None:
+                self._send(s, {"op": "free", "seq_ids": pending}, [])
+                pending.clear()
+        if not inp.chunks:
+            return {}, {}
+        mbs = [self._micro_batch(c) for c in split(inp.chunks, self.microbatches)]
+        busy: dict[int, float] = {}
+        last = self.model.cfg.num_layers - 1
+
+        def send(m, layer, q, k, v, codes):
+            b, parts = mbs[m]
+            for s, (rows, layout) in parts.items():
+                h = {"op": "attend", "mb": m, "layer": layer, "last": layer == last}
+                if layer == 0:
+                    h["layout"] = layout
+                self._send(s, h, [(t if rows is None else t[rows]).numpy() for t in (q, k, v, *(codes or ()))])
+
+        def recv(m):
+            b, parts = mbs[m]
+            out = None
+            for s, (rows, _) in parts.items():
+                h, arrays = self._recv(s)
+                if "error" in h:
+                    raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
+                busy[s] = busy.get(s, 0.0) + h.get("busy_s", 0.0)
+                o = torch.from_numpy(arrays[0])
+                if rows is None:
+                    out = o
+                else:
+                    out = out if out is not None else torch.empty(len(b.token_ids), o.shape[1])
+                    out[rows] = o
+            return out
+
+        logits, accel_s = self.worker.forward_pipelined(
+            [(b.token_ids, b.positions, b.sample_rows, b.chunks) for b, _ in mbs], send, recv)
+        t1 = time.perf_counter()
+        tokens = sample(torch.cat(logits), [p for b, _ in mbs for p in b.params],
+                        [i for b, _ in mbs for i in b.output_indices]) if any(b.sample_rows for b, _ in mbs) else []
+        step_s = time.perf_counter() - t0
+        accel_s += time.perf_counter() - t1
+        return dict(zip([i for b, _ in mbs for i in b.sampled_ids], tokens)), {
+            "accelerator": accel_s, "cpu_attn": sum(busy.values()), "cpu_attn_max": max(busy.values()),
+            "step": step_s}
+
+    def _micro_batch(self, chunks) -> tuple:
+        """The flat batch of `chunks` and, per shard, (its rows, or None for all; its chunk layouts)."""
+        from server.hetero import flatten
+
+        b = flatten(StepInput(tuple(chunks)))
+        parts: dict[int, tuple[list[int], list]] = {}
         row = 0
-        for c, s, lay in zip(inp.chunks, shard_of, b.layouts):
+        for c, lay in zip(chunks, b.layouts):
+            s = bisect.bisect_right(self.first_blocks, c.block_table[0]) - 1
+            if self.socks[s] is None:
+                raise self._lost(s, ConnectionError("not connected"))
             rows, layout = parts.setdefault(s, ([], []))
             rows.extend(range(row, row + len(c.token_ids)))
             layout.append([lay.num_tokens, lay.start_pos, list(lay.block_table), lay.seq_id])
             row += len(c.token_ids)
-        for s, pending in enumerate(self.pending_free):
-            if pending and self.socks[s] is not None:
-                self._send(s, {"op": "free", "seq_ids": pending}, [])
-                pending.clear()
-        for s in parts:
-            if self.socks[s] is None:
-                raise self._lost(s, ConnectionError("not connected"))
-        index = {s: torch.tensor(rows) for s, (rows, _) in parts.items()}
         whole = len(parts) == 1
-        busy = dict.fromkeys(parts, 0.0)
-        last = self.model.cfg.num_layers - 1
-
-        def attend(layer, q, k, v, codes):
-            for s, (_, layout) in parts.items():
-                sel = (lambda t: t) if whole else (lambda t: t[index[s]])
-                h = {"op": "attend", "layer": layer, "last": layer == last}
-                if layer == 0:
-                    h["layout"] = layout
-                self._send(s, h, [sel(t).numpy() for t in (q, k, v, *(codes or ()))])
-            out = torch.empty(q.shape[0], q.shape[1] * q.shape[2])
-            for s in parts:
-                h, arrays = self._recv(s)
-                if "error" in h:
-                    raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
-                busy[s] += h.get("busy_s", 0.0)
-                if whole:
-                    out = torch.from_numpy(arrays[0])
-                else:
-                    out[index[s]] = torch.from_numpy(arrays[0])
-            return out
-
-        if not b.token_ids:
-            return {}, {}
-        tokens, accel_s = self.worker.step(b.token_ids, b.positions, b.sample_rows, b.params, b.output_indices,
-                                           attend, b.chunks)
-        return dict(zip(b.sampled_ids, tokens)), {
-            "accelerator": accel_s, "cpu_attn": sum(busy.values()), "cpu_attn_max": max(busy.values()),
-            "step": time.perf_counter() - t0}
+        return b, {s: (None if whole else torch.tensor(rows), layout) for s, (rows, layout) in parts.items()}
 
     def _send(self, s: int, header: dict, arrays) -> None:
         try:
@@ -223,10 +255,10 @@ class RayBackend:
     """Backend protocol over the actors; lives in the server process (the Ray driver)."""
 
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str, kv_capacity_bytes: int,
-                 block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int = 16,
+                 block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int = 2,
                  oaken_thresholds_path: str | None = None, oaken_sparse_fraction: float = 0.125,
                  oaken_recent_blocks: int = 0, lsh=None, ray_address: str | None = None, cpu_actors: int = 2,
-                 actor_cpus: int = 0, kv_resource: str = "kv_node"):
+                 actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
         import ray
 
         from server.hetero import kv_blocks
@@ -242,11 +274,14 @@ class RayBackend:
         self.ray = ray
         use_gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         # OpenMP threads that spin-wait after each op would steal the cores the other actors compute on
+        # (measured on 2 cores at concurrency 8: an ACTIVE model actor made decode steps 4x slower than local,
+        # a PASSIVE one 1.09x, or 0.78x with two micro-batches)
         env = {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}, "max_restarts": -1}
         model_opts = {"num_gpus": 1, "num_cpus": 1, **env} if use_gpu else {"num_cpus": 1, **env}
         threads = 0 if ray_address else os.cpu_count() or 1
+        microbatches = microbatches or (2 if use_gpu else 1)
         self.model_actor = ray.remote(ModelActor).options(**model_opts).remote(
-            str(model_dir), device, dtype, gguf_blocks_max_tokens, lsh, threads)
+            str(model_dir), device, dtype, gguf_blocks_max_tokens, lsh, threads, microbatches)
         cfg = ray.get(self.model_actor.config.remote())
         cal = ray.get(self.model_actor.thresholds.remote(oaken_thresholds_path)) if kv_format == "oaken" else None
         num_blocks, per_block = kv_blocks(cfg, kv_format, kv_capacity_bytes // cpu_actors, block_size,

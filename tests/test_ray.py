@@ -45,7 +45,7 @@ def stream(url: str, i: int, max_tokens: int, first_token: threading.Event) -> t
 @pytest.fixture(scope="module")
 def ray_server():
     srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=512 * 2**20, max_num_seqs=64, executor="ray",
-                                    ray_cpu_actors=2))
+                                    ray_cpu_actors=2, ray_microbatches=2))  # the pipelined path, the harder one
     yield srv
     srv.close()
 
@@ -82,3 +82,26 @@ def test_killed_cpu_actor_requests_recompute_or_fail_cleanly(server, ray_server)
     with ThreadPoolExecutor(4) as pool:  # both shards serve again
         assert list(pool.map(lambda i: complete(ray_server.url, i), range(4))) == \
             [complete(server.url, i) for i in range(4)]
+
+
+def test_killed_model_actor_fails_requests_and_comes_back(server, ray_server):
+    """The accelerator worker dies mid-stream: every in-flight stream ends with a clear error,
+    /health says down (503) until Ray has restarted it, then requests succeed again."""
+    import ray
+
+    started = [threading.Event() for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream, ray_server.url, i, 400, started[i]) for i in range(4)]
+        assert all(e.wait(120) for e in started)
+        ray.kill(ray_server.engine.backend.model_actor, no_restart=False)
+        results = [f.result(timeout=300) for f in futures]
+    for text, error in results:
+        assert error is not None and "accelerator worker" in error, (text, error)
+    r = httpx.get(ray_server.url + "/health", timeout=5)
+    assert (r.status_code, r.json()["status"]) == (503, "down")
+    deadline = time.monotonic() + 180
+    while httpx.get(ray_server.url + "/health", timeout=5).json()["status"] != "ok":
+        assert time.monotonic() < deadline, "the accelerator worker did not come back"
+        time.sleep(0.5)
+    assert complete(ray_server.url, 3) == complete(server.url, 3)
+    assert all(b == 0 for b in ray_server.engine.blocks.shard_used_bytes())
