@@ -34,8 +34,9 @@ def format_summary(s: dict) -> str:
     row("Total generated tokens:", s["total_output_tokens"])
     row("Request throughput (req/s):", s["request_throughput"])
     if s.get("request_goodput") is not None:
-        slo = ", ".join(f"{k}<={v:g}ms" for k, v in s["slo_ms"].items())
-        row(f"Request goodput (req/s) [{slo}]:", s["request_goodput"])
+        row("Request goodput (req/s):", s["request_goodput"])
+        row("  SLOs met by (requests):", s["good_requests"])
+        lines.append("  SLOs: " + ", ".join(f"{k} <= {v:g} ms" for k, v in s["slo_ms"].items()))
     row("Output token throughput (tok/s):", s["output_throughput"])
     row("Peak output token throughput (tok/s):", s["max_output_tokens_per_s"])
     row("Total token throughput (tok/s):", s["total_token_throughput"])
