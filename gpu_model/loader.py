@@ -93,7 +93,7 @@ def resolve_model_dir(model_path: str | Path | None, cache_dir: str | Path | Non
 
 
 def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               gguf_blocks_max_tokens: int = 16) -> LlamaModel:
+               gguf_blocks_max_tokens: int = 2) -> LlamaModel:
     """Load weights; on the CPU in float32, a GGUF's own blocks also serve steps of at most
     `gguf_blocks_max_tokens` tokens (bandwidth-bound decode), see gpu_model/quant.py."""
     cfg = ModelConfig.from_dir(model_dir)
