@@ -23,6 +23,8 @@ class FakeServerState:
     ttft_s: float = 0.0
     itl_s: float = 0.0
     fail_every: int = 0  # every Nth generation request gets HTTP 500 (0: never)
+    stream_error_every: int = 0  # every Nth generation request streams one token, then an error event (0: never)
+    is_usage_supported: bool = True  # False: never send usage, like servers without stream_options
     num_requests: int = 0
     stamps: dict[str, list[float]] = field(default_factory=dict)
 
@@ -51,6 +53,10 @@ async def _generate(state: FakeServerState, writer: asyncio.StreamWriter, body: 
     n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
     prompt = body.get("messages", [{}])[0].get("content", "") if chat else body.get("prompt", "")
     tok, usage, done = _sse_chunks(chat, n, len(str(prompt).split()))
+    is_usage = state.is_usage_supported and bool((body.get("stream_options") or {}).get("include_usage"))
+    if state.stream_error_every and state.num_requests % state.stream_error_every == 0:
+        n, done = 1, b'data: {"error": {"message": "injected stream failure", "code": 500}}\n\n'
+        is_usage = False
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
     stamps = state.stamps.setdefault(rid, []) if rid else None
     if state.ttft_s:
@@ -64,7 +70,7 @@ async def _generate(state: FakeServerState, writer: asyncio.StreamWriter, body: 
             stamps.append(time.perf_counter())
         if state.itl_s:
             await writer.drain()
-    writer.write(_chunk(usage) + _chunk(done) + b"0\r\n\r\n")
+    writer.write((_chunk(usage) if is_usage else b"") + _chunk(done) + b"0\r\n\r\n")
     await writer.drain()
 
 

@@ -283,6 +283,19 @@ def test_client_counts_and_errors(api):
     assert all(0 < r.ttft_s <= r.e2e_s for r in ok)
 
 
+def test_client_stream_errors_timeouts_and_missing_usage(tok):
+    with fake_endpoint(stream_error_every=2, is_usage_supported=False) as (url, _):
+        res = asyncio.run(run_requests(specs([0.0] * 2, n_out=4), Endpoint(url), show_progress=False,
+                                       count_output=tok.count_output))
+    first, second = res.records
+    # no usage: output tokens counted by the tokenizer (" tok" x 4 is 4 tokens), prompt count unknown (-1)
+    assert first.is_success and first.num_output_tokens == 4 and first.server_prompt_tokens == -1
+    assert second.error_kind == "stream_error" and "injected" in second.error
+    with fake_endpoint(ttft_s=2.0) as (url, _):
+        res = asyncio.run(run_requests(specs([0.0]), Endpoint(url, timeout_s=0.3), show_progress=False))
+    assert res.records[0].error_kind == "timeout"
+
+
 def test_client_reports_connection_errors():
     res = asyncio.run(run_requests(specs([0.0, 0.0]), Endpoint(f"http://127.0.0.1:{free_port()}", timeout_s=5),
                                    show_progress=False))
@@ -322,6 +335,31 @@ def test_report_files_and_compare(tmp_path):
     assert numbers["slow"]["mean_ttft_ms"] >= 30 and numbers["fast"]["completed"] == 3
     with pytest.raises(RunDirError):
         compare([tmp_path], None)
+
+
+def test_cli_synth_and_burstgpt_replay(tmp_path, tok, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(DEFAULT_TEXT.read_text()[:50_000])
+    common = ["--text", str(text), "--no-progress", "--no-plots", "--max-output-tokens", "4"]
+    with fake_endpoint(fail_every=7) as (url, _):
+        code = hetserve_main(["loadgen", "synth", "--endpoint", url, "--api", "chat", "--num-requests", "7",
+                              "--rate", "100", "--burstiness", "0.5", "--prompt-tokens", "40", "90",
+                              "--output-dist", "fixed", "--output-tokens", "3", "3", "--out", str(tmp_path / "s"),
+                              *common])
+        assert code == 1  # a request failed
+        s = json.loads((tmp_path / "s" / "summary.json").read_text())
+        assert (s["completed"], s["failed"], s["errors_by_kind"]) == (6, 1, {"http_500": 1})
+        assert s["burstiness"] == 0.5 and s["request_rate"] == 100 and s["output_lens"][:6] == [3] * 6
+        assert all(40 <= n <= 90 for n in s["input_lens"]) and s["config"]["model"] == "fake"
+        trace = write(tmp_path, "b.csv", BURST_V1)
+        code = hetserve_main(["loadgen", "replay", str(trace), "--trace-format", "burstgpt", "--endpoint", url,
+                              "--trace-model", "ChatGPT", "--time-scale", "0.001", "--out", str(tmp_path / "b"),
+                              *common])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert f"skipped {trace}:6: " in err and f"skipped {trace}:8: " in err and "2 bad rows skipped" in err
+    s = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert s["input_lens"] == [472, 1087, 1360, 185] and s["output_lens"] == [4, 4, 4, 4]
 
 
 def test_cli_usage_errors_exit_2(tmp_path, capsys):
