@@ -21,7 +21,8 @@ from loadgen.metrics import parse_slo, peak_concurrency, summarize
 from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, TargetTokenizer
 from loadgen.report import write_report
 from loadgen.runner import RunResult, run_requests
-from loadgen.traces import TraceFilter, TraceFormatError, apply_filter, read_azure, read_burstgpt, read_trace
+from loadgen.traces import (TraceFilter, TraceFormatError, apply_filter, parse_azure_time, read_azure, read_burstgpt,
+                            read_trace)
 from server.cli import main as hetserve_main
 from tests.conftest import SHARED, free_port
 
@@ -46,6 +47,8 @@ def test_azure_good_file(tmp_path):
     assert [(r.num_prompt_tokens, r.num_output_tokens, r.line) for r in tr.requests] == [(10, 1, 4), (374, 44, 2),
                                                                                           (396, 109, 3)]
     assert [r.arrival_s for r in tr.requests] == pytest.approx([0.0, 0.5, 4.814579], abs=1e-5)
+    # the 2024 release writes a zone: same instant as the naive (UTC) form
+    assert parse_azure_time("2024-05-10 00:00:00.009930+00:00") == parse_azure_time("2024-05-10 00:00:00.00993")
 
 
 def test_azure_broken_rows_are_reported_with_line(tmp_path):
