@@ -21,8 +21,15 @@ from loadgen.metrics import parse_slo, peak_concurrency, summarize
 from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, TargetTokenizer
 from loadgen.report import write_report
 from loadgen.runner import RunResult, run_requests
-from loadgen.traces import (TraceFilter, TraceFormatError, apply_filter, parse_azure_time, read_azure, read_burstgpt,
-                            read_trace)
+from loadgen.traces import (
+    TraceFilter,
+    TraceFormatError,
+    apply_filter,
+    parse_azure_time,
+    read_azure,
+    read_burstgpt,
+    read_trace,
+)
 from server.cli import main as hetserve_main
 from tests.conftest import SHARED, free_port
 
