@@ -13,7 +13,7 @@ from loadgen.compare import RunDirError, compare
 from loadgen.metrics import parse_slo, summarize
 from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, PromptError, TargetTokenizer
 from loadgen.report import format_summary, write_report
-from loadgen.runner import make_specs, model_name, run_requests
+from loadgen.runner import make_specs, run_requests, served_model
 from loadgen.traces import TRACE_FORMATS, TraceFilter, TraceFormatError, TraceRequest, apply_filter, read_trace
 
 EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_USAGE = 0, 1, 2
@@ -102,7 +102,13 @@ def run_workload(args: argparse.Namespace, requests: tuple[TraceRequest, ...], r
     if num_raised:
         print(f"note: {num_raised} prompts were shorter than the chat template's {builder.min_tokens} tokens and "
               "were sent at that length", file=sys.stderr)
-    model = args.model or asyncio.run(model_name(args.endpoint, args.api_key))
+    listed, max_model_len = asyncio.run(served_model(args.endpoint, args.api_key))
+    model = args.model or listed
+    too_long = sum(p.num_tokens + r.num_output_tokens > max_model_len for p, r in zip(prompts, requests)) \
+        if max_model_len else 0
+    if too_long:
+        print(f"warning: {too_long} requests need more than the model's {max_model_len} tokens of context and "
+              "will fail; clip them with --max-prompt-tokens / --max-output-tokens", file=sys.stderr)
     ep = Endpoint(args.endpoint, args.api, model, args.api_key, args.timeout_s, not args.no_ignore_eos,
                   args.temperature)
     print(f"sending {len(requests)} requests to {ep.url} (model {model or '-'}), "

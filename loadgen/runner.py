@@ -22,8 +22,10 @@ class RunResult:
     started_at_perf_s: float = 0.0  # time.perf_counter() at the run's start; *_at_s offsets are from here
 
 
-async def model_name(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> str | None:
-    """The first model id of GET /v1/models, or None when the endpoint does not list one."""
+async def served_model(base_url: str, api_key: str | None = None,
+                       timeout_s: float = 10.0) -> tuple[str | None, int | None]:
+    """(id, max_model_len) of the first model of GET /v1/models; None for what the endpoint does not say
+    (max_model_len is a vLLM/hetserve extension)."""
     root = base_url.rstrip("/")
     root = root.removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -32,8 +34,11 @@ async def model_name(base_url: str, api_key: str | None = None, timeout_s: float
                 s.get(root + "/v1/models", headers=headers) as r:
             data = (await r.json()).get("data") if r.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        return None
-    return str(data[0]["id"]) if data and isinstance(data, list) and "id" in data[0] else None
+        return None, None
+    if not data or not isinstance(data, list) or not isinstance(data[0], dict):
+        return None, None
+    limit = data[0].get("max_model_len")
+    return (str(data[0]["id"]) if "id" in data[0] else None), (int(limit) if isinstance(limit, int) else None)
 
 
 class _Progress:

@@ -20,7 +20,7 @@ from loadgen.fake_server import FakeServerState, serve
 from loadgen.metrics import parse_slo, peak_concurrency, summarize
 from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, TargetTokenizer
 from loadgen.report import write_report
-from loadgen.runner import RunResult, run_requests
+from loadgen.runner import RunResult, run_requests, served_model
 from loadgen.traces import (
     TraceFilter,
     TraceFormatError,
@@ -399,5 +399,6 @@ def test_replay_azure_against_hetserve(server, tmp_path, api, num):
     assert (s["total_input_tokens"], s["total_output_tokens"]) == (sum(want_in), sum(want_out))
     assert s["num_prompt_len_mismatch"] == 0 and s["num_output_len_mismatch"] == 0  # the server counted the same
     assert s["good_requests"] == num and 0 < s["mean_ttft_ms"] < s["mean_e2el_ms"] and s["mean_tpot_ms"] > 0
+    assert asyncio.run(served_model(server.url)) == (server.model_name, 8192)  # for the context warning
     rows = (out / "requests.csv").read_text().splitlines()
     assert len(rows) == num + 1 and (out / "timeline.png").is_file() and (out / "latency_cdf.png").is_file()
