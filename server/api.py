@@ -1,25 +1,43 @@
-"""FastAPI app: OpenAI-compatible completions and chat completions, models, health.
+"""FastAPI app: OpenAI-compatible completions and chat completions, models, health, metrics.
 
-Handlers validate, tokenize, and submit to the engine; events come back from the engine thread
-through an asyncio queue and are returned whole or streamed as SSE `data:` chunks.
+Handlers validate, tokenize (off the event loop), admit (bounded queue, else 429) and submit to
+the engine; events come back from the engine thread through an asyncio queue and are returned
+whole or streamed as SSE `data:` chunks (server.responses). server.guard sits in front: request
+ids, API key, body size limit, 503 while draining.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.backend import SamplingParams
+from server.config import ServeConfig
 from server.engine import Engine, EngineRequest, RequestEvent
-from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, CommonParams, chat_messages, check_common,
-                             completion_prompt, stop_list)
+from server.guard import Guard, GuardConfig
+from server.metrics import PREFIX, gauge
+from server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CommonParams,
+    CompletionRequest,
+    chat_messages,
+    check_common,
+    completion_prompt,
+    stop_list,
+)
+from server.responses import Shape, event_error, stream
+
+log = logging.getLogger("hetserve.api")
 
 
 @dataclass
@@ -28,42 +46,78 @@ class ServerState:
     model_name: str
     max_model_len: int
     created: int = 0
+    cfg: ServeConfig = field(default_factory=ServeConfig)
+    """Limits, API key source, CORS; the engine and model fields above come from the same config."""
+    is_draining: bool = False
+    """Set on SIGTERM (server.lifecycle): /v1/* answers 503, /health 503 draining."""
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+def _error_response(err: APIError) -> Response:
+    return Response(err.render(), status_code=err.status, media_type="application/json", headers=err.headers)
 
 
-def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="hetserve", version="0.1.0")
-    engine, tok = state.engine, state.engine.tokenizer
-    state.created = state.created or int(time.time())
-
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+    async def _api_error(_: Request, err: APIError) -> Response:
         return _error_response(err)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def _invalid_body(_: Request, err: RequestValidationError) -> Response:
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "malformed request body"))
         return _error_response(APIError(422, message, param=where, code=first.get("type")))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> Response:
+        # unknown routes, wrong methods, and bodies FastAPI cannot decode (bad UTF-8, nesting too deep)
+        message = "request body is not valid UTF-8 JSON" if err.status_code == 400 else str(err.detail)
+        return _error_response(APIError(err.status_code, message, headers=dict(err.headers or {})))
+
+
+def metrics_text(engine: Engine) -> str:
+    """Prometheus text: gauges read now, then the engine's histograms and counters."""
+    blocks = engine.blocks
+    sizes = blocks.spec.shards or (blocks.spec.num_blocks,)
+    kv = {(str(i),): used / max(1, n * blocks.spec.bytes_per_block) for i, (used, n) in
+          enumerate(zip(blocks.shard_used_bytes(), sizes))}
+    lines = gauge(PREFIX + "num_requests_running", "Requests in the running batch.", {(): engine.num_running})
+    lines += gauge(PREFIX + "num_requests_waiting", "Requests queued for the running batch.", {(): engine.num_waiting})
+    lines += gauge(PREFIX + "kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1), per CPU attention "
+                   "worker's shard.", kv, ("shard",))
+    lines += ["# HELP hetserve:num_preemptions_total Sequences preempted for KV space (recomputed later).",
+              "# TYPE hetserve:num_preemptions_total counter",
+              f"hetserve:num_preemptions_total {engine.scheduler.num_preemptions}"]
+    lines += engine.metrics.render()
+    # the names the first /metrics had (deploy/README.md), and the simulator's series
+    lines += [f"hetserve_requests_running {engine.num_running}", f"hetserve_requests_waiting {engine.num_waiting}"]
+    if engine.sim_steps:
+        lines += [f"hetserve_sim_clock_seconds {engine.sim_clock_s:.6f}",
+                  f"hetserve_sim_steps_total {engine.sim_steps}",
+                  f"hetserve_sim_output_tokens_total {engine.sim_output_tokens}"]
+    return "\n".join(lines) + "\n"
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="hetserve", version="0.1.0")
+    engine, tok, cfg = state.engine, state.engine.tokenizer, state.cfg
+    state.created = state.created or int(time.time())
+    _install_error_handlers(app)
+    app.add_middleware(Guard, cfg=GuardConfig(cfg.api_key(), cfg.csv("auth_exempt_paths"), cfg.max_body_bytes),
+                       is_draining=lambda: state.is_draining)
+    if cfg.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.csv("cors_allow_origins")),
+                           allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
+    max_prompt = min(cfg.max_prompt_tokens or state.max_model_len, state.max_model_len - 1)
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = engine.health()
-        return JSONResponse({"status": status}, status_code=503 if status == "down" else 200)
+        status = "draining" if state.is_draining else engine.health()
+        return JSONResponse({"status": status}, status_code=503 if status in ("down", "draining") else 200)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        """Prometheus text format; the hetserve_sim_* series appear when the backend simulates timing."""
-        lines = [f"hetserve_requests_running {engine.num_running}", f"hetserve_requests_waiting {engine.num_waiting}"]
-        if engine.sim_steps:
-            lines += [f"hetserve_sim_clock_seconds {engine.sim_clock_s:.6f}",
-                      f"hetserve_sim_steps_total {engine.sim_steps}",
-                      f"hetserve_sim_output_tokens_total {engine.sim_output_tokens}"]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -76,9 +130,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                            param="model", code="model_not_found")
         n, room = len(prompt_ids), state.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise APIError(400, f"prompt has {n} tokens; the context holds {state.max_model_len} including at least "
-                                "one generated token", param="prompt", code="context_length_exceeded")
+        if n > max_prompt:
+            raise APIError(400, f"prompt has {n} tokens; this server takes at most {max_prompt} (the context holds "
+                                f"{state.max_model_len} including at least one generated token)", param="prompt",
+                           code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context "
                                 f"({state.max_model_len}); ask for at most {room}", param="max_tokens",
@@ -88,107 +143,79 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"prompt has {n} tokens; the KV cache holds {kv_tokens}", param="prompt")
         return max_tokens if max_tokens is not None else room
 
+    def admit() -> None:
+        capacity = engine.scheduler.cfg.max_num_seqs + cfg.max_waiting_requests
+        if engine.num_running + engine.num_waiting >= capacity:
+            engine.metrics.on_rejected("queue_full")
+            raise APIError(429, f"the server is at capacity ({engine.num_waiting} requests queued, at most "
+                                f"{cfg.max_waiting_requests}); retry shortly", code="queue_full",
+                           headers={"Retry-After": "1"})
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         prompt = completion_prompt(body)
         if isinstance(prompt, str):
-            ids = tok.encode(prompt)
+            ids = await asyncio.to_thread(tok.encode, prompt)
         else:
             ids = list(prompt)
             if any(not 0 <= t < tok.vocab_size for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
         max_tokens = limits(body, ids, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
-        return await _run(body, ids, max_tokens, chat=False)
+        return await _run(body, ids, max_tokens, request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = chat_messages(body)
-        ids = tok.apply_chat_template(messages)
+        ids = await asyncio.to_thread(tok.apply_chat_template, messages)
         max_tokens = limits(body, ids, body.max_completion_tokens or body.max_tokens)
-        return await _run(body, ids, max_tokens, chat=True)
+        return await _run(body, ids, max_tokens, request, chat=True)
 
-    async def _run(body: CommonParams, ids: list[int], max_tokens: int, chat: bool):
+    async def _run(body: CommonParams, ids: list[int], max_tokens: int, request: Request, chat: bool):
+        admit()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                   seed=body.seed if body.seed is not None else random.getrandbits(63))
+        arrival = time.monotonic()
         engine.submit(EngineRequest(request_id, ids, sampling, max_tokens,
                                     on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                    stop=tuple(stop_list(body)), ignore_eos=body.ignore_eos))
-        shape = _Shape(request_id, state.model_name, chat)
+                                    stop=tuple(stop_list(body)), ignore_eos=body.ignore_eos, arrival_s=arrival,
+                                    deadline_s=arrival + cfg.request_timeout_s if cfg.request_timeout_s else None))
+        log.debug("submitted %s: %d prompt tokens, max_tokens %d", request_id, len(ids), max_tokens,
+                  extra={"completion_id": request_id, "num_prompt_tokens": len(ids)})
+        shape = Shape(request_id, state.model_name, chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(engine, events, shape, include_usage), media_type="text/event-stream")
+            return StreamingResponse(stream(engine, events, shape, include_usage), media_type="text/event-stream")
+        text, ev = await _collect(events, request, request_id)
+        err = event_error(ev)
+        if err is not None:
+            raise err
+        return shape.whole(text, ev)
+
+    async def _collect(events: asyncio.Queue, request: Request, request_id: str) -> tuple[str, RequestEvent]:
+        """The whole output; a client that disconnects first aborts the request (its KV is freed)."""
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        text, ev = [], None
         try:
-            text, ev = [], None
             while ev is None or ev.finish_reason is None:
-                ev = await events.get()
+                get = asyncio.ensure_future(events.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    raise APIError(499, "client disconnected; request aborted", code="client_disconnected")
+                ev = get.result()
                 text.append(ev.text)
         finally:
+            gone.cancel()
             if ev is None or ev.finish_reason is None:
                 engine.abort(request_id)
-        if ev.finish_reason == "error":
-            raise APIError(500, ev.error or "generation failed")
-        return shape.whole("".join(text), ev)
+        return "".join(text), ev
 
     return app
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """Builds OpenAI response objects for one request."""
-
-    request_id: str
-    model: str
-    chat: bool
-
-    def _base(self, chunk: bool) -> dict:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.request_id, "object": obj, "created": int(time.time()), "model": self.model}
-
-    @staticmethod
-    def usage(ev: RequestEvent) -> dict:
-        return {"prompt_tokens": ev.num_prompt_tokens, "completion_tokens": ev.num_output_tokens,
-                "total_tokens": ev.num_prompt_tokens + ev.num_output_tokens}
-
-    def whole(self, text: str, ev: RequestEvent) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": ev.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": ev.finish_reason, "logprobs": None}
-        sim = {"x_sim": ev.sim} if ev.sim else {}
-        return {**self._base(False), "choices": [choice], "usage": self.usage(ev), **sim}
-
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
-        return {**self._base(True), "choices": [choice]}
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _stream(engine: Engine, events: asyncio.Queue, shape: _Shape, include_usage: bool):
-    ev = None
-    try:
-        if shape.chat:
-            yield _sse(shape.chunk(None, None, role=True))
-        while ev is None or ev.finish_reason is None:
-            ev = await events.get()
-            if ev.finish_reason == "error":
-                yield _sse(APIError(500, ev.error or "generation failed").body())
-                break
-            if ev.text or ev.finish_reason:
-                sim = {"x_sim": ev.sim} if ev.finish_reason and ev.sim else {}
-                yield _sse({**shape.chunk(ev.text, ev.finish_reason), **sim})
-        if include_usage:
-            yield _sse({**shape._base(True), "choices": [], "usage": shape.usage(ev)})
-        yield "data: [DONE]\n\n"
-    finally:
-        if ev is None or ev.finish_reason is None:
-            engine.abort(shape.request_id)
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -63,17 +63,26 @@ def warm_up(engine) -> None:
 def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
+    from server import logs
     from server.api import ServerState, create_app
+    from server.lifecycle import DrainingServer
 
+    logs.configure(cfg.log_level, cfg.log_format)
     engine, name, max_model_len = build_engine(cfg)
     engine.start()
     warm_up(engine)
-    log.info("serving %s on http://%s:%d (max_model_len %d)", name, cfg.host, cfg.port, max_model_len)
+    state = ServerState(engine, name, max_model_len, cfg=cfg)
+    app = create_app(state)
+    key = "from $" + cfg.api_key_env if cfg.api_key() else "none"
+    log.info("serving %s on http://%s:%d (max_model_len %d, API key %s)", name, cfg.host, cfg.port, max_model_len, key)
+    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                           log_config=None, access_log=False, timeout_graceful_shutdown=5),
+                            state, cfg.shutdown_grace_s)
     try:
-        uvicorn.run(create_app(ServerState(engine, name, max_model_len)), host=cfg.host, port=cfg.port,
-                    log_level=cfg.log_level)
+        server.run()
     finally:
         engine.stop()
+    log.info("stopped")
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:

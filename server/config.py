@@ -85,6 +85,18 @@ class ServeConfig:
     sim_model: str = _opt("smollm2-135m", "backend sim: model shape whose timing is simulated (e.g. llama2-13b; "
                                           "tokens always come from --model)")
     log_level: str = _opt("info", "debug, info, warning or error")
+    log_format: str = _opt("text", "text, or json: one JSON object per line with the request id of the request it is about")
+    max_waiting_requests: int = _opt(256, "requests queued beyond the running batch; more get 429 with Retry-After")
+    request_timeout_s: float = _opt(0.0, "end a request (queued or running) this many seconds after arrival with an "
+                                         "error and free its KV cache (0: no limit)")
+    shutdown_grace_s: float = _opt(30.0, "on SIGTERM, seconds in-flight requests may take to finish (new ones get "
+                                         "503) before the rest are cancelled")
+    api_key_env: str = _opt("HETSERVE_API_KEY", "environment variable holding the API key; when it is set and not "
+                                                "empty, /v1/* needs `Authorization: Bearer <key>` (empty name: no key)")
+    auth_exempt_paths: str = _opt("/health,/metrics", "comma-separated paths that need no API key")
+    cors_allow_origins: str = _opt("", "comma-separated origins allowed cross-origin requests, or * (empty: CORS off)")
+    max_body_bytes: int = _opt(2**20, "largest request body, e.g. 1MiB; larger ones get 413", parse=parse_bytes)
+    max_prompt_tokens: int | None = _opt(None, "longest prompt in tokens (default: max_model_len - 1)")
 
     def __post_init__(self) -> None:
         checks = [
@@ -108,6 +120,11 @@ class ServeConfig:
             (self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1"),
             (0 < self.port < 65536, f"port {self.port} out of range"),
             (self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}"),
+            (self.log_format in ("text", "json"), f"log_format must be text or json, not {self.log_format!r}"),
+            (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
+            (self.request_timeout_s >= 0 and self.shutdown_grace_s >= 0, "timeouts must be >= 0"),
+            (self.max_body_bytes > 0, "max_body_bytes must be positive"),
+            (self.max_prompt_tokens is None or self.max_prompt_tokens > 0, "max_prompt_tokens must be positive"),
         ]
         for ok, message in checks:
             if not ok:
@@ -133,6 +150,14 @@ class ServeConfig:
         dense = None if self.lsh_dense_layers is None else \
             tuple(int(x) for x in self.lsh_dense_layers.split(",") if x.strip())
         return LshConfig(self.lsh_k, self.lsh_l, self.lsh_sinks, self.lsh_window, dense, self.lsh_min_context)
+
+    def api_key(self) -> str | None:
+        """The key from the environment variable `api_key_env` names (never from a file or flag)."""
+        return os.environ.get(self.api_key_env) or None if self.api_key_env else None
+
+    def csv(self, name: str) -> tuple[str, ...]:
+        """A comma-separated option as a tuple of its non-empty items."""
+        return tuple(x.strip() for x in getattr(self, name).split(",") if x.strip())
 
     def kv_capacity_bytes(self) -> int:
         if self.kv_cache_bytes is not None:

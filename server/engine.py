@@ -16,6 +16,7 @@ from typing import Callable
 from server.backend import Backend, SamplingParams, WorkerLost
 from server.block_manager import BlockManager
 from server.detokenizer import IncrementalDetokenizer
+from server.metrics import ServingMetrics
 from server.scheduler import Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class RequestEvent:
     num_prompt_tokens: int
     num_output_tokens: int
     finish_reason: str | None = None
-    """None while running; then stop, length, abort or error."""
+    """None while running; then stop, length, abort, timeout or error."""
     error: str | None = None
     sim: dict | None = None
     """Simulated timing (seconds on the backend's virtual clock), when the backend reports one."""
@@ -48,6 +49,8 @@ class EngineRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     arrival_s: float = field(default_factory=time.monotonic)
+    deadline_s: float | None = None
+    """time.monotonic() by which the request must finish; past it the engine ends it with finish_reason timeout."""
 
 
 @dataclass
@@ -59,6 +62,8 @@ class _Live:
     """Virtual clock at arrival, for backends that report `sim_clock_s` (accel_sim)."""
     sim_first_s: float | None = None
     sim_last_s: float | None = None
+    scheduled_s: float | None = None
+    first_token_s: float | None = None
 
 
 class Engine:
@@ -78,6 +83,10 @@ class Engine:
         """Simulated seconds of backend steps so far (backends reporting `sim_clock_s`), with the counters below."""
         self.sim_steps = 0
         self.sim_output_tokens = 0
+        self.metrics = ServingMetrics()
+        self._num_unread_adds = 0
+        """Submitted requests still in the inbox: they count as waiting (admission control reads it)."""
+        self._adds_lock = threading.Lock()
 
     # ---- called from any thread
     def start(self) -> None:
@@ -87,10 +96,16 @@ class Engine:
         return self._thread.is_alive()
 
     def submit(self, req: EngineRequest) -> None:
+        with self._adds_lock:
+            self._num_unread_adds += 1
         self._inbox.put(("add", req))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def abort_all(self, error: str) -> None:
+        """End every request (finish_reason abort, with `error`) at the next step boundary."""
+        self._inbox.put(("abort_all", error))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -111,12 +126,13 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + self._num_unread_adds
 
     # ---- engine thread
     def _loop(self) -> None:
         while not self._stopping.is_set():
             self._drain(block=not self.scheduler.has_work())
+            self._expire()
             self._sync_workers()  # also when idle, so /health sees restarted workers come back
             if self.scheduler.has_work():
                 try:
@@ -136,7 +152,12 @@ class Engine:
         while True:
             kind, payload = item
             if kind == "add":
+                with self._adds_lock:
+                    self._num_unread_adds -= 1
                 self._add(payload)
+            elif kind == "abort_all":
+                for live in list(self._live.values()):
+                    self._finish(live, "abort", error=payload)
             elif kind == "abort" and payload in self._by_request_id:
                 self._finish(self._live[self._by_request_id[payload]], "abort")
             try:
@@ -150,6 +171,15 @@ class Engine:
         self._live[seq.seq_id] = _Live(req, seq, detok, self.sim_clock_s)
         self._by_request_id[req.request_id] = seq.seq_id
         self.scheduler.add(seq)
+        self.metrics.on_arrival(len(req.prompt_token_ids))
+
+    def _expire(self) -> None:
+        """End requests past their deadline, whether waiting or running; their KV blocks are freed."""
+        now = time.monotonic()
+        for live in [lv for lv in self._live.values() if lv.req.deadline_s is not None and lv.req.deadline_s <= now]:
+            waited = now - live.req.arrival_s
+            self._finish(live, "timeout", error=f"request timed out after {waited:.1f} s (the server's "
+                                                 "request_timeout_s); it was cancelled and its KV cache freed")
 
     def _sync_workers(self) -> None:
         live_shards = getattr(self.backend, "live_shards", None)
@@ -161,6 +191,12 @@ class Engine:
         for seq in self.scheduler.too_long:
             self._finish(self._live[seq.seq_id], "length")
         self.scheduler.too_long.clear()
+        now = time.monotonic()
+        for chunk in inp.chunks:
+            live = self._live[chunk.seq_id]
+            if live.scheduled_s is None:
+                live.scheduled_s = now
+                self.metrics.on_scheduled(now - live.req.arrival_s)
         if not inp.chunks:
             if self.scheduler.waiting and not self.blocks.live:  # every CPU attention worker is down
                 for seq in list(self.scheduler.waiting):
@@ -177,9 +213,14 @@ class Engine:
             self.scheduler.preempt_all()
             return
         self.last_step_timings_s = out.timings_s
+        self.metrics.on_step(out.timings_s, len(out.sampled))
         sim_clock = out.timings_s.get("sim_clock_s")
+        now = time.monotonic()
         for seq, token in self.scheduler.update(out):
             live = self._live[seq.seq_id]
+            if live.first_token_s is None:
+                live.first_token_s = now
+                self.metrics.on_first_token(now - live.req.arrival_s)
             if sim_clock is not None:
                 live.sim_first_s = sim_clock if live.sim_first_s is None else live.sim_first_s
                 live.sim_last_s = sim_clock
@@ -222,4 +263,7 @@ class Engine:
         del self._by_request_id[live.req.request_id]
         if reason != "error":
             text += live.detok.flush()
+        now, n = time.monotonic(), len(live.seq.output_token_ids)
+        first = live.first_token_s
+        self.metrics.on_finish(reason, now - live.req.arrival_s, (now - first) / (n - 1) if first and n > 1 else None)
         live.req.on_event(self._event(live, text, token_ids, reason, error))

@@ -6,31 +6,64 @@ when set to anything but their neutral value, never silently ignored.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+
+_TYPES = {401: "authentication_error", 404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error",
+          503: "service_unavailable_error"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    """A request that ends in an HTTP error; server/ turns it into OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
 
     @property
     def type(self) -> str:
-        return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")
+        return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def render(self) -> bytes:
+        """The body as ASCII JSON: safe whatever the message quotes back from the request."""
+        return json.dumps(self.body()).encode()
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _check_unicode(value: Any, depth: int = 0) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer or UTF-8 encoder takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("strings must be valid Unicode (a lone surrogate escape such as \\ud800 is not)") from None
+    elif isinstance(value, dict) and depth < 8:
+        for k, v in value.items():
+            _check_unicode(k, depth + 1)
+            _check_unicode(v, depth + 1)
+    elif isinstance(value, list) and depth < 8:
+        for v in value:
+            _check_unicode(v, depth + 1)
+
+
 class CommonParams(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
 
     model: str | None = None
     max_tokens: int | None = None
