@@ -109,8 +109,11 @@ class ServingMetrics:
         self.generation_tokens = Counter(p + "generation_tokens_total", "Generated tokens.")
         self.finished = Counter(p + "request_success_total", "Finished requests by finish reason "
                                 "(stop, length, abort, timeout, error).", ("finished_reason",))
-        self.rejected = Counter(p + "requests_rejected_total", "Requests refused before reaching the engine, by "
-                                "reason (queue_full, shutting_down).", ("reason",))
+        self.rejected = Counter(p + "requests_rejected_total", "Requests refused with 429 because the queue was "
+                                "full.", ("reason",))
+        for reason in ("stop", "length", "abort", "timeout", "error"):
+            self.finished.inc(0, reason)
+        self.rejected.inc(0, "queue_full")
 
     def on_arrival(self, num_prompt_tokens: int) -> None:
         with self._lock:

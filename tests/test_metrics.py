@@ -1,0 +1,79 @@
+"""/metrics: valid Prometheus text, vLLM-style names, exact token counters; JSON logs with request ids."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import httpx
+
+from server.logs import JsonFormatter, request_id_var
+from server.metrics import Histogram
+
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|\+Inf|NaN)$')
+NAMES = ["hetserve:num_requests_running", "hetserve:num_requests_waiting", "hetserve:kv_cache_usage_perc",
+         "hetserve:num_preemptions_total", "hetserve:time_to_first_token_seconds",
+         "hetserve:time_per_output_token_seconds", "hetserve:e2e_request_latency_seconds",
+         "hetserve:request_queue_time_seconds", "hetserve:step_time_seconds", "hetserve:prompt_tokens_total",
+         "hetserve:generation_tokens_total", "hetserve:request_success_total", "hetserve:requests_rejected_total"]
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+", line), line
+            continue
+        assert SAMPLE.match(line), line
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    return samples
+
+
+def test_metrics_names_format_and_exact_counters(server):
+    before = scrape(server.url)
+    for name in NAMES:
+        assert any(k.split("{")[0].removesuffix("_count") == name for k in before), name
+    body = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    usage = r.json()["usage"]
+    after = scrape(server.url)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("hetserve:prompt_tokens_total") == usage["prompt_tokens"]
+    assert delta("hetserve:generation_tokens_total") == 5
+    assert delta('hetserve:request_success_total{finished_reason="length"}') == 1
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "time_per_output_token_seconds"):
+        assert delta(f"hetserve:{hist}_count") == 1, hist
+    assert delta('hetserve:step_time_seconds_count{part="accelerator"}') >= 5
+    assert after['hetserve:kv_cache_usage_perc{shard="0"}'] == 0.0
+    assert after["hetserve:num_requests_running"] == 0
+    assert "hetserve_requests_running" in after  # the first /metrics' names stay
+
+
+def test_histogram_buckets_are_cumulative():
+    h = Histogram("x_seconds", "help", (0.1, 1.0))
+    for v in (0.05, 0.5, 0.7, 3.0):
+        h.observe(v)
+    lines = h.render()
+    assert 'x_seconds_bucket{le="0.1"} 1' in lines and 'x_seconds_bucket{le="1.0"} 3' in lines
+    assert 'x_seconds_bucket{le="+Inf"} 4' in lines and "x_seconds_count 4" in lines and "x_seconds_sum 4.25" in lines
+
+
+def test_request_id_is_echoed_and_json_logs_carry_it(server):
+    r = httpx.get(server.url + "/v1/models", headers={"x-request-id": "client-id-42"})
+    assert r.headers["x-request-id"] == "client-id-42"
+    r = httpx.get(server.url + "/v1/models", headers={"x-request-id": "bad id\twith spaces"})
+    assert r.headers["x-request-id"].startswith("req-")
+    token = request_id_var.set("req-abc")
+    try:
+        record = logging.LogRecord("hetserve.api", logging.INFO, __file__, 1, "done %s", ("x",), None)
+        record.status = 200
+        obj = json.loads(JsonFormatter().format(record))
+    finally:
+        request_id_var.reset(token)
+    assert obj["request_id"] == "req-abc" and obj["msg"] == "done x" and obj["status"] == 200 and obj["level"] == "info"
