@@ -1,0 +1,120 @@
+"""Decode speed of hetserve's backend at `concurrency` sequences of a long shared context, without paying
+`concurrency` prefills (16 x 8k prompts take over an hour to prefill on 2 busy cores).
+
+    python -m benchmarks.e2e.decode_only --context-tokens 7936 --concurrency 1 4 16 --steps 48 \
+        -- --kv-format oaken --attention magicpig
+
+The server's own backend (built by `server.cli.build_engine` from the `hetserve serve` options after
+`--`) prefills one prompt once (one chunk, exact SDPA), then every decoding sequence gets that prompt's
+KV blocks in its block table (shared read-only, as a prefix cache would) plus blocks of its own for the
+tokens it decodes, and copies of the per-sequence MagicPIG state (LSH key centers and hash tables). Each
+sequence therefore reads a full-length context every step: the work of the decode kernels is that of
+`concurrency` distinct contexts; only the bytes are shared (cache effects: see the README). The
+counterpart for llama.cpp is `llama-batched-bench -pps` (shared prompt), which does the same.
+
+KV block layout per group of sequences (block_size 16, prompt of P = 496 blocks):
+
+    prefix blocks   [0 .. P)                      shared by every sequence
+    seq j's own     [P + j*D .. P + (j+1)*D)      D = ceil(steps / 16) + 1 blocks for decoded tokens
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _clone_seq(backend, src: int, dst: int) -> None:
+    """Give sequence `dst` copies of `src`'s per-sequence state (MagicPIG key centers and tables)."""
+    lsh = getattr(backend.model_worker, "lsh", None)
+    if lsh is not None and src in lsh.centers:
+        lsh.centers[dst] = dict(lsh.centers[src])
+    sparse = getattr(backend.attn_worker, "sparse", None)
+    if sparse is not None and src in sparse.seqs:
+        sparse.seqs[dst] = copy.deepcopy(sparse.seqs[src])
+
+
+def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, warmup_steps: int = 2) -> list[dict]:
+    from server.backend import SamplingParams, SeqChunk, StepInput
+
+    bs = backend.kv_spec.block_size
+    greedy = SamplingParams(temperature=0.0)
+    num_prefix = math.ceil(len(prompt) / bs)
+    assert len(prompt) % bs == 0, "a prompt of whole blocks keeps the decoded tokens out of the shared blocks"
+    prefix = tuple(range(num_prefix))
+    t0 = time.perf_counter()
+    out = backend.step(StepInput((SeqChunk(0, tuple(prompt), 0, prefix, greedy),)))
+    prefill_s = time.perf_counter() - t0
+    first = out.sampled[0]
+    per_seq = math.ceil((num_steps + 1) / bs) + 1
+    next_block, next_seq, rows = num_prefix, 1, []
+    for c in concurrencies:
+        seqs = list(range(next_seq, next_seq + c))
+        next_seq += c
+        own = {}
+        for s in seqs:
+            _clone_seq(backend, 0, s)
+            own[s] = tuple(range(next_block, next_block + per_seq))
+            next_block += per_seq
+        assert next_block <= backend.kv_spec.num_blocks, "raise --kv-cache-bytes"
+        last = {s: first for s in seqs}
+        step_s, parts = [], {}
+        for i in range(num_steps):
+            pos = len(prompt) + i
+            table_len = pos // bs + 1
+            chunks = tuple(SeqChunk(s, (last[s],), pos, (prefix + own[s])[:table_len], greedy, i) for s in seqs)
+            t0 = time.perf_counter()
+            out = backend.step(StepInput(chunks))
+            dt = time.perf_counter() - t0
+            last.update(out.sampled)
+            if i >= warmup_steps:
+                step_s.append(dt)
+                for k, v in out.timings_s.items():
+                    parts.setdefault(k, []).append(v)
+        backend.step(StepInput((), freed_seq_ids=tuple(seqs)))
+        mean_step = float(np.mean(step_s))
+        rows.append({"concurrency": c, "context_tokens": len(prompt), "num_steps": len(step_s),
+                     "decode_tok_s": c / mean_step, "mean_step_ms": 1e3 * mean_step,
+                     "p50_step_ms": 1e3 * float(np.median(step_s)), "p99_step_ms": 1e3 * float(np.percentile(step_s, 99)),
+                     "parts_ms": {k: round(1e3 * float(np.mean(v)), 2) for k, v in parts.items()},
+                     "prefill_one_prompt_s": round(prefill_s, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context-tokens", type=int, default=7936, help="prompt length (a multiple of 16)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--steps", type=int, default=48, help="decode steps per concurrency (2 more are warm-up)")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: `hetserve serve` options")
+    args = ap.parse_args()
+
+    from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, TargetTokenizer
+    from server.cli import build_engine
+    from server.config import add_arguments, from_args
+
+    serve = argparse.ArgumentParser()
+    add_arguments(serve)
+    serve_args = [a for a in args.serve_args if a != "--"]
+    total = sum(args.concurrency) * (args.steps + 2 * 16) + args.context_tokens
+    cfg = from_args(serve.parse_args(["--max-num-seqs", str(max(args.concurrency)),
+                                      "--kv-cache-bytes", str(total * 2 * 30 * 3 * 64 * 4), *serve_args]))
+    engine, _, _ = build_engine(cfg)  # the engine thread is not started: the backend is driven directly
+    tok = TargetTokenizer.load(None)
+    text = PromptBuilder(tok, Path(DEFAULT_TEXT).read_text(encoding="utf-8"), seed=0).build(args.context_tokens).text
+    prompt = tok._tok.encode(text, add_special_tokens=True)[:args.context_tokens]
+    rows = run(engine.backend, prompt, args.concurrency, args.steps + 2)
+    rows = [{**r, "serve_args": " ".join(serve_args)} for r in rows]
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

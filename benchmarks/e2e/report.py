@@ -1,0 +1,51 @@
+"""The table and the plot of e2e_peers rows."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import print_table
+
+COLUMNS = ("workload", "concurrency", "config", "repeat", "output_throughput", "decode_tok_s", "mean_decoding",
+           "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "peak_rss_mb", "failed")
+
+
+def table(rows: list[dict]) -> None:
+    print_table(rows, list(COLUMNS))
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Per (workload, concurrency) cell: output and decode throughput and median TPOT of each config (bars:
+    mean over repeats, dots: each run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["workload"], r["concurrency"]) for r in rows})
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    metrics = (("output_throughput", "output tok/s (incl. prefill)"), ("decode_tok_s", "decode tok/s"),
+               ("median_tpot_ms", "median TPOT ms (lower is better)"))
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(max(8, 1.6 * len(cells) * len(configs) / 3), 11))
+    width = 0.8 / max(1, len(configs))
+    for ax, (key, title) in zip(axes, metrics):
+        for j, cfg in enumerate(configs):
+            xs, means = [], []
+            for i, cell in enumerate(cells):
+                vals = [r[key] for r in rows if (r["workload"], r["concurrency"]) == cell and r["config"] == cfg
+                        and r.get(key) is not None]
+                if vals:
+                    x = i + (j - (len(configs) - 1) / 2) * width
+                    xs.append(x)
+                    means.append(float(np.mean(vals)))
+                    ax.plot([x] * len(vals), vals, "k.", ms=3)
+            ax.bar(xs, means, width, label=cfg)
+        ax.set_xticks(range(len(cells)), [f"{w}\nc={c}" for w, c in cells])
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
