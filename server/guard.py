@@ -39,10 +39,9 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
-async def send_error(send: Callable, err: APIError, request_id: str) -> None:
-    body = APIError.render(err)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"x-request-id", request_id.encode())]
+async def send_error(send: Callable, err: APIError) -> None:
+    body = err.render()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -69,8 +68,8 @@ class Guard:
         try:
             err = self._refusal(scope)
             if err is not None:
-                return await send_error(send, err, request_id)
-            await self._with_body_limit(scope, receive, send_tagged, request_id)
+                return await send_error(send_tagged, err)
+            await self._with_body_limit(scope, receive, send_tagged)
         finally:
             if scope["path"] not in ("/health", "/metrics") or status[0] >= 400:
                 log.info("%s %s %d %.1f ms", scope["method"], scope["path"], status[0],
@@ -90,14 +89,14 @@ class Guard:
                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return None
 
-    async def _with_body_limit(self, scope: dict, receive: Callable, send: Callable, request_id: str) -> None:
+    async def _with_body_limit(self, scope: dict, receive: Callable, send: Callable) -> None:
         """Read the whole body (at most max_body_bytes) before the app sees it, then replay it."""
         limit = self.cfg.max_body_bytes
         too_big = APIError(413, f"request body exceeds {limit} bytes (the server's max_body_bytes)",
                            code="request_too_large")
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await send_error(send, too_big, request_id)
+            return await send_error(send, too_big)
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         chunks, size, more = [], 0, True
@@ -109,7 +108,7 @@ class Guard:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > limit:
-                return await send_error(send, too_big, request_id)
+                return await send_error(send, too_big)
         replayed = False
 
         async def replay() -> dict:

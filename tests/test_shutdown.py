@@ -1,0 +1,80 @@
+"""SIGTERM on a real `hetserve serve` process with requests in flight: new work gets 503, a short
+request finishes, long ones are cancelled cleanly after the grace period, the process exits 0."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from tests.conftest import free_port
+
+GRACE_S = 4.0
+
+
+def _stream(url: str, max_tokens: int, out: dict, started: threading.Event) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    out["chunks"] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out["chunks"].append(line[6:])
+                started.set()
+
+
+def _post(url: str, out: dict) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
+    out["response"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def test_sigterm_drains_then_cancels_and_exits_zero(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--kv-format", "fp32",
+           "--kv-cache-bytes", "64MiB", "--max-num-seqs", "8", "--shutdown-grace-s", str(GRACE_S),
+           "--log-format", "json"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        short, long, whole = {}, {}, {}
+        started = [threading.Event(), threading.Event()]
+        threads = [threading.Thread(target=_stream, args=(url, 6, short, started[0])),
+                   threading.Thread(target=_stream, args=(url, 3000, long, started[1])),
+                   threading.Thread(target=_post, args=(url, whole))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(url + "/health", timeout=10).json() == {"status": "draining"}
+        t_term = time.monotonic()
+        assert proc.wait(timeout=GRACE_S + 20) == 0
+        assert time.monotonic() - t_term < GRACE_S + 10
+        for t in threads:
+            t.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert short["chunks"][-1] == "[DONE]" and json.loads(short["chunks"][-2])["choices"][0]["finish_reason"] == "length"
+    err = json.loads(long["chunks"][-2])["error"]
+    assert long["chunks"][-1] == "[DONE]" and "shutting down" in err["message"] and err["code"] == "cancelled"
+    assert whole["response"].status_code == 503 and "shutting down" in whole["response"].json()["error"]["message"]
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    assert any(rec["msg"].startswith("shutting down") for rec in lines)
+    assert any(rec.get("request_id") and rec.get("path") == "/v1/completions" for rec in lines)
