@@ -59,7 +59,7 @@ def run_loadgen(cmd: list[str], out_dir: Path) -> dict:
     """Runs loadgen; returns the metrics of the run (raises if it could not run at all)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with (out_dir / "loadgen.log").open("w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     if not (out_dir / "summary.json").is_file():
         raise RuntimeError(f"loadgen exited with {rc} and no summary; see {out_dir / 'loadgen.log'}")
     return metrics(json.loads((out_dir / "summary.json").read_text()), read_csv(out_dir / "requests.csv"))
@@ -68,15 +68,15 @@ def run_loadgen(cmd: list[str], out_dir: Path) -> dict:
 def metrics(summary: dict, rows: list[dict]) -> dict:
     """vLLM bench-serve numbers plus the decode phase's throughput.
 
-    decode_tok_s: output tokens after each request's first, over the span from the first request's first
-    token to the last request's last token (prefills of later requests run inside that span on every
-    server, so it is a lower bound on pure decode speed). mean_decoding: the mean number of requests
-    decoding over that span."""
+    decode_tok_s: output tokens after each request's first, over the time in which at least one request
+    was decoding (the union of every request's first-to-last-token interval; prefills of later requests
+    run inside it on every server, so it is a lower bound on pure decode speed). mean_decoding: the mean
+    number of requests decoding over that time."""
     ok = [r for r in rows if r["is_success"]]
     first = np.array([r["send_at_s"] + r["ttft_ms"] / 1e3 for r in ok])
     last = np.array([r["send_at_s"] + r["e2e_ms"] / 1e3 for r in ok])
     num_decoded = sum(r["num_output_tokens"] - 1 for r in ok)
-    span_s = float(last.max() - first.min()) if ok else 0.0
+    span_s = _union_s(first, last)
     keys = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
             "median_itl_ms", "p99_itl_ms", "num_output_len_mismatch", "num_prompt_len_mismatch")
@@ -84,3 +84,15 @@ def metrics(summary: dict, rows: list[dict]) -> dict:
     out["decode_tok_s"] = num_decoded / span_s if span_s > 0 else None
     out["mean_decoding"] = float((last - first).sum() / span_s) if span_s > 0 else None
     return out
+
+
+def _union_s(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Total length of the union of the intervals [starts[i], ends[i]]."""
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in sorted(zip(starts.tolist(), ends.tolist())):
+        if cur_end is None or a > cur_end:
+            total += 0.0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    return total + (0.0 if cur_end is None else cur_end - cur_start)

@@ -4,7 +4,7 @@ The sdist is the only thing fetched (from PyPI, with pip, once); later runs reus
 
     ~/.cache/hetserve/llama.cpp/
         llama_cpp_python-X.Y.Z.tar.gz
-        llama_cpp_python-X.Y.Z/vendor/llama.cpp/build/bin/llama-server
+        llama_cpp_python-X.Y.Z/vendor/llama.cpp/build/bin/llama-server, llama-batched-bench
 """
 from __future__ import annotations
 
@@ -16,14 +16,19 @@ from pathlib import Path
 CACHE_DIR = Path.home() / ".cache" / "hetserve" / "llama.cpp"
 
 
-def find_llama_server(cache_dir: Path = CACHE_DIR) -> Path | None:
-    found = sorted(cache_dir.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
+TARGETS = ("llama-server", "llama-batched-bench")
+"""The real server, and the decode-speed probe that `benchmarks.e2e.headline` pairs with hetserve's."""
+
+
+def find_llama_server(cache_dir: Path = CACHE_DIR, target: str = "llama-server") -> Path | None:
+    found = sorted(cache_dir.glob(f"llama_cpp_python-*/vendor/llama.cpp/build/bin/{target}"))
     return found[-1] if found else None
 
 
-def build_llama_server(cache_dir: Path = CACHE_DIR, jobs: int = 2) -> Path:
-    """Path of a built llama-server; downloads the sdist and builds (about 10 min on 2 cores) if there is none."""
-    exe = find_llama_server(cache_dir)
+def build_llama_server(cache_dir: Path = CACHE_DIR, jobs: int = 2, target: str = "llama-server") -> Path:
+    """Path of a built `target` (llama-server or llama-batched-bench); downloads the sdist and builds (about
+    10 min on 2 idle cores, 40 on busy ones) if there is none."""
+    exe = find_llama_server(cache_dir, target)
     if exe is not None:
         return exe
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -42,10 +47,10 @@ def build_llama_server(cache_dir: Path = CACHE_DIR, jobs: int = 2) -> Path:
     nice = ["nice", "-n", "10"]
     subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(src / "build"), "-G", "Ninja",
                     "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
-    subprocess.run([*nice, "cmake", "--build", str(src / "build"), "--target", "llama-server", "-j", str(jobs)],
+    subprocess.run([*nice, "cmake", "--build", str(src / "build"), "--target", *TARGETS, "-j", str(jobs)],
                    check=True)
-    exe = find_llama_server(cache_dir)
-    assert exe is not None, "the build finished without a llama-server binary"
+    exe = find_llama_server(cache_dir, target)
+    assert exe is not None, f"the build finished without {target}"
     return exe
 
 

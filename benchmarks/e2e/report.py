@@ -49,3 +49,28 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_decode(rows: list[dict], path: Path) -> Path:
+    """Decode tok/s against concurrency, one line per config (each repeat a dot, the line through the means)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for cfg in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == cfg]
+        cs = sorted({r["concurrency"] for r in mine})
+        means = [float(np.mean([r["decode_tok_s"] for r in mine if r["concurrency"] == c])) for c in cs]
+        (line,) = ax.plot(cs, means, "-o", label=cfg)
+        ax.plot([r["concurrency"] for r in mine], [r["decode_tok_s"] for r in mine], ".", color=line.get_color())
+    ctx = rows[0]["context_tokens"] if rows else 0
+    ax.set(xscale="log", yscale="log", xlabel="concurrent sequences", ylabel="decode tok/s",
+           title=f"decode at {ctx}-token contexts (shared prompt), 2 cores")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -143,7 +143,7 @@ def start(cmd: list[str], log_path: Path, timeout_s: float = 900) -> Running:
     return Running(proc, url, ready_s, PeakRss(proc.pid), log_path, cmd)
 
 
-_STEP_SUM = re.compile(r'^hetserve:step_time_seconds_(sum|count)\{part="(\w+)"\} (\S+)$', re.M)
+_STEP_SUM = re.compile(r'^hetserve:step_time_seconds_(sum|count)\{part="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
 def step_totals(url: str) -> dict[str, float]:
