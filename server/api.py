@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.backend import SamplingParams
@@ -35,7 +35,7 @@ from server.protocol import (
     completion_prompt,
     stop_list,
 )
-from server.responses import Shape, event_error, stream
+from server.responses import EngineStream, Shape, event_error
 
 log = logging.getLogger("hetserve.api")
 
@@ -187,7 +187,7 @@ def create_app(state: ServerState) -> FastAPI:
         shape = Shape(request_id, state.model_name, chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(engine, events, shape, include_usage), media_type="text/event-stream")
+            return EngineStream(engine, events, shape, include_usage)
         text, ev = await _collect(events, request, request_id)
         err = event_error(ev)
         if err is not None:

@@ -6,6 +6,8 @@ import json
 import time
 from dataclasses import dataclass
 
+from starlette.responses import StreamingResponse
+
 from server.engine import Engine, RequestEvent
 from server.protocol import APIError
 
@@ -79,3 +81,19 @@ async def stream(engine: Engine, events: asyncio.Queue, shape: Shape, include_us
     finally:
         if ev is None or ev.finish_reason is None:
             engine.abort(shape.request_id)
+
+
+class EngineStream(StreamingResponse):
+    """SSE response whose request is aborted however the response ends, also when the client left
+    before the first chunk (then the generator above never starts, so its `finally` never runs).
+    Aborting a finished request is a no-op."""
+
+    def __init__(self, engine: Engine, events: asyncio.Queue, shape: Shape, include_usage: bool):
+        super().__init__(stream(engine, events, shape, include_usage), media_type="text/event-stream")
+        self._engine, self._request_id = engine, shape.request_id
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine.abort(self._request_id)
