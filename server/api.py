@@ -47,7 +47,8 @@ class ServerState:
     max_model_len: int
     created: int = 0
     cfg: ServeConfig = field(default_factory=ServeConfig)
-    """Limits, API key source, CORS; the engine and model fields above come from the same config."""
+    """Limits, API key source, CORS. Queue length and request timeout are read per request; the guard's
+    settings (key, body limit, CORS) when the app is made."""
     is_draining: bool = False
     """Set on SIGTERM (server.lifecycle): /v1/* answers 503, /health 503 draining."""
 
@@ -144,11 +145,11 @@ def create_app(state: ServerState) -> FastAPI:
         return max_tokens if max_tokens is not None else room
 
     def admit() -> None:
-        capacity = engine.scheduler.cfg.max_num_seqs + cfg.max_waiting_requests
-        if engine.num_running + engine.num_waiting >= capacity:
+        max_waiting = state.cfg.max_waiting_requests
+        if engine.num_running + engine.num_waiting >= engine.scheduler.cfg.max_num_seqs + max_waiting:
             engine.metrics.on_rejected("queue_full")
             raise APIError(429, f"the server is at capacity ({engine.num_waiting} requests queued, at most "
-                                f"{cfg.max_waiting_requests}); retry shortly", code="queue_full",
+                                f"{max_waiting}); retry shortly", code="queue_full",
                            headers={"Retry-After": "1"})
 
     @app.post("/v1/completions")
@@ -177,11 +178,11 @@ def create_app(state: ServerState) -> FastAPI:
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                   seed=body.seed if body.seed is not None else random.getrandbits(63))
-        arrival = time.monotonic()
+        arrival, timeout_s = time.monotonic(), state.cfg.request_timeout_s
         engine.submit(EngineRequest(request_id, ids, sampling, max_tokens,
                                     on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                                     stop=tuple(stop_list(body)), ignore_eos=body.ignore_eos, arrival_s=arrival,
-                                    deadline_s=arrival + cfg.request_timeout_s if cfg.request_timeout_s else None))
+                                    deadline_s=arrival + timeout_s if timeout_s else None))
         log.debug("submitted %s: %d prompt tokens, max_tokens %d", request_id, len(ids), max_tokens,
                   extra={"completion_id": request_id, "num_prompt_tokens": len(ids)})
         shape = Shape(request_id, state.model_name, chat)

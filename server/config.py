@@ -89,10 +89,12 @@ class ServeConfig:
     max_waiting_requests: int = _opt(256, "requests queued beyond the running batch; more get 429 with Retry-After")
     request_timeout_s: float = _opt(0.0, "end a request (queued or running) this many seconds after arrival with an "
                                          "error and free its KV cache (0: no limit)")
-    shutdown_grace_s: float = _opt(30.0, "on SIGTERM, seconds in-flight requests may take to finish (new ones get "
-                                         "503) before the rest are cancelled")
+    shutdown_grace_s: float = _opt(25.0, "on SIGTERM, seconds in-flight requests may take to finish (new ones get "
+                                         "503) before the rest are cancelled; keep it below the orchestrator's kill "
+                                         "timeout (Kubernetes: terminationGracePeriodSeconds, 30 by default)")
     api_key_env: str = _opt("HETSERVE_API_KEY", "environment variable holding the API key; when it is set and not "
-                                                "empty, /v1/* needs `Authorization: Bearer <key>` (empty name: no key)")
+                                                "empty, every path outside auth_exempt_paths needs `Authorization: "
+                                                "Bearer <key>` (empty name: no key)")
     auth_exempt_paths: str = _opt("/health,/metrics", "comma-separated paths that need no API key")
     cors_allow_origins: str = _opt("", "comma-separated origins allowed cross-origin requests, or * (empty: CORS off)")
     max_body_bytes: int = _opt(2**20, "largest request body, e.g. 1MiB; larger ones get 413", parse=parse_bytes)
