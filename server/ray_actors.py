@@ -1,0 +1,233 @@
+"""The Ray actors behind `--executor ray` (see server/ray_executor.py for the whole picture):
+ModelActor, the accelerator side, and AttentionActor, one shard of the KV cache each. They talk
+per layer over direct TCP connections (server.channel), not through Ray."""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from server import channel
+from server.backend import StepInput, WorkerLost
+
+log = logging.getLogger(__name__)
+STEP_TIMEOUT_S = 600.0
+"""A step that takes longer than this counts as a lost accelerator worker."""
+
+
+def _set_threads(n: int) -> None:
+    import numba
+
+    torch.set_num_threads(n)
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+class AttentionActor:
+    """One shard of the KV cache: an AttentionWorker behind a TCP listener (one model actor at a time)."""
+
+    def __init__(self, cfg, kv_format: str, num_blocks: int, first_block: int, block_size: int, cal,
+                 sparse_fraction: float, recent_blocks: int, lsh, threads: int):
+        import ray
+
+        from cpu_attn.worker import AttentionWorker
+        from server.hetero import attention_worker
+
+        _set_threads(threads)
+        self.worker = attention_worker(cfg, kv_format, num_blocks, block_size, cal, sparse_fraction, recent_blocks, lsh)
+        # micro-batch 1 has its own step plan over the same store and tables
+        self.workers = [self.worker, AttentionWorker(self.worker.store, cfg.head_dim, self.worker.sparse)]
+        self.first_block = first_block
+        self._listener = socket.create_server((ray.util.get_node_ip_address(), 0))
+        threading.Thread(target=self._serve, name="attention-channel", daemon=True).start()
+
+    def address(self) -> tuple[str, int]:
+        return self._listener.getsockname()[:2]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _serve(self) -> None:
+        while True:
+            conn, _ = self._listener.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with conn:
+                try:
+                    while True:
+                        self._handle(conn, *channel.recv(conn))
+                except (ConnectionError, OSError):
+                    pass  # the model actor went away or reconnects
+
+    def _handle(self, conn: socket.socket, h: dict, arrays: list[np.ndarray]) -> None:
+        from cpu_attn.worker import ChunkLayout
+
+        if h["op"] == "free":
+            self.worker.free(h["seq_ids"])
+            return
+        try:
+            worker = self.workers[h["mb"]]
+            if "layout" in h:
+                worker.begin_step([ChunkLayout(n, start, tuple(b - self.first_block for b in table), seq)
+                                   for n, start, table, seq in h["layout"]])
+            q, k, v, *codes = (torch.from_numpy(a) for a in arrays)
+            o = worker.attend(h["layer"], q, k, v, tuple(codes) or None)
+            channel.send(conn, {"busy_s": worker.take_busy_s()} if h.get("last") else {}, [o.numpy()])
+        except Exception as exc:  # reported to the model actor, which fails the step
+            log.exception("attention failed")
+            channel.send(conn, {"error": f"{type(exc).__name__}: {exc}"})
+
+
+def split(chunks, n: int) -> list[list]:
+    """`chunks` in at most n contiguous groups of about equal token counts (no empty group)."""
+    total = sum(len(c.token_ids) for c in chunks)
+    groups, size = [[]], 0
+    for c in chunks:
+        if size >= total * len(groups) / n and len(groups) < n:
+            groups.append([])
+        groups[-1].append(c)
+        size += len(c.token_ids)
+    return groups
+
+
+class ModelActor:
+    """The accelerator side: the model worker, and one channel per attention shard."""
+
+    def __init__(self, model_dir: str, device: str, dtype: str, gguf_blocks_max_tokens: int, lsh, threads: int,
+                 microbatches: int):
+        from gpu_model.loader import load_model
+        from server.hetero import model_worker, pick_device, pick_dtype
+
+        if threads:
+            _set_threads(threads)
+        device = pick_device(device)
+        self.model_dir = Path(model_dir)
+        self.model = load_model(self.model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens)
+        self.worker = model_worker(self.model, lsh, device)
+        self.addresses: list[tuple[str, int] | None] = []
+        self.first_blocks: list[int] = []
+        self.socks: list[socket.socket | None] = []
+        self.pending_free: list[list[int]] = []
+        self.microbatches = microbatches
+
+    def config(self):
+        return self.model.cfg
+
+    def thresholds(self, path: str | None):
+        from server.hetero import oaken_thresholds
+
+        return oaken_thresholds(self.model, self.model_dir, path)
+
+    def set_shards(self, first_blocks: list[int]) -> None:
+        self.first_blocks = first_blocks
+        self.addresses = [None] * len(first_blocks)
+        self.socks = [None] * len(first_blocks)
+        self.pending_free = [[] for _ in first_blocks]
+
+    def connect(self, shard: int, address: tuple[str, int]) -> None:
+        self._close(shard)
+        self.addresses[shard] = tuple(address)
+        self.socks[shard] = channel.connect(self.addresses[shard], STEP_TIMEOUT_S)
+
+    def _close(self, shard: int) -> None:
+        if self.socks[shard] is not None:
+            self.socks[shard].close()
+            self.socks[shard] = None
+
+    def _lost(self, shard: int, exc: BaseException) -> WorkerLost:
+        """Forget the dead shard and reset every channel (replies of this step may still be in flight)."""
+        self.addresses[shard] = None
+        for s in range(len(self.socks)):
+            self._close(s)
+            if self.addresses[s] is not None:
+                try:
+                    self.connect(s, self.addresses[s])
+                except OSError:
+                    self.addresses[s] = None
+        return WorkerLost(f"CPU attention worker {shard} lost: {type(exc).__name__}: {exc}", shard)
+
+    def step(self, inp: StepInput) -> tuple[dict[int, int], dict[str, float]]:
+        from gpu_model.sampler import sample
+
+        t0 = time.perf_counter()
+        self.worker.free(inp.freed_seq_ids)
+        for s, pending in enumerate(self.pending_free):
+            pending.extend(inp.freed_seq_ids)
+            if pending and self.socks[s] is not None:
+                self._send(s, {"op": "free", "seq_ids": pending}, [])
+                pending.clear()
+        if not inp.chunks:
+            return {}, {}
+        mbs = [self._micro_batch(c) for c in split(inp.chunks, self.microbatches)]
+        busy: dict[int, float] = {}
+        last = self.model.cfg.num_layers - 1
+
+        def send(m, layer, q, k, v, codes):
+            parts = mbs[m][1]
+            for s, (rows, layout) in parts.items():
+                h = {"op": "attend", "mb": m, "layer": layer, "last": layer == last}
+                if layer == 0:
+                    h["layout"] = layout
+                self._send(s, h, [(t if rows is None else t[rows]).numpy() for t in (q, k, v, *(codes or ()))])
+
+        def recv(m):
+            b, parts = mbs[m]
+            out = None
+            for s, (rows, _) in parts.items():
+                h, arrays = self._recv(s)
+                if "error" in h:
+                    raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
+                busy[s] = busy.get(s, 0.0) + h.get("busy_s", 0.0)
+                o = torch.from_numpy(arrays[0])
+                if rows is None:
+                    out = o
+                else:
+                    out = out if out is not None else torch.empty(len(b.token_ids), o.shape[1])
+                    out[rows] = o
+            return out
+
+        logits, accel_s = self.worker.forward_pipelined(
+            [(b.token_ids, b.positions, b.sample_rows, b.chunks) for b, _ in mbs], send, recv)
+        t1 = time.perf_counter()
+        tokens = sample(torch.cat(logits), [p for b, _ in mbs for p in b.params],
+                        [i for b, _ in mbs for i in b.output_indices]) if any(b.sample_rows for b, _ in mbs) else []
+        step_s = time.perf_counter() - t0
+        accel_s += time.perf_counter() - t1
+        return dict(zip([i for b, _ in mbs for i in b.sampled_ids], tokens)), {
+            "accelerator": accel_s, "cpu_attn": sum(busy.values()), "cpu_attn_max": max(busy.values()),
+            "step": step_s}
+
+    def _micro_batch(self, chunks) -> tuple:
+        """The flat batch of `chunks` and, per shard, (its rows, or None for all; its chunk layouts)."""
+        from server.hetero import flatten
+
+        b = flatten(StepInput(tuple(chunks)))
+        parts: dict[int, tuple[list[int], list]] = {}
+        row = 0
+        for c, lay in zip(chunks, b.layouts):
+            s = bisect.bisect_right(self.first_blocks, c.block_table[0]) - 1
+            if self.socks[s] is None:
+                raise self._lost(s, ConnectionError("not connected"))
+            rows, layout = parts.setdefault(s, ([], []))
+            rows.extend(range(row, row + len(c.token_ids)))
+            layout.append([lay.num_tokens, lay.start_pos, list(lay.block_table), lay.seq_id])
+            row += len(c.token_ids)
+        whole = len(parts) == 1
+        return b, {s: (None if whole else torch.tensor(rows), layout) for s, (rows, layout) in parts.items()}
+
+    def _send(self, s: int, header: dict, arrays) -> None:
+        try:
+            channel.send(self.socks[s], header, arrays)
+        except OSError as exc:
+            raise self._lost(s, exc) from None
+
+    def _recv(self, s: int):
+        try:
+            return channel.recv(self.socks[s])
+        except OSError as exc:
+            raise self._lost(s, exc) from None
