@@ -109,7 +109,6 @@ def create_app(state: ServerState) -> FastAPI:
     if cfg.cors_allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.csv("cors_allow_origins")),
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
-    max_prompt = min(cfg.max_prompt_tokens or state.max_model_len, state.max_model_len - 1)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -125,33 +124,6 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "hetserve", "max_model_len": state.max_model_len}]}
 
-    def limits(body: CommonParams, prompt_ids: list[int], max_tokens: int | None) -> int:
-        check_common(body)
-        if body.model is not None and body.model != state.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                           param="model", code="model_not_found")
-        n, room = len(prompt_ids), state.max_model_len - len(prompt_ids)
-        if n > max_prompt:
-            raise APIError(400, f"prompt has {n} tokens; this server takes at most {max_prompt} (the context holds "
-                                f"{state.max_model_len} including at least one generated token)", param="prompt",
-                           code="context_length_exceeded")
-        if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context "
-                                f"({state.max_model_len}); ask for at most {room}", param="max_tokens",
-                           code="context_length_exceeded")
-        kv_tokens = engine.blocks.spec.num_blocks * engine.blocks.spec.block_size
-        if n + 1 > kv_tokens:
-            raise APIError(400, f"prompt has {n} tokens; the KV cache holds {kv_tokens}", param="prompt")
-        return max_tokens if max_tokens is not None else room
-
-    def admit() -> None:
-        max_waiting = state.cfg.max_waiting_requests
-        if engine.num_running + engine.num_waiting >= engine.scheduler.cfg.max_num_seqs + max_waiting:
-            engine.metrics.on_rejected("queue_full")
-            raise APIError(429, f"the server is at capacity ({engine.num_waiting} requests queued, at most "
-                                f"{max_waiting}); retry shortly", code="queue_full",
-                           headers={"Retry-After": "1"})
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prompt = completion_prompt(body)
@@ -161,18 +133,18 @@ def create_app(state: ServerState) -> FastAPI:
             ids = list(prompt)
             if any(not 0 <= t < tok.vocab_size for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
-        max_tokens = limits(body, ids, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
+        max_tokens = _limits(state, body, ids, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
         return await _run(body, ids, max_tokens, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = chat_messages(body)
         ids = await asyncio.to_thread(tok.apply_chat_template, messages)
-        max_tokens = limits(body, ids, body.max_completion_tokens or body.max_tokens)
+        max_tokens = _limits(state, body, ids, body.max_completion_tokens or body.max_tokens)
         return await _run(body, ids, max_tokens, request, chat=True)
 
     async def _run(body: CommonParams, ids: list[int], max_tokens: int, request: Request, chat: bool):
-        admit()
+        _admit(state)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -189,30 +161,11 @@ def create_app(state: ServerState) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EngineStream(engine, events, shape, include_usage)
-        text, ev = await _collect(events, request, request_id)
+        text, ev = await _collect(engine, events, request, request_id)
         err = event_error(ev)
         if err is not None:
             raise err
         return shape.whole(text, ev)
-
-    async def _collect(events: asyncio.Queue, request: Request, request_id: str) -> tuple[str, RequestEvent]:
-        """The whole output; a client that disconnects first aborts the request (its KV is freed)."""
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        text, ev = [], None
-        try:
-            while ev is None or ev.finish_reason is None:
-                get = asyncio.ensure_future(events.get())
-                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    raise APIError(499, "client disconnected; request aborted", code="client_disconnected")
-                ev = get.result()
-                text.append(ev.text)
-        finally:
-            gone.cancel()
-            if ev is None or ev.finish_reason is None:
-                engine.abort(request_id)
-        return "".join(text), ev
 
     return app
 
@@ -220,3 +173,55 @@ def create_app(state: ServerState) -> FastAPI:
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _limits(state: ServerState, body: CommonParams, prompt_ids: list[int], max_tokens: int | None) -> int:
+    """Checks the request against the model and the server's limits; returns max_tokens to use."""
+    check_common(body)
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    max_prompt = min(state.cfg.max_prompt_tokens or state.max_model_len, state.max_model_len - 1)
+    n, room = len(prompt_ids), state.max_model_len - len(prompt_ids)
+    if n > max_prompt:
+        raise APIError(400, f"prompt has {n} tokens; this server takes at most {max_prompt} (the context holds "
+                            f"{state.max_model_len} including at least one generated token)", param="prompt",
+                       code="context_length_exceeded")
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+                            f"({state.max_model_len}); ask for at most {room}", param="max_tokens",
+                       code="context_length_exceeded")
+    spec = state.engine.blocks.spec
+    if n + 1 > spec.num_blocks * spec.block_size:
+        raise APIError(400, f"prompt has {n} tokens; the KV cache holds {spec.num_blocks * spec.block_size}",
+                       param="prompt")
+    return max_tokens if max_tokens is not None else room
+
+
+def _admit(state: ServerState) -> None:
+    """Bounded queue: beyond max_num_seqs running plus max_waiting_requests queued, 429."""
+    engine, max_waiting = state.engine, state.cfg.max_waiting_requests
+    if engine.num_running + engine.num_waiting >= engine.scheduler.cfg.max_num_seqs + max_waiting:
+        engine.metrics.on_rejected("queue_full")
+        raise APIError(429, f"the server is at capacity ({engine.num_waiting} requests queued, at most "
+                            f"{max_waiting}); retry shortly", code="queue_full", headers={"Retry-After": "1"})
+
+
+async def _collect(engine: Engine, events: asyncio.Queue, request: Request, request_id: str) -> tuple[str, RequestEvent]:
+    """The whole output; a client that disconnects first aborts the request (its KV is freed)."""
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    text, ev = [], None
+    try:
+        while ev is None or ev.finish_reason is None:
+            get = asyncio.ensure_future(events.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                raise APIError(499, "client disconnected; request aborted", code="client_disconnected")
+            ev = get.result()
+            text.append(ev.text)
+    finally:
+        gone.cancel()
+        if ev is None or ev.finish_reason is None:
+            engine.abort(request_id)
+    return "".join(text), ev
