@@ -171,3 +171,17 @@ def test_hundred_streams_half_disconnect_rest_complete_and_kv_is_freed(server):
     wait_kv_free(server, 10)
     assert server.engine.metrics.finished.values.get(("abort",), 0) > aborted_before
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_max_prompt_tokens_limit(guarded):
+    cfg = guarded.state.cfg
+    guarded.state.cfg = dataclasses.replace(cfg, max_prompt_tokens=8)  # read per request
+    try:
+        r = httpx.post(guarded.url + "/v1/completions", json={"prompt": list(range(1, 10)), "max_tokens": 1},
+                       headers=AUTH, timeout=30)
+        ok = httpx.post(guarded.url + "/v1/completions", json={"prompt": list(range(1, 9)), "max_tokens": 1},
+                        headers=AUTH, timeout=30)
+    finally:
+        guarded.state.cfg = cfg
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "at most 8" in r.json()["error"]["message"] and ok.status_code == 200
