@@ -3,6 +3,7 @@ greedy output does not change."""
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from server.config import ServeConfig
 from tests.conftest import RunningServer
@@ -32,6 +33,7 @@ def test_small_kv_forces_preemption_with_identical_greedy_text(server):
         small.close()
 
 
+@pytest.mark.slow  # the fp16 preemption test above covers the scheduler path in the default run
 def test_oaken_kv_under_preemption_completes_every_request():
     """The Oaken store (calibrated on first use when the model cache has no thresholds) through
     the whole server: prefill, decode, preemption and recompute. Every request completes and every

@@ -94,6 +94,7 @@ def stream_text(client: httpx.Client, url: str, body: dict) -> str:
     return "".join(text)
 
 
+@pytest.mark.slow  # the default run's 100-stream test in test_reliability.py checks the same property, lighter
 def test_32_concurrent_streams_equal_each_request_alone(server):
     bodies = [{"prompt": f"Story number {i}: once upon a time, in a land of {w},", "max_tokens": 24 + i % 9,
                "temperature": 0} for i, w in enumerate(["ice", "fire", "sand", "glass"] * 8)]
