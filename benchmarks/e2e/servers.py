@@ -43,6 +43,8 @@ CONFIGS = {c.name: c for c in (
                  "hetserve Ray executor (2 CPU attention actors), Oaken KV, MagicPIG"),
     ServerConfig("llama-f16", "llama", ("--cache-type-k", "f16", "--cache-type-v", "f16"),
                  "llama-server, f16 KV, flash attention"),
+    ServerConfig("llama-f16-fa-off", "llama", ("--cache-type-k", "f16", "--cache-type-v", "f16", "-fa", "off"),
+                 "llama-server, f16 KV, flash attention off (the later -fa wins)"),
     ServerConfig("llama-q8_0", "llama", ("--cache-type-k", "q8_0", "--cache-type-v", "q8_0"),
                  "llama-server, q8_0 KV, flash attention"),
     ServerConfig("hf", "hf", (), "HF transformers generate, fp32, one left-padded batch of `concurrency`"),
