@@ -39,7 +39,19 @@ def _clone_seq(backend, src: int, dst: int) -> None:
         sparse.seqs[dst] = copy.deepcopy(sparse.seqs[src])
 
 
-def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, warmup_steps: int = 2) -> list[dict]:
+def _copy_blocks(store, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+    """Physically copy KV blocks src -> dst (Oaken: dense codes, scales, counts, sparse entries; else k, v)."""
+    s, d = np.asarray(src), np.asarray(dst)
+    if hasattr(store, "dense"):  # [layers, 2, num_blocks, ...]; the prompt's blocks are full, so no tail slot
+        for arr in (store.dense, store.scales, store.counts, store.sparse):
+            arr[:, :, d] = arr[:, :, s]
+    else:  # [layers, num_blocks, ...]
+        for arr in (store.k, store.v):
+            arr[:, d] = arr[:, s]
+
+
+def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, warmup_steps: int = 2,
+        is_distinct: bool = False) -> list[dict]:
     from server.backend import SamplingParams, SeqChunk, StepInput
 
     bs = backend.kv_spec.block_size
@@ -57,17 +69,24 @@ def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, wa
         seqs = list(range(next_seq, next_seq + c))
         next_seq += c
         own = {}
+        tables = {}
         for s in seqs:
             _clone_seq(backend, 0, s)
             own[s] = tuple(range(next_block, next_block + per_seq))
             next_block += per_seq
+            tables[s] = prefix
+            if is_distinct:  # a physical copy of the prompt's KV per sequence, as distinct prompts would have
+                tables[s] = tuple(range(next_block, next_block + num_prefix))
+                next_block += num_prefix
+                assert next_block <= backend.kv_spec.num_blocks, "raise --kv-cache-bytes"
+                _copy_blocks(backend.attn_worker.store, prefix, tables[s])
         assert next_block <= backend.kv_spec.num_blocks, "raise --kv-cache-bytes"
         last = {s: first for s in seqs}
         step_s, parts = [], {}
         for i in range(num_steps):
             pos = len(prompt) + i
             table_len = pos // bs + 1
-            chunks = tuple(SeqChunk(s, (last[s],), pos, (prefix + own[s])[:table_len], greedy, i) for s in seqs)
+            chunks = tuple(SeqChunk(s, (last[s],), pos, (tables[s] + own[s])[:table_len], greedy, i) for s in seqs)
             t0 = time.perf_counter()
             out = backend.step(StepInput(chunks))
             dt = time.perf_counter() - t0
@@ -82,7 +101,7 @@ def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, wa
                      "decode_tok_s": c / mean_step, "mean_step_ms": 1e3 * mean_step,
                      "p50_step_ms": 1e3 * float(np.median(step_s)), "p99_step_ms": 1e3 * float(np.percentile(step_s, 99)),
                      "parts_ms": {k: round(1e3 * float(np.mean(v)), 2) for k, v in parts.items()},
-                     "prefill_one_prompt_s": round(prefill_s, 2)})
+                     "prefill_one_prompt_s": round(prefill_s, 2), "is_distinct_kv": is_distinct})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -92,6 +111,8 @@ def main() -> None:
     ap.add_argument("--context-tokens", type=int, default=7936, help="prompt length (a multiple of 16)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--steps", type=int, default=48, help="decode steps per concurrency (2 more are warm-up)")
+    ap.add_argument("--distinct", action="store_true",
+                    help="copy the prompt's KV blocks per sequence instead of sharing them (no cache sharing)")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: `hetserve serve` options")
     args = ap.parse_args()
@@ -103,14 +124,14 @@ def main() -> None:
     serve = argparse.ArgumentParser()
     add_arguments(serve)
     serve_args = [a for a in args.serve_args if a != "--"]
-    total = sum(args.concurrency) * (args.steps + 2 * 16) + args.context_tokens
+    total = sum(args.concurrency) * (args.steps + 2 * 16 + args.distinct * args.context_tokens) + args.context_tokens
     cfg = from_args(serve.parse_args(["--max-num-seqs", str(max(args.concurrency)),
                                       "--kv-cache-bytes", str(total * 2 * 30 * 3 * 64 * 4), *serve_args]))
     engine, _, _ = build_engine(cfg)  # the engine thread is not started: the backend is driven directly
     tok = TargetTokenizer.load(None)
     text = PromptBuilder(tok, Path(DEFAULT_TEXT).read_text(encoding="utf-8"), seed=0).build(args.context_tokens).text
     prompt = tok._tok.encode(text, add_special_tokens=True)[:args.context_tokens]
-    rows = run(engine.backend, prompt, args.concurrency, args.steps + 2)
+    rows = run(engine.backend, prompt, args.concurrency, args.steps + 2, is_distinct=args.distinct)
     rows = [{**r, "serve_args": " ".join(serve_args)} for r in rows]
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
