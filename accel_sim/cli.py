@@ -112,7 +112,7 @@ def replay_command(args: argparse.Namespace) -> int:
     from accel_sim.hardware import make_system
     from accel_sim.models import get_model
     from accel_sim.sim import SchedulerLimits, simulate
-    from accel_sim.workloads import AZURE_CONV_TRACE, read_trace
+    from accel_sim.workloads import AZURE_CONV_TRACE, fresh, read_trace
 
     trace = Path(args.trace) if args.trace else AZURE_CONV_TRACE
     limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens)
@@ -122,11 +122,11 @@ def replay_command(args: argparse.Namespace) -> int:
                   (entry.partition(":") for entry in args.pool.split(",")) for _ in range(int(n or 1))]]
     else:
         pools = [[make_system(name, model, args.num_devices)] * args.replicas for name in args.systems]
+    base = read_trace(trace, args.limit, args.time_scale)
     results = []
     for pool in pools:
         t0 = time.perf_counter()
-        reqs = read_trace(trace, args.limit, args.time_scale)
-        res = simulate(pool, reqs, limits, args.routing, args.seed)
+        res = simulate(pool, fresh(base), limits, args.routing, args.seed)
         wall = time.perf_counter() - t0
         name = "+".join(dict.fromkeys(s.name for s in pool))
         s = {"system": name, "model": args.model, "replicas": len(pool),

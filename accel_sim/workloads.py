@@ -1,15 +1,13 @@
 """Request streams for the simulator: fixed batches (the paper's sweeps) and trace replay.
 
-The trace reader is deliberately small and timing-only (arrival time, prompt and output token
-counts); `loadgen/` owns full trace handling against a live endpoint.
+Traces are read by `loadgen.traces`; the simulator keeps only arrival time and token counts.
 """
 from __future__ import annotations
 
-import csv
-from datetime import datetime
 from pathlib import Path
 
 from accel_sim.sim import Request
+from loadgen import traces
 
 AZURE_CONV_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / \
     "AzureLLMInferenceTrace_conv.csv"
@@ -20,34 +18,18 @@ def fixed_batch(batch: int, prompt_tokens: int, output_tokens: int) -> list[Requ
     return [Request(i, 0.0, prompt_tokens, output_tokens) for i in range(batch)]
 
 
-def _seconds(stamp: str) -> float:
-    # '2023-11-16 18:15:46.6805900': seven fractional digits, more than %f takes
-    head, _, frac = stamp.partition(".")
-    t = datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp()
-    return t + (float("0." + frac) if frac else 0.0)
-
-
 def read_trace(path: str | Path, limit: int | None = None, time_scale: float = 1.0) -> list[Request]:
     """Azure LLM inference trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or a BurstGPT CSV
-    (Timestamp in seconds, 'Request tokens', 'Response tokens'). Arrivals start at 0 and are
-    divided by `time_scale` (2 = twice the request rate). Rows with no output are skipped."""
-    reqs: list[Request] = []
-    with open(path, newline="") as fh:
-        rows = csv.DictReader(fh)
-        cols = set(rows.fieldnames or ())
-        if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= cols:
-            get = lambda r: (_seconds(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))  # noqa: E731
-        elif {"Timestamp", "Request tokens", "Response tokens"} <= cols:
-            get = lambda r: (float(r["Timestamp"]), int(r["Request tokens"]), int(r["Response tokens"]))  # noqa: E731
-        else:
-            raise ValueError(f"{path}: unknown trace columns {sorted(cols)}")
-        t0 = None
-        for row in rows:
-            t, prompt, out = get(row)
-            if out < 1 or prompt < 1:
-                continue
-            t0 = t if t0 is None else t0
-            reqs.append(Request(len(reqs), (t - t0) / time_scale, prompt, out))
-            if limit and len(reqs) >= limit:
-                break
-    return reqs
+    (Timestamp in seconds, 'Request tokens', 'Response tokens'), read by loadgen.traces (the format
+    is told by the header). Arrivals start at 0 and are divided by `time_scale` (2 = twice the
+    request rate). Rows without prompt or output tokens are skipped."""
+    with open(path, newline="", encoding="utf-8-sig") as fh:
+        header = fh.readline().split(",")
+    trace = traces.read_trace(path, "azure" if "TIMESTAMP" in (h.strip() for h in header) else "burstgpt")
+    rows = trace.requests[:limit] if limit else trace.requests
+    return [Request(i, r.arrival_s / time_scale, r.num_prompt_tokens, r.num_output_tokens) for i, r in enumerate(rows)]
+
+
+def fresh(reqs: list[Request]) -> list[Request]:
+    """Unsimulated copies of `reqs` (simulate() writes its results into the requests it is given)."""
+    return [Request(r.req_id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs]

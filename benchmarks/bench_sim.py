@@ -13,7 +13,7 @@ import time
 from accel_sim.hardware import make_system
 from accel_sim.models import get_model
 from accel_sim.sim import simulate
-from accel_sim.workloads import AZURE_CONV_TRACE, read_trace
+from accel_sim.workloads import AZURE_CONV_TRACE, fresh, read_trace
 from benchmarks.common import RESULTS, machine
 
 SYSTEMS = ("oaken-lpddr", "oaken-hbm", "a100-vllm", "a100-qserve", "h100-vllm")
@@ -37,7 +37,7 @@ def main() -> None:
     rows = []
     for name in args.systems.split(","):
         system = make_system(name, get_model(args.model))
-        reqs = read_trace(AZURE_CONV_TRACE)
+        reqs = fresh(base)
         t1 = time.perf_counter()
         res = simulate([system] * args.replicas, reqs)
         wall = time.perf_counter() - t1
