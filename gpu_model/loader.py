@@ -30,6 +30,10 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.path.expanduser("~/.cache/hetserve/models"))
 QUANT_FILE = "gguf_blocks.safetensors"
 
+GGUF_BLOCKS_MAX_TOKENS = 2
+"""Steps of at most this many tokens multiply by the GGUF's own blocks: the block kernel
+dequantizes per token, so beyond ~2-4 tokens fp32 BLAS is faster (measured 2026-11-23)."""
+
 
 class ModelLoadError(Exception):
     """The model path does not hold a model we can load."""
@@ -93,7 +97,7 @@ def resolve_model_dir(model_path: str | Path | None, cache_dir: str | Path | Non
 
 
 def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               gguf_blocks_max_tokens: int = 2) -> LlamaModel:
+               gguf_blocks_max_tokens: int = GGUF_BLOCKS_MAX_TOKENS) -> LlamaModel:
     """Load weights; on the CPU in float32, a GGUF's own blocks also serve steps of at most
     `gguf_blocks_max_tokens` tokens (bandwidth-bound decode), see gpu_model/quant.py."""
     cfg = ModelConfig.from_dir(model_dir)

@@ -13,7 +13,7 @@ from cpu_attn.calibrate import DEFAULT_TEXT, THRESHOLDS_FILE, OakenThresholds, c
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.worker import AttentionWorker, ChunkLayout
-from gpu_model.loader import load_model
+from gpu_model.loader import GGUF_BLOCKS_MAX_TOKENS, load_model
 from gpu_model.worker import ModelWorker
 from server.backend import KVSpec, StepInput, StepOutput
 
@@ -117,7 +117,7 @@ def model_worker(model, lsh: LshConfig | None, device: str) -> ModelWorker:
 class HeteroBackend:
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str,
                  kv_capacity_bytes: int, block_size: int, max_model_len: int | None,
-                 gguf_blocks_max_tokens: int = 2, oaken_thresholds_path: str | None = None,
+                 gguf_blocks_max_tokens: int = GGUF_BLOCKS_MAX_TOKENS, oaken_thresholds_path: str | None = None,
                  oaken_sparse_fraction: float = 0.125, oaken_recent_blocks: int = 0, lsh: LshConfig | None = None):
         device = pick_device(device)
         self.model_dir = model_dir

@@ -25,6 +25,7 @@ import logging
 import os
 from pathlib import Path
 
+from gpu_model.loader import GGUF_BLOCKS_MAX_TOKENS
 from server.backend import KVSpec, StepInput, StepOutput, WorkerLost
 from server.ray_actors import STEP_TIMEOUT_S, AttentionActor, ModelActor
 
@@ -35,7 +36,7 @@ class RayBackend:
     """Backend protocol over the actors; lives in the server process (the Ray driver)."""
 
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str, kv_capacity_bytes: int,
-                 block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int = 2,
+                 block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int = GGUF_BLOCKS_MAX_TOKENS,
                  oaken_thresholds_path: str | None = None, oaken_sparse_fraction: float = 0.125,
                  oaken_recent_blocks: int = 0, lsh=None, ray_address: str | None = None, cpu_actors: int = 2,
                  actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
