@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
+from numba.core import cgutils
 from llvmlite import ir
 from numba.extending import intrinsic, overload
 
@@ -46,6 +47,29 @@ def _as_u32(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
     return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def prefetch(typingctx, ary, index):
+    """prefetch(ary, (i, j, ...)): ask the CPU to start loading the cache line of ary[i, j, ...]
+    and go on (LLVM's prefetch hint: it never faults, and it returns nothing). For gathers whose
+    addresses are known ahead, so their misses overlap instead of coming one at a time."""
+    if not isinstance(ary, types.Array) or not isinstance(index, types.BaseTuple) or len(index) != ary.ndim:
+        return None
+
+    def codegen(context, builder, signature, args):
+        array_type, index_type = signature.args
+        array = context.make_array(array_type)(context, builder, args[0])
+        indices = [context.cast(builder, i, t, types.intp)
+                   for i, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_type)), index_type)]
+        pointer = cgutils.get_item_pointer(context, builder, array_type, array, indices, wraparound=False)
+        i32 = ir.IntType(32)
+        byte_pointer = ir.IntType(8).as_pointer()
+        hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer] + [i32] * 3),
+                                              "llvm.prefetch.p0")
+        builder.call(hint, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])  # read, keep in all levels, data cache
+        return context.get_dummy_value()
+    return types.none(ary, index), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -122,6 +146,14 @@ def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
             for d in range(head_dim):
                 dot += qs[g, d] * kb[t, d]
             s[g, t] = dot * scale
+    attend_scores(s, vb, width, acc, m, l)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def attend_scores(s, vb, width, acc, m, l):
+    """The online-softmax step of attend_block for given scores s [group, >= width] (overwritten
+    with their weights). A score of -inf must not be a head's first: m[g] has to be finite."""
+    group, head_dim = acc.shape
     for g in range(group):
         new_m = m[g]
         for t in range(width):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, exp_nonpositive
+from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, attend_scores, prefetch
 from cpu_attn.oaken import SEGMENT, load_block, load_row
 
 LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
@@ -62,13 +62,12 @@ def table_set(codes: np.ndarray, k: int, capacity: int | None = None) -> tuple[n
 
 
 def sampled_scratch(work: int, group: int, block_size: int, head_dim: int, capacity: int) -> tuple[np.ndarray, ...]:
-    """s, kb, vb, m, l, best, count, marks, cand, logits, touched_lines for `work` (sequence, kv-head) items."""
+    """s, kb, vb, m, l, count, marks, cand for `work` (sequence, kv-head) items."""
     f32 = np.float32
     return (np.empty((work, group, block_size), f32), np.empty((work, block_size, head_dim), f32),
             np.empty((work, block_size, head_dim), f32), np.empty((work, group), f32), np.empty((work, group), f32),
-            np.empty((work, group), f32), np.zeros((work, capacity), np.uint8), np.zeros((work, capacity), np.uint8),
-            np.empty((work, (group + 1) * capacity), np.int64), np.empty((work, group, capacity), f32),
-            np.empty(work, np.uint32))
+            np.zeros((work, capacity), np.uint8), np.zeros((work, capacity), np.uint8),
+            np.empty((work, (group + 1) * capacity), np.int64))
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -115,7 +114,15 @@ def merge_tables(offsets, ids, num_old, codes, new_offsets, new_ids):
 @njit(cache=True, nogil=True)
 def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand):
     """Positions in [lo, hi) that share the query's bucket in >= 2 tables -> cand[:n]; returns n.
-    count: [>= hi] uint8 scratch, all zero on entry and on return."""
+    count: [>= hi] uint8 scratch, all zero on entry and on return.
+
+    Each table costs two dependent misses (bucket offset, then its ids) when the tables are
+    larger than the cache: all L offsets are requested first, then all L buckets, so the misses
+    overlap instead of coming one after another."""
+    for t in range(q_codes.shape[0]):
+        prefetch(offsets, (t, q_codes[t]))
+    for t in range(q_codes.shape[0]):
+        prefetch(ids, (t, offsets[t, q_codes[t]]))
     n = 0
     for t in range(q_codes.shape[0]):
         b = q_codes[t]
@@ -148,10 +155,21 @@ def _attend_range(q, k_parts, v_parts, thr_k, thr_v, table, first_seg, lo, hi, s
         attend_block(q, kb[start:], vb[start:], end - start, scale, s, acc, m, l)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_row(parts, block, offset, first_seg):
+    """Start loading the lines load_row will read for one row (the sparse line is a guess: the
+    row's share of its block's budget)."""
+    dense, scales, counts, sparse = parts[0], parts[1], parts[2], parts[3]
+    prefetch(dense, (block, offset, first_seg * (SEGMENT // 2)))
+    prefetch(scales, (block, offset, 0))
+    prefetch(counts, (block, offset, 0))
+    prefetch(sparse, (block, offset * sparse.shape[1] // dense.shape[1]))
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v, key_scale, mu, block_tables,
                              seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, scale, out, lse,
-                             touched, s, kb, vb, m, l, best, count, marks, cand, logits, touched_lines):
+                             touched, s, kb, vb, m, l, count, marks, cand):
     """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
     [max(indexed, n - window), n), importance-sampled attention over the rest.
 
@@ -161,18 +179,24 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
     keys' centers in store space; set_of [B, Hkv] table set of each item, indexed [S] keys in
     each set, offsets [S, L, 2^K + 1], ids [S, L, cap]; log_u [LOG_U_POINTS].
     Writes out [B, Hq, D], lse [B, Hq] and touched [B, Hq] (keys sampled per query head).
-    Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l, best [W, group],
-    count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, logits [W, group, cap] float32."""
+    Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
+    count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64.
+
+    Each query head retrieves its own keys; the union of the group's keys is walked in position
+    order, block_size rows at a time: rows decoded into kb/vb (the next chunk's lines prefetched
+    meanwhile), then one online-softmax step as in exact attention, where a head that did not
+    retrieve a key scores it -inf (weight below 2^-126)."""
     num_seqs, num_heads, head_dim = q.shape
     bs = k_parts[0].shape[1]
     num_kv_heads = mu.shape[1]
     group = num_heads // num_kv_heads
+    cap = count.shape[1]
     for item in prange(num_seqs * num_kv_heads):
         b, kvh = item // num_kv_heads, item % num_kv_heads
         heads = slice(kvh * group, (kvh + 1) * group)
         first_seg = kvh * head_dim // SEGMENT
         lut = np.empty(8, np.float32)
-        krow, vrow = kb[item, 0], vb[item, 0]
+        q_mu = np.zeros(group, np.float32)
         acc = out[b, heads]
         attend_begin(acc, m[item], l[item])
         n = seq_lens[b]
@@ -183,12 +207,10 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
                       kb[item], vb[item], lut, acc, m[item], l[item])
         _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, table, first_seg, tail, n, scale, s[item],
                       kb[item], vb[item], lut, acc, m[item], l[item])
-        # each query head retrieves its own keys; every key any head retrieved is decoded once
-        # (in position order, for locality) and enters the softmax of the heads that chose it
-        st, num, heads_of, union = set_of[b, kvh], 0, marks[item], cand[item, group * count.shape[1]:]
+        st, num, heads_of, union = set_of[b, kvh], 0, marks[item], cand[item, group * cap:]
         for g in range(group):
             h = kvh * group + g
-            mine = cand[item, g * count.shape[1]:(g + 1) * count.shape[1]]
+            mine = cand[item, g * cap:(g + 1) * cap]
             found = collect_candidates(q_codes[b, h], offsets[st], ids[st], sinks, tail, count[item], mine)
             touched[b, h] = found
             for c in range(found):
@@ -196,50 +218,35 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
                     union[num] = mine[c]
                     num += 1
                 heads_of[mine[c]] |= 1 << g
+            for d in range(head_dim):
+                q_mu[g] += q[b, h, d] * mu[b, kvh, d]
         union[:num].sort()
-        # touch every line the decodes below will read, in a loop short enough that the CPU keeps
-        # many cache misses in flight (the decode loop itself is too long to overlap them)
-        touch = np.uint32(0)
-        for c in range(num):
-            block, off = table[union[c] // bs], union[c] % bs
-            for parts in (k_parts, v_parts):
-                touch += parts[0][block, off, first_seg * (SEGMENT // 2)] + parts[1][block, off, 0]
-                touch += parts[2][block, off, 0] + parts[3][block, min(off * 24, parts[3].shape[1] - 1)]
-        touched_lines[item] = touch
-        for g in range(group):
-            best[item, g] = -np.inf
-        for c in range(num):
-            pos = union[c]
-            load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, krow, lut)
-            norm_c = np.float32(0.0)
-            for d in range(head_dim):
-                norm_c += ((krow[d] - mu[b, kvh, d]) * key_scale[kvh, d]) ** 2
-            norm_c = max(np.sqrt(norm_c), np.float32(1e-30))
-            for g in range(group):
-                if heads_of[pos] & (1 << g):
+        for c in range(min(bs, num)):
+            _prefetch_row(k_parts, table[union[c] // bs], union[c] % bs, first_seg)
+            _prefetch_row(v_parts, table[union[c] // bs], union[c] % bs, first_seg)
+        for c0 in range(0, num, bs):
+            width = min(bs, num - c0)
+            for c in range(c0 + bs, min(c0 + 2 * bs, num)):
+                _prefetch_row(k_parts, table[union[c] // bs], union[c] % bs, first_seg)
+                _prefetch_row(v_parts, table[union[c] // bs], union[c] % bs, first_seg)
+            for t in range(width):
+                pos = union[c0 + t]
+                load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, kb[item, t], lut)
+                load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, vb[item, t], lut)
+            for t in range(width):
+                pos = union[c0 + t]
+                norm_c = np.float32(0.0)
+                for d in range(head_dim):
+                    norm_c += ((kb[item, t, d] - mu[b, kvh, d]) * key_scale[kvh, d]) ** 2
+                norm_c = max(np.sqrt(norm_c), np.float32(1e-30))
+                for g in range(group):
                     h = kvh * group + g
-                    dot, dot_c = np.float32(0.0), np.float32(0.0)
+                    dot = np.float32(0.0)
                     for d in range(head_dim):
-                        dot += q[b, h, d] * krow[d]
-                        dot_c += q[b, h, d] * (krow[d] - mu[b, kvh, d])
-                    cos = dot_c / max(q_norm[b, h] * norm_c, np.float32(1e-30))
-                    logits[item, g, c] = dot * scale - _log_u(log_u, cos)
-                    best[item, g] = max(best[item, g], logits[item, g, c])
-        for g in range(group):
-            new_m = max(m[item, g], best[item, g])
-            correction = exp_nonpositive(m[item, g] - new_m)
-            l[item, g] *= correction
-            for d in range(head_dim):
-                acc[g, d] *= correction
-            m[item, g] = new_m
-        for c in range(num):
-            pos = union[c]
-            load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, vrow, lut)
-            for g in range(group):
-                if heads_of[pos] & (1 << g):
-                    w = exp_nonpositive(logits[item, g, c] - m[item, g])
-                    l[item, g] += w
-                    for d in range(head_dim):
-                        acc[g, d] += w * vrow[d]
-            heads_of[pos] = 0
+                        dot += q[b, h, d] * kb[item, t, d]
+                    cos = (dot - q_mu[g]) / max(q_norm[b, h] * norm_c, np.float32(1e-30))
+                    chosen = heads_of[pos] & (1 << g)
+                    s[item, g, t] = dot * scale - _log_u(log_u, cos) if chosen else -np.inf
+                heads_of[pos] = 0
+            attend_scores(s[item], vb[item], width, acc, m[item], l[item])
         attend_end(acc, m[item], l[item], lse[b, heads])
