@@ -48,6 +48,7 @@ class _Layer:
     ids: list[np.ndarray] = field(default_factory=list)  # per kv-head [L, indexed]
     indexed: int = 0
     pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L]
+    version: int = 0  # bumped by every merge (the tables are new arrays)
 
 
 class MagicPig:
@@ -59,6 +60,7 @@ class MagicPig:
         self.log_u = lsh.log_u_table(cfg.k, cfg.l)
         self.seqs: dict[int, list[_Layer | None]] = {}
         self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.int32), np.zeros((cfg.l, 1), np.uint16))
+        self._lists: dict[int, tuple] = {}  # per layer: the last batch's states, versions and typed Lists
         self.touched = 0
         """Keys sampled (summed over query heads) since the last take_stats."""
         self.eligible = 0
@@ -66,11 +68,13 @@ class MagicPig:
 
     def coder(self, device: str | torch.device = "cpu") -> LshCoder:
         """The model worker's half: codes of this configuration, computed on `device`."""
-        return LshCoder(self.head_dim, self.cfg.k, self.cfg.l, self.cfg.seed, device)
+        return LshCoder(self.head_dim, self.cfg.k, self.cfg.l, self.cfg.seed, device,
+                        [layer for layer, sampled in enumerate(self.sampled_layers) if sampled])
 
     def free(self, seq_ids) -> None:
         for s in seq_ids:
             self.seqs.pop(s, None)
+        self._lists.clear()  # it may hold a freed sequence's tables
 
     def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes: np.ndarray | None) -> None:
         """k [n, Hkv, D] (CPU float32): the keys of positions start_pos .. start_pos + n - 1;
@@ -103,6 +107,7 @@ class MagicPig:
                 state.offsets[h], state.ids[h] = offsets, ids
         state.indexed = upto
         state.pending = [keep]
+        state.version += 1
 
     def decode_attention(self, store, layer: int, seq_ids: list[int], q: np.ndarray, q_codes: np.ndarray,
                          block_tables: np.ndarray, seq_lens: np.ndarray,
@@ -114,18 +119,9 @@ class MagicPig:
         states = [self.seqs.get(s, [None] * (layer + 1))[layer] for s in seq_ids]
         if not any(s is not None and s.indexed for s in states):
             return None
-        offsets, ids = List(), List()
-        indexed = np.zeros(len(seq_ids) * self.num_kv_heads, np.int32)
+        offsets, ids, indexed = self._tables(layer, states)
         mu = np.zeros((len(seq_ids), self.num_kv_heads, self.head_dim), np.float32)
         for b, state in enumerate(states):
-            for h in range(self.num_kv_heads):
-                if state is not None and state.indexed:
-                    offsets.append(state.offsets[h])
-                    ids.append(state.ids[h])
-                    indexed[b * self.num_kv_heads + h] = state.indexed
-                else:
-                    offsets.append(self._empty[0])
-                    ids.append(self._empty[1])
             if state is not None:
                 mu[b] = state.mu
         set_of = np.arange(len(indexed), dtype=np.int32).reshape(len(seq_ids), self.num_kv_heads)
@@ -138,6 +134,29 @@ class MagicPig:
         self.touched += int(touched.sum())
         self.eligible += int(group * (tails - np.minimum(self.cfg.sinks, seq_lens)[:, None]).sum())
         return out, lse
+
+    def _tables(self, layer: int, states: list[_Layer | None]) -> tuple[List, List, np.ndarray]:
+        """Typed Lists of the batch's tables per (sequence, kv-head) and their key counts, reused
+        while the batch and its tables stay the same (filling a List from Python costs ~5 us per
+        item: 30 ms per step at 16 sequences)."""
+        versions = [None if s is None else s.version for s in states]
+        cached = self._lists.get(layer)
+        if cached is not None and len(cached[0]) == len(states) and cached[1] == versions and \
+                all(a is b for a, b in zip(cached[0], states)):
+            return cached[2:]
+        offsets, ids = List(), List()
+        indexed = np.zeros(len(states) * self.num_kv_heads, np.int32)
+        for b, state in enumerate(states):
+            for h in range(self.num_kv_heads):
+                if state is not None and state.indexed:
+                    offsets.append(state.offsets[h])
+                    ids.append(state.ids[h])
+                    indexed[b * self.num_kv_heads + h] = state.indexed
+                else:
+                    offsets.append(self._empty[0])
+                    ids.append(self._empty[1])
+        self._lists[layer] = (states, versions, offsets, ids, indexed)
+        return offsets, ids, indexed
 
     def take_stats(self) -> tuple[int, int]:
         stats = self.touched, self.eligible

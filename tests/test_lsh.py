@@ -201,6 +201,7 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
     keys = torch.randn(1000, 2, 64) + 3.0  # a common offset that centering must remove
     codes = np.concatenate([coder.codes(0, keys[:1], keys[:600], [(7, 0, 600)])[1]] +
                            [coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1)])[1] for n in range(600, 1000)])
+    assert coder.codes(1, keys[:1], keys[:10], [(7, 0, 10)]) is None  # dense layer: no codes
     with pytest.raises(ValueError, match="codes"):
         mp.append(0, 7, 0, keys[:600], None)
     mp.append(1, 7, 0, keys[:600], codes[:600])
@@ -213,6 +214,8 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
         mp.append(0, 7, n, keys[n:n + 1], codes[n:n + 1])
         expect = 536 + 100 * ((n + 1 - 64 - 536) // 100)
         assert state.indexed == expect, n
+        offsets, ids, indexed = mp._tables(0, [state])  # cached between merges, never stale
+        assert offsets[1] is state.offsets[1] and ids[1] is state.ids[1] and indexed[1] == expect
     codes = codes[:state.indexed]
     for h in range(2):
         offsets, ids = lsh.table_set(np.ascontiguousarray(codes[:, h]), cfg.k)
