@@ -4,9 +4,9 @@ merged with exact attention over the sinks and the local window.
 
 Codes come from gpu_model/lsh.py (keys centered on their mean prefill key, queries as they are).
 Per (sequence, layer, kv-head) a table set holds the first `indexed` keys in CSR form:
-    offsets [L, 2^K + 1] int32   bucket b of table t is ids[t, offsets[t, b]:offsets[t, b + 1]]
-    ids     [L, cap] uint16      key positions, ascending within a bucket (so cap <= 65535)
-That is 2 bytes per key and table, plus the offsets (4 * L * 2^K bytes per set).
+    offsets [L, 2^K + 1] uint16  bucket b of table t is ids[t, offsets[t, b]:offsets[t, b + 1]]
+    ids     [L, cap] uint16      key positions, ascending within a bucket (so cap <= MAX_KEYS)
+That is 2 bytes per key and table, plus the offsets (2 * L * 2^K bytes per set).
 
 A key collides with the query in one table with probability p^K, p = 1 - angle / pi, so it is
 retrieved (>= 2 of L tables) with probability
@@ -23,6 +23,7 @@ from numba import njit, prange
 from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, attend_scores, prefetch
 from cpu_attn.oaken import SEGMENT, load_block, load_row
 
+MAX_KEYS = 65535  # keys one table set can index (uint16 ids and offsets)
 LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
 _LOG_U_FLOOR = -80.0
 
@@ -49,13 +50,13 @@ def _log_u(table, cos):
 
 
 def table_set(codes: np.ndarray, k: int, capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Hash tables of keys 0..N-1 from their codes [N, L] -> offsets [L, 2^K + 1] int32,
+    """Hash tables of keys 0..N-1 from their codes [N, L] -> offsets [L, 2^K + 1] uint16,
     ids [L, capacity or N] uint16."""
     n, num_tables = codes.shape
     capacity = n if capacity is None else capacity
-    if not n <= capacity <= 65535:
-        raise ValueError(f"a table set holds at most 65535 keys (uint16 ids), not {max(n, capacity)}")
-    offsets = np.empty((num_tables, 2**k + 1), np.int32)
+    if not n <= capacity <= MAX_KEYS:
+        raise ValueError(f"a table set holds at most {MAX_KEYS} keys (uint16 ids), not {max(n, capacity)}")
+    offsets = np.empty((num_tables, 2**k + 1), np.uint16)
     ids = np.zeros((num_tables, capacity), np.uint16)
     build_tables(np.ascontiguousarray(codes, np.int32), 2**k, offsets, ids)
     return offsets, ids

@@ -11,7 +11,8 @@ Per sequence and layer:
     pending  [P, Hkv, L] int32 codes of keys indexed .. indexed + P - 1
 Keys stay pending (and are attended exactly, as the local window) until `merge_every` of them
 lie before the window; then they are merged into the tables in one pass (lsh.merge_tables).
-Layers in `dense_layers`, and sequences shorter than `min_context`, are attended exactly.
+Layers in `dense_layers`, and sequences shorter than `min_context`, are attended exactly; so are
+keys past lsh.MAX_KEYS (65,535) of a sequence, as part of the tail.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class MagicPig:
         self.sampled_layers = [layer not in dense for layer in range(num_layers)]
         self.log_u = lsh.log_u_table(cfg.k, cfg.l)
         self.seqs: dict[int, list[_Layer | None]] = {}
-        self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.int32), np.zeros((cfg.l, 1), np.uint16))
+        self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.uint16), np.zeros((cfg.l, 1), np.uint16))
         self._lists: dict[int, tuple] = {}  # per layer: the last batch's states, versions and typed Lists
         self.touched = 0
         """Keys sampled (summed over query heads) since the last take_stats."""
@@ -87,10 +88,11 @@ class MagicPig:
         state = layers[layer]
         if state is None or start_pos == 0:
             state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
-        state.pending.append(k_codes)
+        state.pending.append(k_codes[:max(lsh.MAX_KEYS - start_pos, 0)])  # later keys are never indexed
         n = start_pos + len(k)
-        if n >= self.cfg.min_context and n - self.cfg.window - state.indexed >= self.cfg.merge_every:
-            self._merge(state, n - self.cfg.window)
+        upto = min(n - self.cfg.window, lsh.MAX_KEYS)  # beyond MAX_KEYS keys stay exact (the tail)
+        if n >= self.cfg.min_context and upto - state.indexed >= self.cfg.merge_every:
+            self._merge(state, upto)
 
     def _merge(self, state: _Layer, upto: int) -> None:
         codes = np.concatenate(state.pending)

@@ -228,6 +228,24 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
     assert 7 not in mp.seqs
 
 
+def test_magicpig_never_indexes_past_max_keys(monkeypatch):
+    """Keys past lsh.MAX_KEYS (uint16 ids) are never indexed and their codes are not kept: they
+    stay in the exact tail."""
+    from cpu_attn.magicpig import LshConfig, MagicPig
+
+    monkeypatch.setattr(lsh, "MAX_KEYS", 700)
+    cfg = LshConfig(k=6, l=12, window=64, min_context=512, merge_every=50, dense_layers=())
+    mp = MagicPig(cfg, num_layers=1, num_kv_heads=2, head_dim=64)
+    coder = mp.coder()
+    keys = torch.randn(1000, 2, 64)
+    mp.append(0, 3, 0, keys[:600], coder.codes(0, keys[:1], keys[:600], [(3, 0, 600)])[1])
+    for n in range(600, 1000):
+        mp.append(0, 3, n, keys[n:n + 1], coder.codes(0, keys[:1], keys[n:n + 1], [(3, n, 1)])[1])
+    state = mp.seqs[3][0]
+    assert state.indexed == 686 and state.offsets[0].dtype == np.uint16  # 536 + 3 * 50; 14 short of 700
+    assert sum(len(p) for p in state.pending) == 700 - 686
+
+
 def test_magicpig_worker_is_exact_below_min_context_and_samples_above():
     """Through the attention worker: short sequences and dense layers get exact attention (the
     same output as a worker without MagicPIG); a long one samples a few percent of its keys."""
