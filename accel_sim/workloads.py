@@ -23,9 +23,7 @@ def read_trace(path: str | Path, limit: int | None = None, time_scale: float = 1
     (Timestamp in seconds, 'Request tokens', 'Response tokens'), read by loadgen.traces (the format
     is told by the header). Arrivals start at 0 and are divided by `time_scale` (2 = twice the
     request rate). Rows without prompt or output tokens are skipped."""
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        header = fh.readline().split(",")
-    trace = traces.read_trace(path, "azure" if "TIMESTAMP" in (h.strip() for h in header) else "burstgpt")
+    trace = traces.read_trace(path, traces.detect_format(path))
     rows = trace.requests[:limit] if limit else trace.requests
     return [Request(i, r.arrival_s / time_scale, r.num_prompt_tokens, r.num_output_tokens) for i, r in enumerate(rows)]
 

@@ -157,14 +157,18 @@ def _attend_range(q, k_parts, v_parts, thr_k, thr_v, table, first_seg, lo, hi, s
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prefetch_row(parts, block, offset, first_seg):
-    """Start loading the lines load_row will read for one row (the sparse line is a guess: the
-    row's share of its block's budget)."""
-    dense, scales, counts, sparse = parts[0], parts[1], parts[2], parts[3]
-    prefetch(dense, (block, offset, first_seg * (SEGMENT // 2)))
-    prefetch(scales, (block, offset, 0))
-    prefetch(counts, (block, offset, 0))
-    prefetch(sparse, (block, offset * sparse.shape[1] // dense.shape[1]))
+def _prefetch_rows(k_parts, v_parts, table, positions, first_seg):
+    """Start loading the lines load_row will read for the K and V rows at `positions` (the
+    sparse line is a guess: the row's share of its block's budget)."""
+    bs = k_parts[0].shape[1]
+    for pos in positions:
+        block, offset = table[pos // bs], pos % bs
+        for parts in (k_parts, v_parts):
+            dense, sparse = parts[0], parts[3]
+            prefetch(dense, (block, offset, first_seg * (SEGMENT // 2)))
+            prefetch(parts[1], (block, offset, 0))
+            prefetch(parts[2], (block, offset, 0))
+            prefetch(sparse, (block, offset * sparse.shape[1] // bs))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
@@ -222,14 +226,10 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
             for d in range(head_dim):
                 q_mu[g] += q[b, h, d] * mu[b, kvh, d]
         union[:num].sort()
-        for c in range(min(bs, num)):
-            _prefetch_row(k_parts, table[union[c] // bs], union[c] % bs, first_seg)
-            _prefetch_row(v_parts, table[union[c] // bs], union[c] % bs, first_seg)
+        _prefetch_rows(k_parts, v_parts, table, union[:min(bs, num)], first_seg)
         for c0 in range(0, num, bs):
             width = min(bs, num - c0)
-            for c in range(c0 + bs, min(c0 + 2 * bs, num)):
-                _prefetch_row(k_parts, table[union[c] // bs], union[c] % bs, first_seg)
-                _prefetch_row(v_parts, table[union[c] // bs], union[c] % bs, first_seg)
+            _prefetch_rows(k_parts, v_parts, table, union[c0 + bs:min(c0 + 2 * bs, num)], first_seg)
             for t in range(width):
                 pos = union[c0 + t]
                 load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, kb[item, t], lut)

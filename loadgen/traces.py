@@ -169,6 +169,13 @@ def read_burstgpt(path: str | Path) -> Trace:
     return _read(Path(path), BURSTGPT_COLUMNS, _burstgpt_row)
 
 
+def detect_format(path: str | Path) -> str:
+    """'azure' when the header has Azure's TIMESTAMP column, else 'burstgpt'."""
+    with Path(path).open(newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    return "azure" if "TIMESTAMP" in (h.strip() for h in header) else "burstgpt"
+
+
 def read_trace(path: str | Path, trace_format: str) -> Trace:
     """Read a trace of format 'azure' or 'burstgpt'."""
     if trace_format == "azure":
