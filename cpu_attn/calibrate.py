@@ -12,7 +12,7 @@ unusual window cannot move them far. The result is a small JSON file next to the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,35 +25,64 @@ DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikite
 @dataclass(frozen=True)
 class OakenThresholds:
     values: np.ndarray
-    """[num_layers, 2 (K, V), 4]: outer_lo, inner_lo, inner_hi, outer_hi (of K / key_scales, and V)."""
+    """[num_layers, 2 (K, V), 4]: outer_lo, inner_lo, inner_hi, outer_hi of the stored K and V
+    (after the per-channel transforms below)."""
     outer_ratio: float = 0.04
     inner_ratio: float = 0.06
     key_scales: np.ndarray | None = None
-    """[num_layers, Hkv * D] per-channel key smoothing: the store keeps K / key_scales and
-    attention multiplies q by key_scales, so q.k is unchanged (QServe's SmoothAttention); None = 1."""
+    """[num_layers, Hkv * D] per-channel key smoothing: the store keeps (K - key_bias) / key_scales
+    and attention multiplies q by key_scales, so q.k is unchanged (QServe's SmoothAttention); None = 1."""
     key_smoothing: float = 0.0
-    """alpha of key_scales = (per-channel max |K|) ** alpha, normalized to geometric mean 1."""
+    """alpha of key_scales = (per-channel max |K - key_bias|) ** alpha, normalized to geometric mean 1."""
+    key_bias: np.ndarray | None = None
+    """[num_layers, Hkv * D] per-channel mean key; None = 0. Subtracting it moves every score of a
+    query by the same q.key_bias, so attention weights are unchanged (the store adds it back to lse)."""
+    value_scales: np.ndarray | None = None
+    """[num_layers, Hkv * D] per-channel value smoothing: the store keeps V / value_scales and scales
+    attention outputs back (attention is linear in V); None = 1."""
+    value_smoothing: float = 0.0
 
     def save(self, path: Path) -> None:
-        data = {"outer_ratio": self.outer_ratio, "inner_ratio": self.inner_ratio, "key_smoothing": self.key_smoothing,
+        data = {"version": CALIBRATION_VERSION, "outer_ratio": self.outer_ratio, "inner_ratio": self.inner_ratio,
+                "key_smoothing": self.key_smoothing, "value_smoothing": self.value_smoothing,
                 "thresholds": self.values.tolist()}
-        if self.key_scales is not None:
-            data["key_scales"] = self.key_scales.tolist()
+        for name in _CHANNEL_ARRAYS:
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name).tolist()
         path.write_text(json.dumps(data, indent=1))
 
     @classmethod
     def load(cls, path: Path) -> "OakenThresholds":
         data = json.loads(Path(path).read_text())
-        scales = data.get("key_scales")
+        arrays = {name: None if data.get(name) is None else np.asarray(data[name], dtype=np.float32)
+                  for name in _CHANNEL_ARRAYS}
         return cls(np.asarray(data["thresholds"], dtype=np.float32), data["outer_ratio"], data["inner_ratio"],
-                   None if scales is None else np.asarray(scales, dtype=np.float32), data.get("key_smoothing", 0.0))
+                   key_smoothing=data.get("key_smoothing", 0.0), value_smoothing=data.get("value_smoothing", 0.0),
+                   **arrays)
+
+    @staticmethod
+    def version_of(path: Path) -> int:
+        return json.loads(Path(path).read_text()).get("version", 1)
+
+    def stored(self, layer: int, kv: int, x: np.ndarray) -> np.ndarray:
+        """K (kv 0) or V (kv 1) of `layer`, [T, Hkv, D] or [T, Hkv * D] -> [T, Hkv * D] as the store keeps it."""
+        x = x.reshape(len(x), -1)
+        if kv == 0:
+            x = x if self.key_bias is None else x - self.key_bias[layer]
+            return x if self.key_scales is None else x / self.key_scales[layer]
+        return x if self.value_scales is None else x / self.value_scales[layer]
 
     def group_fractions(self, layer: int, kv: int, x: np.ndarray) -> tuple[float, float, float]:
-        """Fractions of x (any shape) in the outer, middle and inner groups."""
+        """Fractions of x (any shape, as stored: see `stored`) in the outer, middle and inner groups."""
         lo, ilo, ihi, hi = self.values[layer, kv]
         outer = np.mean((x < lo) | (x > hi))
         inner = np.mean((x >= ilo) & (x <= ihi))
         return float(outer), float(1 - outer - inner), float(inner)
+
+
+CALIBRATION_VERSION = 2
+"""2: per-channel key centering and value smoothing (files of version 1 still load, without them)."""
+_CHANNEL_ARRAYS = ("key_scales", "key_bias", "value_scales")
 
 
 def window_thresholds(x: np.ndarray, outer_ratio: float, inner_ratio: float) -> np.ndarray:
@@ -91,30 +120,47 @@ def text_windows(token_ids: list[int], num_windows: int, window_tokens: int) -> 
     return [token_ids[i * stride:i * stride + window_tokens] for i in range(count)]
 
 
-def key_scales(model, windows: list[list[int]], alpha: float) -> np.ndarray:
-    """[num_layers, Hkv * D]: per-channel max |K| per window, averaged, to the power alpha,
-    normalized per layer to geometric mean 1."""
+def _smoothing(peaks: np.ndarray, alpha: float) -> np.ndarray | None:
+    """Per-channel peaks [L, C] -> peaks ** alpha normalized per layer to geometric mean 1 (None for alpha 0)."""
     if alpha == 0:
-        return np.ones((model.cfg.num_layers, model.cfg.num_kv_heads * model.cfg.head_dim), np.float32)
-    peaks = np.mean([[np.abs(k).reshape(len(k), -1).max(0) for k, _ in collect_kv(model, w)] for w in windows], axis=0)
+        return None
     s = np.maximum(peaks, 1e-3) ** alpha
     return (s / np.exp(np.log(s).mean(-1, keepdims=True))).astype(np.float32)
 
 
+def channel_transforms(model, windows: list[list[int]], key_smoothing: float, key_centering: bool,
+                       value_smoothing: float) -> tuple[np.ndarray | None, ...]:
+    """(key_scales, key_bias, value_scales), each [num_layers, Hkv * D] or None: per window the
+    per-channel mean K, max |K - mean| and max |V|, averaged over windows."""
+    stats = []
+    for w in windows:
+        per_layer = []
+        for k, v in collect_kv(model, w):
+            k, v = k.reshape(len(k), -1), v.reshape(len(v), -1)
+            per_layer.append((k.mean(0), k.min(0), k.max(0), np.abs(v).max(0)))
+        stats.append(per_layer)
+    mean, lo, hi, v_peak = (np.mean([[layer[i] for layer in w] for w in stats], axis=0) for i in range(4))
+    bias = mean.astype(np.float32) if key_centering else None
+    k_peak = np.maximum(hi, -lo) if bias is None else np.maximum(hi - bias, bias - lo)
+    return _smoothing(k_peak, key_smoothing), bias, _smoothing(v_peak, value_smoothing)
+
+
 def calibrate(model, windows: list[list[int]], outer_ratio: float = 0.04, inner_ratio: float = 0.06,
-              key_smoothing: float = 0.75, progress: bool = True) -> OakenThresholds:
-    """Thresholds averaged over windows; key smoothing factors from the first (up to) 16 windows."""
+              key_smoothing: float = 0.75, key_centering: bool = True, value_smoothing: float = 0.5,
+              progress: bool = True) -> OakenThresholds:
+    """Thresholds averaged over windows; the per-channel transforms from the first (up to) 16 windows."""
     if not (0 < outer_ratio < 1 and 0 < inner_ratio < 1 and outer_ratio + inner_ratio < 1):
         raise ValueError("outer_ratio and inner_ratio must be in (0, 1) and sum to less than 1")
-    if not 0 <= key_smoothing <= 1:
-        raise ValueError("key_smoothing must be in [0, 1]")
+    if not (0 <= key_smoothing <= 1 and 0 <= value_smoothing <= 1):
+        raise ValueError("key_smoothing and value_smoothing must be in [0, 1]")
     from tqdm import tqdm
 
-    scales = key_scales(model, windows[:16], key_smoothing)
-    total = np.zeros((model.cfg.num_layers, 2, 4), dtype=np.float64)
+    k_scale, k_bias, v_scale = channel_transforms(model, windows[:16], key_smoothing, key_centering, value_smoothing)
+    cal = OakenThresholds(np.zeros((model.cfg.num_layers, 2, 4), np.float32), outer_ratio, inner_ratio, k_scale,
+                          key_smoothing, k_bias, v_scale, value_smoothing)
+    total = np.zeros(cal.values.shape, dtype=np.float64)
     for window in tqdm(windows, desc="calibrating", unit="window", disable=not progress):
-        for layer, (k, v) in enumerate(collect_kv(model, window)):
-            total[layer, 0] += window_thresholds(k.reshape(len(k), -1) / scales[layer], outer_ratio, inner_ratio)
-            total[layer, 1] += window_thresholds(v, outer_ratio, inner_ratio)
-    return OakenThresholds((total / len(windows)).astype(np.float32), outer_ratio, inner_ratio,
-                           None if key_smoothing == 0 else scales, key_smoothing)
+        for layer, kv in enumerate(collect_kv(model, window)):
+            for kind in (0, 1):
+                total[layer, kind] += window_thresholds(cal.stored(layer, kind, kv[kind]), outer_ratio, inner_ratio)
+    return replace(cal, values=(total / len(windows)).astype(np.float32))

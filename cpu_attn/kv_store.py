@@ -116,8 +116,11 @@ class OakenKVStore:
     block's size in bytes is exact; a token that finds the budget full has its inner (then outer)
     values nearest the middle thresholds stored as middle values instead.
 
-    With key_scales [L, Hkv * D] (calibrate's key smoothing) the store holds K / key_scales and
-    scales q by key_scales before attention: q.k is the same, the keys' heavy channels are tamed.
+    Per-channel transforms from calibration ([L, Hkv * D] each, None = off): the store holds
+    (K - key_bias) / key_scales and V / value_scales. Attention multiplies q by key_scales (q.k is
+    the same, the keys' heavy channels are tamed), adds q.key_bias back to lse (the bias moves a
+    query's scores all by the same amount, so its weights do not change) and multiplies outputs
+    by value_scales (attention is linear in V).
 
     With recent_blocks > 0, a block that is still filling (its first row written, not yet its
     last) stays in full precision in one of `recent_blocks` tail slots per layer and is quantized
@@ -129,7 +132,7 @@ class OakenKVStore:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  thresholds: np.ndarray, sparse_fraction: float = 0.125, key_scales: np.ndarray | None = None,
-                 recent_blocks: int = 0):
+                 recent_blocks: int = 0, key_bias: np.ndarray | None = None, value_scales: np.ndarray | None = None):
         if head_dim % oaken.SEGMENT:
             raise ValueError(f"Oaken KV needs head_dim a multiple of {oaken.SEGMENT}, not {head_dim}")
         if thresholds.shape != (num_layers, 2, 4):
@@ -138,9 +141,13 @@ class OakenKVStore:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.thresholds = np.ascontiguousarray(thresholds, np.float32)
         c = num_kv_heads * head_dim
-        if key_scales is not None and key_scales.shape != (num_layers, c):
-            raise ValueError(f"key_scales must be [{num_layers}, {c}], not {list(key_scales.shape)}")
-        self.key_scales = None if key_scales is None else np.ascontiguousarray(key_scales, np.float32)
+        for name, x in (("key_scales", key_scales), ("key_bias", key_bias), ("value_scales", value_scales)):
+            if x is not None and x.shape != (num_layers, c):
+                raise ValueError(f"{name} must be [{num_layers}, {c}], not {list(x.shape)}")
+        shape = (num_layers, num_kv_heads, head_dim)
+        self.key_scales, self.value_scales, self.key_bias = (
+            np.full(shape, fill, np.float32) if x is None else np.ascontiguousarray(x, np.float32).reshape(shape)
+            for x, fill in ((key_scales, 1), (value_scales, 1), (key_bias, 0)))
         self.budget = self.sparse_budget(num_kv_heads, head_dim, block_size, sparse_fraction)
         lead = (num_layers, 2, num_blocks, block_size)
         self.dense = np.zeros(lead + (c // 2,), np.uint8)
@@ -200,8 +207,8 @@ class OakenKVStore:
                 bad = int((~np.isfinite(x).all(axis=1)).sum())
                 raise ValueError(f"{'KV'[kv]} of layer {layer} has NaN or inf in {bad} token(s); "
                                  "Oaken quantization needs finite values")
-        if self.key_scales is not None:
-            rows = (rows[0] / self.key_scales[layer], rows[1])
+        rows = ((rows[0] - self.key_bias[layer].ravel()) / self.key_scales[layer].ravel(),
+                rows[1] / self.value_scales[layer].ravel())
         direct = self._route_to_tails(layer, slot_mapping, rows) if self.tail.shape[2] else slice(None)
         self._quantize(layer, slot_mapping[direct], (rows[0][direct], rows[1][direct]))
 
@@ -249,9 +256,7 @@ class OakenKVStore:
             x = np.empty(shape, np.float32)
             oaken.dequantize_blocks(self._read_parts(layer, kv), self.thresholds[layer, kv], blocks, seq_len, x)
             x = x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
-            if kv == 0 and self.key_scales is not None:
-                x = x * self.key_scales[layer].reshape(self.num_kv_heads, self.head_dim)
-            out.append(x)
+            out.append(x * self.key_scales[layer] + self.key_bias[layer] if kv == 0 else x * self.value_scales[layer])
         return out[0], out[1]
 
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
@@ -261,14 +266,25 @@ class OakenKVStore:
         group = num_heads // self.num_kv_heads
         out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
-        q = np.ascontiguousarray(q, np.float32)
-        if self.key_scales is not None:
-            s = self.key_scales[layer].reshape(1, self.num_kv_heads, 1, head_dim)
-            q = (q.reshape(num_seqs, self.num_kv_heads, group, head_dim) * s).reshape(q.shape)
         oaken.oaken_decode_attention(
-            q, self._read_parts(layer, 0), self._read_parts(layer, 1),
+            self._store_queries(layer, q), self._read_parts(layer, 0), self._read_parts(layer, 1),
             self.thresholds[layer, 0], self.thresholds[layer, 1], block_tables, seq_lens, np.float32(scale), out, lse,
             *attention_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim))
+        return self._true_output(layer, q, scale, out, lse)
+
+    def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
+        """q [B, Hq, D] -> q * key_scales, so that q'.k_stored = q.(k - key_bias)."""
+        b, num_heads, head_dim = q.shape
+        grouped = np.asarray(q, np.float32).reshape(b, self.num_kv_heads, -1, head_dim)
+        return np.ascontiguousarray((grouped * self.key_scales[layer][:, None]).reshape(q.shape))
+
+    def _true_output(self, layer: int, q: np.ndarray, scale: float, out: np.ndarray, lse: np.ndarray):
+        """Undo the transforms on attention over the store: out * value_scales, lse + scale * q.key_bias."""
+        b, num_heads, head_dim = q.shape
+        grouped = (b, self.num_kv_heads, num_heads // self.num_kv_heads, head_dim)
+        out = (out.reshape(grouped) * self.value_scales[layer][:, None]).reshape(out.shape)
+        lse += np.float32(scale) * np.einsum("bhgd,hd->bhg", np.asarray(q, np.float32).reshape(grouped),
+                                             self.key_bias[layer]).reshape(lse.shape)
         return out, lse
 
     def sampled_decode_attention(self, layer: int, q: np.ndarray, q_codes: np.ndarray, block_tables: np.ndarray,
@@ -285,22 +301,19 @@ class OakenKVStore:
         num_seqs, num_heads, head_dim = q.shape
         group = num_heads // self.num_kv_heads
         set_of, indexed, offsets, ids = tables
-        q = np.ascontiguousarray(q, np.float32)
         q_norm = np.linalg.norm(q, axis=-1).astype(np.float32)
-        key_scale = np.ones((self.num_kv_heads, head_dim), np.float32) if self.key_scales is None else \
-            self.key_scales[layer].reshape(self.num_kv_heads, head_dim)
-        q = (q.reshape(num_seqs, self.num_kv_heads, group, head_dim) * key_scale[:, None]).reshape(q.shape)
+        key_scale = self.key_scales[layer]
         out = np.empty(q.shape, np.float32)
         lse = np.empty((num_seqs, num_heads), np.float32)
         touched = np.empty((num_seqs, num_heads), np.int64)
         lsh.sampled_decode_attention(
-            q, q_norm, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0), self._read_parts(layer, 1),
+            self._store_queries(layer, q), q_norm, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0), self._read_parts(layer, 1),
             self.thresholds[layer, 0], self.thresholds[layer, 1], key_scale,
-            np.ascontiguousarray(mu / key_scale, np.float32), block_tables, seq_lens, set_of, indexed, offsets, ids,
+            np.ascontiguousarray((mu - self.key_bias[layer]) / key_scale, np.float32), block_tables, seq_lens, set_of, indexed, offsets, ids,
             log_u, num_sinks, window, np.float32(scale), out, lse, touched,
             *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim,
                                  max(int(indexed.max(initial=0)), 1)))
-        return out, lse, touched
+        return *self._true_output(layer, q, scale, out, lse), touched
 
     def group_counts(self, block_table, seq_len: int) -> dict[str, int]:
         """What one sequence's stored values are, over every layer, K and V: counts of values,
@@ -383,7 +396,8 @@ def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int
     if kv_format == "oaken":
         if oaken_cal is None:
             raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
-        return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales, recent_blocks)
+        return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales, recent_blocks,
+                            oaken_cal.key_bias, oaken_cal.value_scales)
     if kv_format in ("int4", "kivi"):
         return SimQuantKVStore(*geometry, kv_format)
     if kv_format in ("fp16", "fp32"):

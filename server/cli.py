@@ -98,6 +98,10 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inner-ratio", type=float, default=0.06, help="share of values in the inner group (default: 0.06)")
     p.add_argument("--key-smoothing", type=float, default=0.75,
                    help="alpha of the per-channel key smoothing, 0 (off) to 1 (default: 0.75)")
+    p.add_argument("--no-key-centering", dest="key_centering", action="store_false",
+                   help="do not subtract each key channel's mean before quantizing (default: subtract it)")
+    p.add_argument("--value-smoothing", type=float, default=0.5,
+                   help="alpha of the per-channel value smoothing, 0 (off) to 1 (default: 0.5)")
     p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory)")
 
 
@@ -113,7 +117,8 @@ def calibrate_command(args: argparse.Namespace) -> None:
     model = load_model(model_dir)
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text())
     windows = text_windows(ids, args.num_windows, args.window_tokens)
-    result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing)
+    result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing, args.key_centering,
+                       args.value_smoothing)
     out = Path(args.out) if args.out else model_dir / THRESHOLDS_FILE
     result.save(out)
     v = result.values

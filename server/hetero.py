@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from cpu_attn.calibrate import DEFAULT_TEXT, THRESHOLDS_FILE, OakenThresholds, calibrate, text_windows
+from cpu_attn.calibrate import (CALIBRATION_VERSION, DEFAULT_TEXT, THRESHOLDS_FILE, OakenThresholds, calibrate,
+                                text_windows)
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.worker import AttentionWorker, ChunkLayout
@@ -25,8 +26,10 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
     if path:
         return OakenThresholds.load(Path(path))
     cached = model_dir / THRESHOLDS_FILE
-    if cached.is_file():
+    if cached.is_file() and OakenThresholds.version_of(cached) >= CALIBRATION_VERSION:
         return OakenThresholds.load(cached)
+    if cached.is_file():
+        log.warning("%s is from an older calibration (no per-channel key centering): recalibrating", cached)
     if not DEFAULT_TEXT.is_file():
         raise RuntimeError(f"no Oaken thresholds in {cached} and no default calibration text at {DEFAULT_TEXT}: "
                            "run `hetserve calibrate --text FILE` first, or pass --oaken-thresholds")

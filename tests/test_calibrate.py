@@ -27,11 +27,19 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
     assert (np.diff(v, axis=-1) > 0).all()  # outer_lo < inner_lo < inner_hi < outer_hi
     # on the calibration windows themselves the realized split is close to the asked one
     kv = collect_kv(model, windows[0])
-    outer, _, inner = result.group_fractions(1, 0, kv[1][0])
-    assert abs(outer - 0.04) < 0.03 and abs(inner - 0.06) < 0.03
+    for kind in (0, 1):
+        outer, _, inner = result.group_fractions(1, kind, result.stored(1, kind, kv[1][kind]))
+        assert abs(outer - 0.04) < 0.03 and abs(inner - 0.06) < 0.03
+    # the per-channel transforms: keys centered on their mean, then smoothed; values smoothed
+    k = result.stored(1, 0, np.concatenate([collect_kv(model, w)[1][0] for w in windows]))
+    assert np.abs(k.mean(0)).max() < 0.1 * np.abs(k).max()
+    assert result.key_scales.shape == result.key_bias.shape == result.value_scales.shape == (2, k.shape[1])
     result.save(tmp_path / "t.json")
     back = OakenThresholds.load(tmp_path / "t.json")
     np.testing.assert_allclose(back.values, v)
+    for name in ("key_scales", "key_bias", "value_scales"):
+        np.testing.assert_allclose(getattr(back, name), getattr(result, name))
+    assert OakenThresholds.version_of(tmp_path / "t.json") == 2
     with pytest.raises(ValueError, match="fewer than one window"):
         text_windows(ids[:10], 5, 64)
     with pytest.raises(ValueError, match="outer_ratio"):

@@ -14,20 +14,22 @@ THR = np.array([-2.0, -0.1, 0.1, 2.0], np.float32)
 
 
 def oaken_store(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=40, sparse_fraction=0.125,
-                key_scales=None, recent_blocks=0):
+                key_scales=None, recent_blocks=0, **transforms):
     thresholds = np.tile(THR, (num_layers, 2, 1))
     return OakenKVStore(num_layers, num_kv_heads, head_dim, block_size, num_blocks, thresholds, sparse_fraction,
-                        key_scales, recent_blocks)
+                        key_scales, recent_blocks, **transforms)
 
 
-def write_sequences(store, rng, seq_lens, layer=0, prefill=None, scale=1.0):
-    """Random K/V per sequence into shuffled blocks: a prefill chunk, then one token at a time."""
+def write_sequences(store, rng, seq_lens, layer=0, prefill=None, scale=1.0, offset=0.0):
+    """Random K/V per sequence into shuffled blocks: a prefill chunk, then one token at a time.
+    offset: added to every key (real keys have per-channel offsets)."""
     bs, free = store.block_size, list(rng.permutation(store.num_blocks))
     tables, kv = [], []
     for n in seq_lens:
         table = np.array([free.pop() for _ in range(-(-n // bs))])
         k, v = (rng.standard_normal((2, n, store.num_kv_heads, store.head_dim)) * scale).astype(np.float32)
         k[:, :, 5] *= 6  # a heavy channel, as real keys have
+        k += offset
         slots = (table[np.arange(n) // bs] * bs + np.arange(n) % bs).astype(np.int64)
         first = n // 2 if prefill is None else min(prefill, n)
         store.write(layer, slots[:first], k[:first], v[:first])
@@ -65,21 +67,33 @@ def test_oaken_store_holds_the_quantizer_roundtrip(num_kv_heads, head_dim):
     assert counts["outer"] == np.count_nonzero(groups == OUTER)
 
 
-@pytest.mark.parametrize("smooth", [False, True])
+def channel_transforms(rng, num_kv_heads, head_dim, kinds):
+    """Store transforms as calibrate finds them for write_sequences' keys (heavy channel 5 of
+    every head, offset by `bias`), plus random value scales."""
+    c = num_kv_heads * head_dim
+    out = {}
+    if "smooth" in kinds:
+        s = np.ones((2, num_kv_heads, head_dim), np.float32)
+        s[:, :, 5] = 6
+        out["key_scales"] = s.reshape(2, c)
+    if "bias" in kinds:
+        out["key_bias"] = rng.uniform(-3, 3, (2, c)).astype(np.float32)
+        out["value_scales"] = rng.uniform(0.8, 1.25, (2, c)).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("transforms", [(), ("smooth",), ("smooth", "bias")])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 2, 128, 8), (2, 1, 64, 1)])
-def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, smooth):
+def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, transforms):
     rng = np.random.default_rng(1)
     seq_lens = [1, 20, 77, 200]
-    # key smoothing: the store keeps K / s and scales q by s; attention must not change
-    scales = None
-    if smooth:  # as calibrate finds them for write_sequences' heavy channel 5 of every head
-        scales = np.ones((2, num_kv_heads, head_dim), np.float32)
-        scales[:, :, 5] = 6
-        scales = scales.reshape(2, -1)
+    # per-channel transforms: the store keeps (K - b) / s and V / s_v, scales q by s, adds q.b to
+    # lse and scales outputs by s_v; attention (output and lse) must not change
+    tf = channel_transforms(np.random.default_rng(2), num_kv_heads, head_dim, transforms)  # same K, V, q for all
     store = oaken_store(num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                        num_blocks=sum(-(-n // block_size) for n in seq_lens) + 3, sparse_fraction=0.5,
-                        key_scales=scales)
-    tables, kv = write_sequences(store, rng, seq_lens)
+                        num_blocks=sum(-(-n // block_size) for n in seq_lens) + 3, sparse_fraction=0.5, **tf)
+    offset = tf["key_bias"][0].reshape(num_kv_heads, head_dim) if "bias" in transforms else 0.0
+    tables, kv = write_sequences(store, rng, seq_lens, offset=offset)
     q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float32)
     scale = head_dim**-0.5
     out, lse = store.decode_attention(0, q, tables, np.array(seq_lens, np.int32), scale)

@@ -9,7 +9,7 @@ import torch
 from cpu_attn import lsh
 from gpu_model.lsh import simhash, simhash_matrix
 from tests.test_cpu_attn import naive_attention
-from tests.test_kv_formats import oaken_store, write_sequences
+from tests.test_kv_formats import channel_transforms, oaken_store, write_sequences
 
 
 def reference_codes(x, w, k):
@@ -124,17 +124,22 @@ def test_every_key_sampled_with_u_one_is_exact_attention(key_smoothing):
         assert (touched[b] == max(min(n - 8, n - 8) - 4, 0)).all()
 
 
-def test_sampled_attention_follows_the_estimator():
+@pytest.mark.parametrize("transforms", [False, True])
+def test_sampled_attention_follows_the_estimator(transforms):
     """Real codes: the kernel's output equals the estimator computed in NumPy from the same
-    retrieved sets (exact sinks and window, e^s / u weights for the retrieved keys)."""
+    retrieved sets (exact sinks and window, e^s / u weights for the retrieved keys, u from the
+    angle between q and k - mu), with and without the store's per-channel transforms."""
     rng = np.random.default_rng(3)
-    store = oaken_store(num_blocks=80)
+    tf = channel_transforms(np.random.default_rng(4), 3, 64, ("smooth", "bias") if transforms else ())
+    store = oaken_store(num_blocks=80, **tf)
     seq_lens = [300, 200]
-    block_tables, _ = write_sequences(store, rng, seq_lens)
+    offset = tf["key_bias"][0].reshape(3, 64) if transforms else 0.0
+    block_tables, _ = write_sequences(store, rng, seq_lens, offset=offset)
     k, num_tables, sinks, window = 6, 20, 4, 16
     w = simhash_matrix(64, k, num_tables, seed=0)
     q = rng.standard_normal((2, 9, 64)).astype(np.float32)
-    mu = np.zeros((2, 3, 64), np.float32)
+    mu = np.zeros((2, 3, 64), np.float32) + offset + (0.3 * rng.standard_normal((2, 3, 64)) if transforms else 0)
+    mu = mu.astype(np.float32)
     codes, keys = [], []
     for b, n in enumerate(seq_lens):
         kg, vg = store.gather(0, block_tables[b], n)
@@ -154,7 +159,8 @@ def test_sampled_attention_follows_the_estimator():
             assert touched[b, h] == len(sampled_pos)
             exact_pos = np.r_[0:sinks, n - window:n]
             s = kg[:, kvh].astype(np.float64) @ q[b, h] / 8
-            cos = kg[sampled_pos, kvh] @ q[b, h] / np.linalg.norm(kg[sampled_pos, kvh], axis=1) / np.linalg.norm(q[b, h])
+            centered = kg[sampled_pos, kvh] - mu[b, kvh]
+            cos = centered @ q[b, h] / np.linalg.norm(centered, axis=1) / np.linalg.norm(q[b, h])
             logits = np.r_[s[exact_pos], s[sampled_pos] - np.interp(cos, grid, log_u)]
             p = np.exp(logits - logits.max())
             ref = p @ vg[np.r_[exact_pos, sampled_pos], kvh] / p.sum()
