@@ -8,8 +8,12 @@ Groups, from four calibrated thresholds (cpu_attn/calibrate.py) s_lo < t_lo < t_
 
 Every group is sign-magnitude coded with one per-token scale (the shift puts 0 at the group's
 edge, so the sign also says which threshold to add back, and no value is ambiguous):
-    middle: dense nibble = sign bit | 3-bit magnitude
-    inner / outer: dense nibble = 4-bit magnitude; the sign lives in the sparse entry
+    middle: dense nibble = sign bit | 3-bit magnitude m; step = peak / 8, m = floor(y / step)
+            (at most 7), decoded at the middle of its step, (m + 1/2) * step. The magnitudes
+            crowd towards the inner threshold, and a code 0 that decodes to exactly the edge
+            wastes half a step: mid-rise levels cut the group's squared error by ~22 % on SmolLM2
+    inner / outer: dense nibble = 4-bit magnitude = round(y / step), step = peak / 15; the sign
+            lives in the sparse entry
 
 Layout of one token (C = num_kv_heads * head_dim values, split in 64-wide segments):
     dense  [C / 2] uint8   two nibbles per byte: in each 64-wide segment, byte j holds value j
@@ -51,10 +55,11 @@ def _byte_and_shift(i):
 
 
 @njit(cache=True, nogil=True)
-def _code(magnitude, scale, max_code):
+def _code(magnitude, scale, max_code, offset):
+    """round(magnitude / scale - offset), clamped to [0, max_code] (offset 1/2: floor)."""
     if scale == 0.0:
         return 0
-    return min(int(magnitude / scale + 0.5), max_code)
+    return max(min(int(magnitude / scale + (0.5 - offset)), max_code), 0)
 
 
 @njit(cache=True, nogil=True)
@@ -107,7 +112,7 @@ def quantize_token(x, thr, dense, sparse, counts, scales, shifted, group, peak, 
         shifted[i] = y
         group[i] = g | (4 if negative else 0)
         peak[g] = max(peak[g], y)
-    scales[0] = round_to_fp16(peak[0] / np.float32(7.0))
+    scales[0] = round_to_fp16(peak[0] / np.float32(8.0))
     scales[1] = round_to_fp16(peak[1] / np.float32(15.0))
     scales[2] = round_to_fp16(peak[2] / np.float32(15.0))
     dense[:] = 0
@@ -118,9 +123,9 @@ def quantize_token(x, thr, dense, sparse, counts, scales, shifted, group, peak, 
             i = seg * SEGMENT + j
             g, negative, y = group[i] & 3, group[i] & 4, shifted[i]
             if g == MIDDLE:
-                nibble = _code(y, scales[0], 7) | (8 if negative else 0)
+                nibble = _code(y, scales[0], 7, 0.5) | (8 if negative else 0)
             else:
-                nibble = _code(y, scales[g], 15)
+                nibble = _code(y, scales[g], 15, 0.0)
                 sparse[e] = j | (64 if g == OUTER else 0) | (128 if negative else 0)
                 e += 1
                 count += 1
@@ -137,7 +142,7 @@ def dequantize_token(thr, dense, sparse, counts, scales, out):
     for i in range(out.shape[0]):
         byte, shift = _byte_and_shift(i)
         nibble = (dense[byte] >> shift) & 15
-        magnitude = np.float32(nibble & 7) * scales[0]
+        magnitude = (np.float32(nibble & 7) + np.float32(0.5)) * scales[0]
         out[i] = t_lo - magnitude if nibble & 8 else t_hi + magnitude
     e = 0
     for seg in range(counts.shape[0]):
@@ -258,15 +263,16 @@ def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out, lut):
     half = SEGMENT // 2
     num_seg = out.shape[0] // SEGMENT
     s0 = fp16_to_f32(scales[0])
+    lo_base, hi_base = t_lo - np.float32(0.5) * s0, t_hi + np.float32(0.5) * s0  # mid-rise: (m + 1/2) * step
     for seg in range(num_seg):
         row = dense[(first_seg + seg) * half:(first_seg + seg + 1) * half]
         o = out[seg * SEGMENT:(seg + 1) * SEGMENT]
         for j in range(half):
             lo, hi = np.int32(row[j]) & 15, np.int32(row[j]) >> 4
-            # sign-magnitude nibble -> (t_lo or t_hi) + signed magnitude * scale, exactly
-            # t_lo - m or t_hi + m, as a blend of two constants
-            o[j] = (t_lo if lo & 8 else t_hi) + np.float32((lo & 7) * (1 - ((lo >> 2) & 2))) * s0
-            o[j + half] = (t_lo if hi & 8 else t_hi) + np.float32((hi & 7) * (1 - ((hi >> 2) & 2))) * s0
+            # sign-magnitude nibble -> t_lo - (m + 1/2) * step or t_hi + (m + 1/2) * step, as a
+            # blend of two per-token constants plus the signed magnitude times the step
+            o[j] = (lo_base if lo & 8 else hi_base) + np.float32((lo & 7) * (1 - ((lo >> 2) & 2))) * s0
+            o[j + half] = (lo_base if hi & 8 else hi_base) + np.float32((hi & 7) * (1 - ((hi >> 2) & 2))) * s0
     s1, s2 = fp16_to_f32(scales[1]), fp16_to_f32(scales[2])
     # entry bits 6-7 (outer, negative) -> base and signed scale: inner +-y, outer s_hi + y or s_lo - y
     lut[0], lut[1], lut[2], lut[3] = 0.0, s_hi, 0.0, s_lo

@@ -128,3 +128,20 @@ def test_store_accounting_and_validation():
         PagedKVStore(1, 1, 8, 4, 4, dtype="int8")
     with pytest.raises(ValueError, match="num_blocks"):
         PagedKVStore(1, 1, 8, 4, 0)
+
+
+def test_kernel_cache_is_keyed_by_the_package_sources(tmp_path, monkeypatch):
+    """A kernel inlining code from another module must not survive a change to that module in
+    Numba's cache (Numba checks only the kernel's own file): the cache directory hashes them all."""
+    import numba
+
+    from cpu_attn import lsh, numba_cache_dir
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 1\n")
+    before = numba_cache_dir(tmp_path)
+    assert before.parent == tmp_path / "cache" and numba_cache_dir(tmp_path) == before
+    (tmp_path / "b.py").write_text("y = 2\n")
+    assert numba_cache_dir(tmp_path) != before
+    assert lsh.sampled_decode_attention._cache._cache_path.startswith(numba.config.CACHE_DIR)

@@ -17,13 +17,13 @@ def reference_groups(x, thr):
 
 
 def reference_scales(x, thr):
-    """Per token: largest shifted magnitude per group / (7 middle, 15 inner and outer)."""
+    """Per token: largest shifted magnitude per group / (8 middle, 15 inner and outer)."""
     s_lo, t_lo, t_hi, s_hi = thr
     g = reference_groups(x, thr)
     y = np.where(g == OUTER, x - np.where(x > s_hi, s_hi, s_lo),
                  np.where(g == MIDDLE, x - np.where(x > t_hi, t_hi, t_lo), x))
     peaks = np.stack([np.where(g == k, np.abs(y), 0).max(-1) for k in (MIDDLE, INNER, OUTER)], -1)
-    return peaks / np.array([7, 15, 15]), peaks
+    return peaks / np.array([8, 15, 15]), peaks
 
 
 def decoded_groups(dense, sparse, counts):
