@@ -303,14 +303,15 @@ class OakenKVStore:
         set_of, indexed, offsets, ids = tables
         q_norm = np.linalg.norm(q, axis=-1).astype(np.float32)
         key_scale = self.key_scales[layer]
+        mu = np.ascontiguousarray((mu - self.key_bias[layer]) / key_scale, np.float32)  # in the store's key space
         out = np.empty(q.shape, np.float32)
         lse = np.empty((num_seqs, num_heads), np.float32)
         touched = np.empty((num_seqs, num_heads), np.int64)
         lsh.sampled_decode_attention(
-            self._store_queries(layer, q), q_norm, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0), self._read_parts(layer, 1),
-            self.thresholds[layer, 0], self.thresholds[layer, 1], key_scale,
-            np.ascontiguousarray((mu - self.key_bias[layer]) / key_scale, np.float32), block_tables, seq_lens, set_of, indexed, offsets, ids,
-            log_u, num_sinks, window, np.float32(scale), out, lse, touched,
+            self._store_queries(layer, q), q_norm, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0),
+            self._read_parts(layer, 1), self.thresholds[layer, 0], self.thresholds[layer, 1], key_scale, mu,
+            block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, np.float32(scale), out, lse,
+            touched,
             *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim,
                                  max(int(indexed.max(initial=0)), 1)))
         return *self._true_output(layer, q, scale, out, lse), touched
