@@ -143,11 +143,12 @@ def quantize_token(x, thr, dense, sparse, counts, scales, shifted, group, peak, 
 def dequantize_token(thr, dense, sparse, counts, scales, out):
     """Inverse of quantize_token: out [C] float32."""
     s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
+    lo_base, hi_base = t_lo - MIDDLE_OFFSET * scales[0], t_hi + MIDDLE_OFFSET * scales[0]  # rounded as decode_token
     for i in range(out.shape[0]):
         byte, shift = _byte_and_shift(i)
         nibble = (dense[byte] >> shift) & 15
-        magnitude = (np.float32(nibble & 7) + np.float32(MIDDLE_OFFSET)) * scales[0]
-        out[i] = t_lo - magnitude if nibble & 8 else t_hi + magnitude
+        magnitude = np.float32(nibble & 7) * scales[0]
+        out[i] = lo_base - magnitude if nibble & 8 else hi_base + magnitude
     e = 0
     for seg in range(counts.shape[0]):
         for _ in range(counts[seg]):
