@@ -1,4 +1,6 @@
 """Oaken threshold profiling on a tiny random model and on the real CLI."""
+import json
+
 import numpy as np
 import pytest
 
@@ -57,3 +59,34 @@ def test_calibrate_cli_on_wikitext(tmp_path, capsys):
     t = OakenThresholds.load(out)
     assert t.values.shape == (30, 2, 4) and (np.diff(t.values, axis=-1) > 0).all()
     assert "thresholds written to" in capsys.readouterr().out
+
+
+def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monkeypatch):
+    """The model cache's thresholds are used when current; an older file (no key centering) is
+    recalibrated when the default text is there, and used with a warning when it is not."""
+    import types
+
+    import gpu_model.tokenizer
+    import server.hetero as hetero
+
+    fresh = OakenThresholds(np.zeros((2, 2, 4), np.float32))
+    calls = []
+    monkeypatch.setattr(hetero, "calibrate", lambda model, windows: calls.append(len(windows)) or fresh)
+    monkeypatch.setattr(gpu_model.tokenizer, "Tokenizer",
+                        lambda *a: types.SimpleNamespace(encode=lambda text: list(range(600 * 32))))
+    text = tmp_path / "valid.txt"
+    text.write_text("some text")
+    monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
+    model = types.SimpleNamespace(cfg=types.SimpleNamespace(eos_token_ids=[0]))
+    cached = tmp_path / "oaken_thresholds.json"
+    fresh.save(cached)
+    assert hetero.oaken_thresholds(model, tmp_path, None).values.shape == (2, 2, 4) and calls == []
+    data = json.loads(cached.read_text())
+    del data["version"]
+    data["thresholds"] = np.ones((2, 2, 4)).tolist()
+    cached.write_text(json.dumps(data))  # as hetserve wrote it before key centering
+    monkeypatch.setattr(hetero, "DEFAULT_TEXT", tmp_path / "missing.txt")
+    assert (hetero.oaken_thresholds(model, tmp_path, None).values == 1).all() and calls == []
+    monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
+    assert (hetero.oaken_thresholds(model, tmp_path, None).values == 0).all() and calls == [32]
+    assert OakenThresholds.version_of(cached) == 2
