@@ -22,6 +22,11 @@ DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikite
 """Calibration text when none is given: WikiText-2 valid (the test split is kept for scoring)."""
 
 
+CALIBRATION_VERSION = 2
+"""2: per-channel key centering and value smoothing (files of version 1 still load, without them)."""
+_CHANNEL_ARRAYS = ("key_scales", "key_bias", "value_scales")
+
+
 @dataclass(frozen=True)
 class OakenThresholds:
     values: np.ndarray
@@ -41,9 +46,11 @@ class OakenThresholds:
     """[num_layers, Hkv * D] per-channel value smoothing: the store keeps V / value_scales and scales
     attention outputs back (attention is linear in V); None = 1."""
     value_smoothing: float = 0.0
+    version: int = CALIBRATION_VERSION
+    """Of the calibration that wrote it (files without one are version 1)."""
 
     def save(self, path: Path) -> None:
-        data = {"version": CALIBRATION_VERSION, "outer_ratio": self.outer_ratio, "inner_ratio": self.inner_ratio,
+        data = {"version": self.version, "outer_ratio": self.outer_ratio, "inner_ratio": self.inner_ratio,
                 "key_smoothing": self.key_smoothing, "value_smoothing": self.value_smoothing,
                 "thresholds": self.values.tolist()}
         for name in _CHANNEL_ARRAYS:
@@ -58,11 +65,7 @@ class OakenThresholds:
                   for name in _CHANNEL_ARRAYS}
         return cls(np.asarray(data["thresholds"], dtype=np.float32), data["outer_ratio"], data["inner_ratio"],
                    key_smoothing=data.get("key_smoothing", 0.0), value_smoothing=data.get("value_smoothing", 0.0),
-                   **arrays)
-
-    @staticmethod
-    def version_of(path: Path) -> int:
-        return json.loads(Path(path).read_text()).get("version", 1)
+                   version=data.get("version", 1), **arrays)
 
     def stored(self, layer: int, kv: int, x: np.ndarray) -> np.ndarray:
         """K (kv 0) or V (kv 1) of `layer`, [T, Hkv, D] or [T, Hkv * D] -> [T, Hkv * D] as the store keeps it."""
@@ -78,11 +81,6 @@ class OakenThresholds:
         outer = np.mean((x < lo) | (x > hi))
         inner = np.mean((x >= ilo) & (x <= ihi))
         return float(outer), float(1 - outer - inner), float(inner)
-
-
-CALIBRATION_VERSION = 2
-"""2: per-channel key centering and value smoothing (files of version 1 still load, without them)."""
-_CHANNEL_ARRAYS = ("key_scales", "key_bias", "value_scales")
 
 
 def window_thresholds(x: np.ndarray, outer_ratio: float, inner_ratio: float) -> np.ndarray:
@@ -132,14 +130,12 @@ def channel_transforms(model, windows: list[list[int]], key_smoothing: float, ke
                        value_smoothing: float) -> tuple[np.ndarray | None, ...]:
     """(key_scales, key_bias, value_scales), each [num_layers, Hkv * D] or None: per window the
     per-channel mean K, max |K - mean| and max |V|, averaged over windows."""
-    stats = []
-    for w in windows:
-        per_layer = []
-        for k, v in collect_kv(model, w):
-            k, v = k.reshape(len(k), -1), v.reshape(len(v), -1)
-            per_layer.append((k.mean(0), k.min(0), k.max(0), np.abs(v).max(0)))
-        stats.append(per_layer)
-    mean, lo, hi, v_peak = (np.mean([[layer[i] for layer in w] for w in stats], axis=0) for i in range(4))
+    def stats(k, v):
+        k, v = k.reshape(len(k), -1), v.reshape(len(v), -1)
+        return k.mean(0), k.min(0), k.max(0), np.abs(v).max(0)
+
+    per_window = [[stats(k, v) for k, v in collect_kv(model, w)] for w in windows]  # [W, L, 4, C]
+    mean, lo, hi, v_peak = np.mean(per_window, axis=0).transpose(1, 0, 2)
     bias = mean.astype(np.float32) if key_centering else None
     k_peak = np.maximum(hi, -lo) if bias is None else np.maximum(hi - bias, bias - lo)
     return _smoothing(k_peak, key_smoothing), bias, _smoothing(v_peak, value_smoothing)

@@ -26,21 +26,22 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
     if path:
         return OakenThresholds.load(Path(path))
     cached = model_dir / THRESHOLDS_FILE
-    old = cached.is_file() and OakenThresholds.version_of(cached) < CALIBRATION_VERSION
-    if cached.is_file() and (not old or not DEFAULT_TEXT.is_file()):
-        if old:
+    found = OakenThresholds.load(cached) if cached.is_file() else None
+    if found is not None and found.version >= CALIBRATION_VERSION:
+        return found
+    if not DEFAULT_TEXT.is_file():
+        if found is not None:
             log.warning("%s is from an older calibration (no per-channel key centering) and there is no default "
                         "text to recalibrate on: using it; run `hetserve calibrate --text FILE` for better accuracy",
                         cached)
-        return OakenThresholds.load(cached)
-    if not DEFAULT_TEXT.is_file():
+            return found
         raise RuntimeError(f"no Oaken thresholds in {cached} and no default calibration text at {DEFAULT_TEXT}: "
                            "run `hetserve calibrate --text FILE` first, or pass --oaken-thresholds")
     from gpu_model.tokenizer import Tokenizer
 
     log.warning("%s: calibrating Oaken thresholds on 32 windows of %s (once, about a minute)",
-                "older calibration (no per-channel key centering)" if old else "no Oaken thresholds for this model yet",
-                DEFAULT_TEXT)
+                "no Oaken thresholds for this model yet" if found is None
+                else "older calibration (no per-channel key centering)", DEFAULT_TEXT)
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(DEFAULT_TEXT.read_text())
     result = calibrate(model, text_windows(ids, 32, 512))
     result.save(cached)

@@ -41,7 +41,7 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
     np.testing.assert_allclose(back.values, v)
     for name in ("key_scales", "key_bias", "value_scales"):
         np.testing.assert_allclose(getattr(back, name), getattr(result, name))
-    assert OakenThresholds.version_of(tmp_path / "t.json") == 2
+    assert OakenThresholds.load(tmp_path / "t.json").version == 2
     with pytest.raises(ValueError, match="fewer than one window"):
         text_windows(ids[:10], 5, 64)
     with pytest.raises(ValueError, match="outer_ratio"):
@@ -89,4 +89,4 @@ def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monke
     assert (hetero.oaken_thresholds(model, tmp_path, None).values == 1).all() and calls == []
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
     assert (hetero.oaken_thresholds(model, tmp_path, None).values == 0).all() and calls == [32]
-    assert OakenThresholds.version_of(cached) == 2
+    assert OakenThresholds.load(cached).version == 2
