@@ -70,8 +70,8 @@ def main() -> None:
         t_build = timed(lambda: lsh.table_set(codes, k))
         offsets, ids = lsh.table_set(codes, k)
         count, cand = np.zeros(n, np.uint8), np.empty(n, np.int64)
-        found = [lsh.collect_candidates(qc, offsets, ids, 0, n, count, cand) for qc in q_codes]  # compiles too
-        t_ours = timed(lambda: [lsh.collect_candidates(qc, offsets, ids, 0, n, count, cand) for qc in q_codes])
+        found = [lsh.collect_candidates(qc, offsets, ids, 0, n, count, cand, 0) for qc in q_codes]  # compiles too
+        t_ours = timed(lambda: [lsh.collect_candidates(qc, offsets, ids, 0, n, count, cand, 0) for qc in q_codes])
 
         d = -(-k * num_tables // 8) * 8
         db, qb = faiss_bits(codes, k), faiss_bits(q_codes, k)

@@ -54,7 +54,8 @@ def main() -> None:
             indexed = context - args.window
             sets = [lsh.table_set(simhash(torch.from_numpy(keys[b][0][:indexed, h] - mu[b, h]), w, args.lsh_k).numpy(),
                                   args.lsh_k) for b in range(batch) for h in range(KV_HEADS)]
-            table_sets = (np.arange(batch * KV_HEADS, dtype=np.int32).reshape(batch, KV_HEADS),
+            first = np.arange(batch * KV_HEADS, dtype=np.int32).reshape(batch, KV_HEADS)
+            table_sets = (np.stack([first, first + 1], -1),
                           np.full(batch * KV_HEADS, indexed, np.int32), np.stack([s[0] for s in sets]),
                           np.stack([s[1] for s in sets]))
             q_codes = simhash(torch.from_numpy(q), w, args.lsh_k).numpy()

@@ -292,8 +292,8 @@ class OakenKVStore:
                                  log_u: np.ndarray, num_sinks: int, window: int
                                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """MagicPIG attention (cpu_attn/lsh.py): q [B, Hq, D], q_codes [B, Hq, L] int32; tables =
-        (set_of [B, Hkv], indexed [S], offsets [S, L, 2^K + 1], ids [S, L, cap], or typed Lists of
-        the per-set 2-D arrays); mu [B, Hkv, D] the
+        (set_of [B, Hkv, 2] each item's range of sets, indexed [S], offsets [S, L, 2^K + 1],
+        ids [S, L, cap], or typed Lists of the per-set 2-D arrays); mu [B, Hkv, D] the
         keys' centers; log_u from lsh.log_u_table; window >= 1 (the current token is always exact).
         -> out [B, Hq, D], lse [B, Hq], touched [B, Hq] (keys sampled per query head)."""
         if window < 1:
@@ -301,6 +301,8 @@ class OakenKVStore:
         num_seqs, num_heads, head_dim = q.shape
         group = num_heads // self.num_kv_heads
         set_of, indexed, offsets, ids = tables
+        ends = np.concatenate([[0], np.cumsum(indexed, dtype=np.int64)])
+        capacity = max(int((ends[set_of[..., 1]] - ends[set_of[..., 0]]).max(initial=0)), 1)  # keys of one item
         q_norm = np.linalg.norm(q, axis=-1).astype(np.float32)
         key_scale = self.key_scales[layer]
         mu = np.ascontiguousarray((mu - self.key_bias[layer]) / key_scale, np.float32)  # in the store's key space
@@ -312,8 +314,7 @@ class OakenKVStore:
             self._read_parts(layer, 1), self.thresholds[layer, 0], self.thresholds[layer, 1], key_scale, mu,
             block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, np.float32(scale), out, lse,
             touched,
-            *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim,
-                                 max(int(indexed.max(initial=0)), 1)))
+            *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim, capacity))
         return *self._true_output(layer, q, scale, out, lse), touched
 
     def group_counts(self, block_table, seq_len: int) -> dict[str, int]:

@@ -3,10 +3,12 @@ keys that collide with a query in at least 2 of L tables, and the importance-sam
 merged with exact attention over the sinks and the local window.
 
 Codes come from gpu_model/lsh.py (keys centered on their mean prefill key, queries as they are).
-Per (sequence, layer, kv-head) a table set holds the first `indexed` keys in CSR form:
+A table set holds up to MAX_KEYS keys in CSR form:
     offsets [L, 2^K + 1] uint16  bucket b of table t is ids[t, offsets[t, b]:offsets[t, b + 1]]
-    ids     [L, cap] uint16      key positions, ascending within a bucket (so cap <= MAX_KEYS)
-That is 2 bytes per key and table, plus the offsets (2 * L * 2^K bytes per set).
+    ids     [L, cap] uint16      keys (0 = the set's first), ascending within a bucket
+That is 2 bytes per key and table, plus the offsets (2 * L * 2^K bytes per set). A (sequence,
+layer, kv-head) indexes its first keys in consecutive sets, each full but the last: positions
+0 .. MAX_KEYS - 1 in the first, MAX_KEYS .. in the second, and so on.
 
 A key collides with the query in one table with probability p^K, p = 1 - angle / pi, so it is
 retrieved (>= 2 of L tables) with probability
@@ -23,7 +25,7 @@ from numba import njit, prange
 from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, attend_scores, prefetch
 from cpu_attn.oaken import SEGMENT, load_block, load_row
 
-MAX_KEYS = 65535  # keys one table set can index (uint16 ids and offsets)
+MAX_KEYS = 65535  # keys one table set can index (uint16 ids and offsets); longer contexts take more sets
 LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
 _LOG_U_FLOOR = -80.0
 
@@ -113,8 +115,9 @@ def merge_tables(offsets, ids, num_old, codes, new_offsets, new_ids):
 
 
 @njit(cache=True, nogil=True)
-def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand):
-    """Positions in [lo, hi) that share the query's bucket in >= 2 tables -> cand[:n]; returns n.
+def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand, base):
+    """Keys in [lo, hi) of one table set that share the query's bucket in >= 2 tables -> their
+    positions (base + key) in cand[:n]; returns n.
     count: [>= hi] uint8 scratch, all zero on entry and on return.
 
     Each table costs two dependent misses (bucket offset, then its ids) when the tables are
@@ -133,7 +136,7 @@ def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand):
                 c = count[key] + 1
                 count[key] = min(c, 2)
                 if c == 2:
-                    cand[n] = key
+                    cand[n] = base + key
                     n += 1
     for t in range(q_codes.shape[0]):
         b = q_codes[t]
@@ -181,11 +184,12 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
     q [B, Hq, D] float32 in the store's key space (already times key_scale); q_norm [B, Hq]
     norms of the true queries; q_codes [B, Hq, L] int32; k_parts, v_parts, thr_k, thr_v as in
     oaken_decode_attention (with tails); key_scale [Hkv, D] (ones without key smoothing); mu [B, Hkv, D] the
-    keys' centers in store space; set_of [B, Hkv] table set of each item, indexed [S] keys in
-    each set, offsets [S, L, 2^K + 1], ids [S, L, cap]; log_u [LOG_U_POINTS].
+    keys' centers in store space; set_of [B, Hkv, 2] the range [first, end) of each item's table
+    sets, indexed [S] keys in each set, offsets [S, L, 2^K + 1], ids [S, L, >= indexed];
+    log_u [LOG_U_POINTS].
     Writes out [B, Hq, D], lse [B, Hq] and touched [B, Hq] (keys sampled per query head).
     Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
-    count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64.
+    count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, cap >= the keys an item indexes.
 
     Each query head retrieves its own keys; the union of the group's keys is walked in position
     order, block_size rows at a time: rows decoded into kb/vb (the next chunk's lines prefetched
@@ -207,16 +211,25 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
         n = seq_lens[b]
         table = block_tables[b]
         sinks = min(num_sinks, n)
-        tail = max(min(indexed[set_of[b, kvh]], n - window), sinks)
+        first_set, end_set = set_of[b, kvh, 0], set_of[b, kvh, 1]
+        num_indexed = 0
+        for st in range(first_set, end_set):
+            num_indexed += indexed[st]
+        tail = max(min(num_indexed, n - window), sinks)
         _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, table, first_seg, 0, sinks, scale, s[item],
                       kb[item], vb[item], lut, acc, m[item], l[item])
         _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, table, first_seg, tail, n, scale, s[item],
                       kb[item], vb[item], lut, acc, m[item], l[item])
-        st, num, heads_of, union = set_of[b, kvh], 0, marks[item], cand[item, group * cap:]
+        num, heads_of, union = 0, marks[item], cand[item, group * cap:]
         for g in range(group):
             h = kvh * group + g
             mine = cand[item, g * cap:(g + 1) * cap]
-            found = collect_candidates(q_codes[b, h], offsets[st], ids[st], sinks, tail, count[item], mine)
+            found, base = 0, 0
+            for st in range(first_set, end_set):
+                if base < tail:
+                    found += collect_candidates(q_codes[b, h], offsets[st], ids[st], max(sinks - base, 0), tail - base,
+                                                count[item], mine[found:], base)
+                base += indexed[st]
             touched[b, h] = found
             for c in range(found):
                 if heads_of[mine[c]] == 0:

@@ -7,12 +7,12 @@ hashes q and k next to the projection, keys centered the same way as here.
 
 Per sequence and layer:
     mu       [Hkv, D]          mean key of the first prefill chunk (for the angle in u)
-    tables   offsets [Hkv, L, 2^K + 1], ids [Hkv, L, indexed]   keys 0..indexed-1
+    tables   per set c (lsh.MAX_KEYS keys each, the last one filling): offsets [Hkv][L, 2^K + 1],
+             ids [Hkv][L, keys in the set]; together keys 0..indexed-1
     pending  [P, Hkv, L] int32 codes of keys indexed .. indexed + P - 1
 Keys stay pending (and are attended exactly, as the local window) until `merge_every` of them
 lie before the window; then they are merged into the tables in one pass (lsh.merge_tables).
-Layers in `dense_layers`, and sequences shorter than `min_context`, are attended exactly; so are
-keys past lsh.MAX_KEYS (65,535) of a sequence, as part of the tail.
+Layers in `dense_layers`, and sequences shorter than `min_context`, are attended exactly.
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ class LshConfig:
 @dataclass
 class _Layer:
     mu: np.ndarray
-    offsets: list[np.ndarray] = field(default_factory=list)  # per kv-head [L, 2^K + 1]
-    ids: list[np.ndarray] = field(default_factory=list)  # per kv-head [L, indexed]
+    offsets: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, 2^K + 1]
+    ids: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, keys in the set]
     indexed: int = 0
     pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L]
     version: int = 0  # bumped by every merge (the tables are new arrays)
@@ -88,27 +88,35 @@ class MagicPig:
         state = layers[layer]
         if state is None or start_pos == 0:
             state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
-        state.pending.append(k_codes[:max(lsh.MAX_KEYS - start_pos, 0)])  # later keys are never indexed
+        state.pending.append(k_codes)
         n = start_pos + len(k)
-        upto = min(n - self.cfg.window, lsh.MAX_KEYS)  # beyond MAX_KEYS keys stay exact (the tail)
+        upto = n - self.cfg.window
         if n >= self.cfg.min_context and upto - state.indexed >= self.cfg.merge_every:
             self._merge(state, upto)
 
     def _merge(self, state: _Layer, upto: int) -> None:
+        """Index keys state.indexed .. upto - 1: into the last set while it has room, then new sets."""
         codes = np.concatenate(state.pending)
-        take, keep = codes[: upto - state.indexed], codes[upto - state.indexed:]
-        for h in range(self.num_kv_heads):
-            new = np.ascontiguousarray(take[:, h])
-            if state.indexed == 0:
-                offsets, ids = lsh.table_set(new, self.cfg.k)
-                state.offsets.append(offsets)
-                state.ids.append(ids)
-            else:
-                offsets, ids = np.empty_like(state.offsets[h]), np.empty((self.cfg.l, upto), np.uint16)
-                lsh.merge_tables(state.offsets[h], state.ids[h], state.indexed, new, offsets, ids)
-                state.offsets[h], state.ids[h] = offsets, ids
-        state.indexed = upto
-        state.pending = [keep]
+        state.pending = [codes[upto - state.indexed:]]
+        codes = codes[:upto - state.indexed]
+        while len(codes):
+            in_set = state.indexed % lsh.MAX_KEYS  # keys already in the last set (0: start a new one)
+            take, codes = codes[:lsh.MAX_KEYS - in_set], codes[lsh.MAX_KEYS - in_set:]
+            if in_set == 0:
+                state.offsets.append([])
+                state.ids.append([])
+            offsets, ids = state.offsets[-1], state.ids[-1]
+            for h in range(self.num_kv_heads):
+                new = np.ascontiguousarray(take[:, h])
+                if in_set == 0:
+                    o, i = lsh.table_set(new, self.cfg.k)
+                    offsets.append(o)
+                    ids.append(i)
+                else:
+                    o, i = np.empty_like(offsets[h]), np.empty((self.cfg.l, in_set + len(take)), np.uint16)
+                    lsh.merge_tables(offsets[h], ids[h], in_set, new, o, i)
+                    offsets[h], ids[h] = o, i
+            state.indexed += len(take)
         state.version += 1
 
     def decode_attention(self, store, layer: int, seq_ids: list[int], q: np.ndarray, q_codes: np.ndarray,
@@ -121,44 +129,47 @@ class MagicPig:
         states = [self.seqs.get(s, [None] * (layer + 1))[layer] for s in seq_ids]
         if not any(s is not None and s.indexed for s in states):
             return None
-        offsets, ids, indexed = self._tables(layer, states)
+        tables = self._tables(layer, states)
         mu = np.zeros((len(seq_ids), self.num_kv_heads, self.head_dim), np.float32)
+        indexed = np.zeros((len(seq_ids), 1), np.int64)
         for b, state in enumerate(states):
             if state is not None:
-                mu[b] = state.mu
-        set_of = np.arange(len(indexed), dtype=np.int32).reshape(len(seq_ids), self.num_kv_heads)
-        out, lse, touched = store.sampled_decode_attention(
-            layer, q, q_codes, block_tables, seq_lens, scale, (set_of, indexed, offsets, ids), mu, self.log_u,
-            self.cfg.sinks, self.cfg.window)
-        group = q.shape[1] // self.num_kv_heads
-        tails = np.maximum(np.minimum(indexed.reshape(len(seq_ids), -1), seq_lens[:, None] - self.cfg.window),
+                mu[b], indexed[b] = state.mu, state.indexed
+        out, lse, touched = store.sampled_decode_attention(layer, q, q_codes, block_tables, seq_lens, scale, tables,
+                                                           mu, self.log_u, self.cfg.sinks, self.cfg.window)
+        tails = np.maximum(np.minimum(indexed, seq_lens[:, None] - self.cfg.window),
                            np.minimum(self.cfg.sinks, seq_lens)[:, None])
         self.touched += int(touched.sum())
-        self.eligible += int(group * (tails - np.minimum(self.cfg.sinks, seq_lens)[:, None]).sum())
+        self.eligible += int(q.shape[1] * (tails - np.minimum(self.cfg.sinks, seq_lens)[:, None]).sum())
         return out, lse
 
-    def _tables(self, layer: int, states: list[_Layer | None]) -> tuple[List, List, np.ndarray]:
-        """Typed Lists of the batch's tables per (sequence, kv-head) and their key counts, reused
-        while the batch and its tables stay the same (filling a List from Python costs ~5 us per
-        item: 30 ms per step at 16 sequences)."""
+    def _tables(self, layer: int, states: list[_Layer | None]) -> tuple[np.ndarray, np.ndarray, List, List]:
+        """The batch's table sets as lsh.sampled_decode_attention takes them: (set_of [B, Hkv, 2],
+        indexed [S], offsets, ids as typed Lists), reused while the batch and its tables stay the
+        same (filling a List from Python costs ~5 us per item: 30 ms per step at 16 sequences)."""
         versions = [None if s is None else s.version for s in states]
         cached = self._lists.get(layer)
         if cached is not None and len(cached[0]) == len(states) and cached[1] == versions and \
                 all(a is b for a, b in zip(cached[0], states)):
             return cached[2:]
-        offsets, ids = List(), List()
-        indexed = np.zeros(len(states) * self.num_kv_heads, np.int32)
+        offsets, ids, indexed = List(), List(), []
+        set_of = np.zeros((len(states), self.num_kv_heads, 2), np.int32)
         for b, state in enumerate(states):
             for h in range(self.num_kv_heads):
-                if state is not None and state.indexed:
-                    offsets.append(state.offsets[h])
-                    ids.append(state.ids[h])
-                    indexed[b * self.num_kv_heads + h] = state.indexed
-                else:
+                set_of[b, h, 0] = len(indexed)
+                sets = range(len(state.offsets)) if state is not None else ()
+                for c in sets:
+                    offsets.append(state.offsets[c][h])
+                    ids.append(state.ids[c][h])
+                    indexed.append(min(state.indexed - c * lsh.MAX_KEYS, lsh.MAX_KEYS))
+                if not sets:
                     offsets.append(self._empty[0])
                     ids.append(self._empty[1])
-        self._lists[layer] = (states, versions, offsets, ids, indexed)
-        return offsets, ids, indexed
+                    indexed.append(0)
+                set_of[b, h, 1] = len(indexed)
+        tables = (set_of, np.array(indexed, np.int32), offsets, ids)
+        self._lists[layer] = (states, versions, *tables)
+        return tables
 
     def take_stats(self) -> tuple[int, int]:
         stats = self.touched, self.eligible

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpu_attn import lsh
-from gpu_model.lsh import simhash, simhash_matrix
+from gpu_model.lsh import pack_signs_torch, simhash, simhash_matrix
 from tests.test_cpu_attn import naive_attention
 from tests.test_kv_formats import channel_transforms, oaken_store, write_sequences
 
@@ -30,6 +30,8 @@ def test_simhash_codes_are_packed_sign_bits():
     codes = simhash(x, w, 10)
     assert codes.dtype == torch.int32 and codes.shape == (7, 3, 15)
     np.testing.assert_array_equal(codes.numpy(), reference_codes(x.numpy(), w.numpy(), 10))
+    proj = x @ w  # the accelerator's packing (torch operations) gives the same codes
+    assert torch.equal(pack_signs_torch(proj, 10), codes)
 
 
 def test_tables_hold_every_key_once_in_its_bucket_in_order():
@@ -64,7 +66,7 @@ def test_candidates_are_the_keys_colliding_in_two_tables(lo, hi):
     count, cand = np.zeros(500, np.uint8), np.empty(500, np.int64)
     for _ in range(20):
         q = rng.integers(0, 2**k, num_tables).astype(np.int32)
-        n = lsh.collect_candidates(q, offsets, ids, lo, hi, count, cand)
+        n = lsh.collect_candidates(q, offsets, ids, lo, hi, count, cand, 0)
         hits = (codes == q).sum(1)
         expect = np.flatnonzero(hits >= 2)
         expect = expect[(expect >= lo) & (expect < hi)]
@@ -94,7 +96,8 @@ def sampled(store, q, q_codes, tables_per_seq, seq_lens, block_tables, mu, log_u
     num_seqs, hkv = len(seq_lens), store.num_kv_heads
     cap = max(len(c) for row in tables_per_seq for c in row)
     sets = [lsh.table_set(c, k, cap) for row in tables_per_seq for c in row]
-    set_of = np.arange(num_seqs * hkv, dtype=np.int32).reshape(num_seqs, hkv)
+    first = np.arange(num_seqs * hkv, dtype=np.int32).reshape(num_seqs, hkv)
+    set_of = np.stack([first, first + 1], -1)  # one set per (sequence, kv-head)
     indexed = np.array([len(c) for row in tables_per_seq for c in row], np.int32)
     tables = (set_of, indexed, np.stack([s[0] for s in sets]), np.stack([s[1] for s in sets]))
     return store.sampled_decode_attention(0, q, q_codes, block_tables, np.asarray(seq_lens, np.int32),
@@ -220,13 +223,14 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
         mp.append(0, 7, n, keys[n:n + 1], codes[n:n + 1])
         expect = 536 + 100 * ((n + 1 - 64 - 536) // 100)
         assert state.indexed == expect, n
-        offsets, ids, indexed = mp._tables(0, [state])  # cached between merges, never stale
-        assert offsets[1] is state.offsets[1] and ids[1] is state.ids[1] and indexed[1] == expect
+        set_of, indexed, offsets, ids = mp._tables(0, [state])  # cached between merges, never stale
+        assert set_of[0, 1].tolist() == [1, 2] and indexed[1] == expect
+        assert offsets[1] is state.offsets[0][1] and ids[1] is state.ids[0][1]
     codes = codes[:state.indexed]
     for h in range(2):
         offsets, ids = lsh.table_set(np.ascontiguousarray(codes[:, h]), cfg.k)
-        np.testing.assert_array_equal(state.offsets[h], offsets)
-        np.testing.assert_array_equal(state.ids[h], ids)
+        np.testing.assert_array_equal(state.offsets[0][h], offsets)
+        np.testing.assert_array_equal(state.ids[0][h], ids)
     assert sum(len(p) for p in state.pending) == 1000 - state.indexed
     mp.append(0, 7, 0, keys[:10], codes[:10])
     assert mp.seqs[7][0].indexed == 0 and mp.seqs[7][0] is not state
@@ -234,22 +238,65 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
     assert 7 not in mp.seqs
 
 
-def test_magicpig_never_indexes_past_max_keys(monkeypatch):
-    """Keys past lsh.MAX_KEYS (uint16 ids) are never indexed and their codes are not kept: they
-    stay in the exact tail."""
+def test_magicpig_indexes_past_max_keys_in_more_table_sets(monkeypatch):
+    """A set holds at most lsh.MAX_KEYS keys (uint16 ids): later keys go to the next set, and
+    each set equals tables built from its own keys' codes."""
     from cpu_attn.magicpig import LshConfig, MagicPig
 
-    monkeypatch.setattr(lsh, "MAX_KEYS", 700)
+    monkeypatch.setattr(lsh, "MAX_KEYS", 300)
     cfg = LshConfig(k=6, l=12, window=64, min_context=512, merge_every=50, dense_layers=())
     mp = MagicPig(cfg, num_layers=1, num_kv_heads=2, head_dim=64)
     coder = mp.coder()
     keys = torch.randn(1000, 2, 64)
-    mp.append(0, 3, 0, keys[:600], coder.codes(0, keys[:1], keys[:600], [(3, 0, 600)])[1])
+    codes = [coder.codes(0, keys[:1], keys[:600], [(3, 0, 600)])[1]]
+    mp.append(0, 3, 0, keys[:600], codes[0])
     for n in range(600, 1000):
-        mp.append(0, 3, n, keys[n:n + 1], coder.codes(0, keys[:1], keys[n:n + 1], [(3, n, 1)])[1])
+        codes.append(coder.codes(0, keys[:1], keys[n:n + 1], [(3, n, 1)])[1])
+        mp.append(0, 3, n, keys[n:n + 1], codes[-1])
+    codes = np.concatenate(codes)
     state = mp.seqs[3][0]
-    assert state.indexed == 686 and state.offsets[0].dtype == np.uint16  # 536 + 3 * 50; 14 short of 700
-    assert sum(len(p) for p in state.pending) == 700 - 686
+    assert state.indexed == 936 and len(state.offsets) == 4  # 536 + 8 merges of 50: sets of 300, 300, 300, 36
+    for c in range(4):
+        for h in range(2):
+            offsets, ids = lsh.table_set(np.ascontiguousarray(codes[300 * c:min(300 * (c + 1), 936), h]), cfg.k)
+            np.testing.assert_array_equal(state.offsets[c][h], offsets)
+            np.testing.assert_array_equal(state.ids[c][h], ids)
+    set_of, indexed, _, _ = mp._tables(0, [state, None])
+    assert set_of.tolist() == [[[0, 4], [4, 8]], [[8, 9], [9, 10]]]
+    assert indexed.tolist() == [300, 300, 300, 36] * 2 + [0, 0]
+    assert sum(len(p) for p in state.pending) == 1000 - 936
+
+
+def test_sampled_attention_over_several_table_sets_equals_one_set():
+    """Splitting an item's keys over consecutive table sets retrieves the same keys: the kernel's
+    output is the same as with one set."""
+    rng = np.random.default_rng(9)
+    store = oaken_store()
+    seq_lens = [150, 97]
+    block_tables, _ = write_sequences(store, rng, seq_lens)
+    k, num_tables, w = 4, 8, simhash_matrix(64, 4, 8, seed=1)
+    q = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    mu = np.zeros((2, 3, 64), np.float32)
+    codes = [[simhash(torch.from_numpy(store.gather(0, block_tables[b], n)[0][:n - 8, h]), w, k).numpy()
+              for h in range(3)] for b, n in enumerate(seq_lens)]
+    q_codes = simhash(torch.from_numpy(q), w, k).numpy()
+    log_u = lsh.log_u_table(k, num_tables)
+    one = sampled(store, q, q_codes, codes, seq_lens, block_tables, mu, log_u, sinks=4, window=8, k=k)
+    # the same keys in sets of 40 (the last one partial): 4 sets for 142 keys, 3 for 89
+    sets, set_of = [], np.zeros((2, 3, 2), np.int32)
+    for b in range(2):
+        for h in range(3):
+            set_of[b, h, 0] = len(sets)
+            sets += [(lsh.table_set(codes[b][h][i:i + 40], k, 40), len(codes[b][h][i:i + 40]))
+                     for i in range(0, len(codes[b][h]), 40)]
+            set_of[b, h, 1] = len(sets)
+    tables = (set_of, np.array([n for _, n in sets], np.int32), np.stack([t[0] for t, _ in sets]),
+              np.stack([t[1] for t, _ in sets]))
+    many = store.sampled_decode_attention(0, q, q_codes, block_tables, np.asarray(seq_lens, np.int32), 64**-0.5,
+                                          tables, mu, log_u, 4, 8)
+    assert one[2].sum() > 0
+    for a, b in zip(one, many):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_magicpig_worker_is_exact_below_min_context_and_samples_above():
