@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from cpu_attn.calibrate import OakenThresholds, calibrate, collect_kv, text_windows, window_thresholds
+from cpu_attn.calibrate import (CALIBRATION_VERSION, OakenThresholds, calibrate, collect_kv, text_windows,
+                               window_starts, window_thresholds)
 from tests.test_model import tiny_model_dir
 
 
@@ -27,13 +28,14 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
     v = result.values
     assert v.shape == (2, 2, 4)
     assert (np.diff(v, axis=-1) > 0).all()  # outer_lo < inner_lo < inner_hi < outer_hi
-    # on the calibration windows themselves the realized split is close to the asked one
-    kv = collect_kv(model, windows[0])
+    # on the calibration windows themselves (at their positions) the realized split is close to the asked one
+    starts = window_starts(5, 64, model.cfg.max_position_embeddings)
+    kv = collect_kv(model, windows[0], starts[0])
     for kind in (0, 1):
         outer, _, inner = result.group_fractions(1, kind, result.stored(1, kind, kv[1][kind]))
         assert abs(outer - 0.04) < 0.03 and abs(inner - 0.06) < 0.03
     # the per-channel transforms: keys centered on their mean, then smoothed; values smoothed
-    k = result.stored(1, 0, np.concatenate([collect_kv(model, w)[1][0] for w in windows]))
+    k = result.stored(1, 0, np.concatenate([collect_kv(model, w, s)[1][0] for w, s in zip(windows, starts)]))
     assert np.abs(k.mean(0)).max() < 0.1 * np.abs(k).max()
     assert result.key_scales.shape == result.key_bias.shape == result.value_scales.shape == (2, k.shape[1])
     result.save(tmp_path / "t.json")
@@ -41,11 +43,31 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
     np.testing.assert_allclose(back.values, v)
     for name in ("key_scales", "key_bias", "value_scales"):
         np.testing.assert_allclose(getattr(back, name), getattr(result, name))
-    assert OakenThresholds.load(tmp_path / "t.json").version == 2
+    assert back.version == CALIBRATION_VERSION and back.context_tokens == model.cfg.max_position_embeddings
     with pytest.raises(ValueError, match="fewer than one window"):
         text_windows(ids[:10], 5, 64)
     with pytest.raises(ValueError, match="outer_ratio"):
         calibrate(model, windows, outer_ratio=0.6, inner_ratio=0.5, progress=False)
+
+
+def test_windows_are_spread_over_the_context_and_only_rotate_keys(tmp_path):
+    """Calibration windows sit at positions spread over the served context (any prefix of them
+    too). RoPE is relative: a window moved to another position gives the same values, and keys
+    turned by the position (same norm per rotated pair of channels)."""
+    from gpu_model.loader import load_model
+
+    starts = window_starts(100, 512, 8192)
+    assert min(starts) == 0 and max(starts) <= 8192 - 512
+    assert np.ptp(starts[:16]) > 0.8 * (8192 - 512) and len(set(starts)) == 100
+    assert window_starts(4, 512, 256) == [0] * 4  # no room: all at position 0
+    model = load_model(tiny_model_dir(tmp_path)[0])
+    window = list(np.random.default_rng(2).integers(0, 101, 48))
+    for (k0, v0), (k1, v1) in zip(collect_kv(model, window), collect_kv(model, window, start=3000)):
+        np.testing.assert_allclose(v1, v0, rtol=1e-4, atol=1e-4)
+        half = k0.shape[-1] // 2  # rotate_half pairs channel i with i + half
+        norms = [np.hypot(k[..., :half], k[..., half:]) for k in (k0, k1)]
+        np.testing.assert_allclose(norms[1], norms[0], rtol=1e-4, atol=1e-4)
+        assert not np.allclose(k1, k0, atol=1e-3)
 
 
 def test_calibrate_cli_on_wikitext(tmp_path, capsys):
@@ -89,4 +111,4 @@ def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monke
     assert (hetero.oaken_thresholds(model, tmp_path, None).values == 1).all() and calls == []
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
     assert (hetero.oaken_thresholds(model, tmp_path, None).values == 0).all() and calls == [32]
-    assert OakenThresholds.load(cached).version == 2
+    assert OakenThresholds.load(cached).version == CALIBRATION_VERSION
