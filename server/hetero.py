@@ -31,9 +31,9 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
         return found
     if not DEFAULT_TEXT.is_file():
         if found is not None:
-            log.warning("%s is from an older calibration (no per-channel key centering) and there is no default "
-                        "text to recalibrate on: using it; run `hetserve calibrate --text FILE` for better accuracy",
-                        cached)
+            log.warning("%s is from an older calibration (version %d: keys at positions 0..511 only, so long "
+                        "contexts lose accuracy) and there is no default text to recalibrate on: using it; run "
+                        "`hetserve calibrate --text FILE` for better accuracy", cached, found.version)
             return found
         raise RuntimeError(f"no Oaken thresholds in {cached} and no default calibration text at {DEFAULT_TEXT}: "
                            "run `hetserve calibrate --text FILE` first, or pass --oaken-thresholds")
@@ -41,7 +41,7 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
 
     log.warning("%s: calibrating Oaken thresholds on 32 windows of %s (once, about a minute)",
                 "no Oaken thresholds for this model yet" if found is None
-                else "older calibration (no per-channel key centering)", DEFAULT_TEXT)
+                else f"older calibration (version {found.version})", DEFAULT_TEXT)
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(DEFAULT_TEXT.read_text())
     result = calibrate(model, text_windows(ids, 32, 512))
     result.save(cached)
