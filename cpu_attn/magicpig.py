@@ -161,7 +161,7 @@ class MagicPig:
                 for c in sets:
                     offsets.append(state.offsets[c][h])
                     ids.append(state.ids[c][h])
-                    indexed.append(min(state.indexed - c * lsh.MAX_KEYS, lsh.MAX_KEYS))
+                    indexed.append(state.ids[c][h].shape[1])  # keys in the set
                 if not sets:
                     offsets.append(self._empty[0])
                     ids.append(self._empty[1])

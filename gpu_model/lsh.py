@@ -76,17 +76,15 @@ class LshCoder:
         if self.layers is not None and layer not in self.layers:
             return None
         proj = k.to(self.w.dtype) @ self.w
-        row, rows, counts = 0, [], []
+        row, rows = 0, []
         for seq_id, start, n in chunks:
             centers = self.centers.setdefault(seq_id, {})
             if start == 0 or layer not in centers:
                 centers[layer] = proj[row:row + n].mean(0)
-            rows.append(centers[layer])
-            counts.append(n)
+            rows.append(centers[layer].expand(n, *centers[layer].shape))
             row += n
         if rows:
-            rows = torch.stack(rows)
-            proj -= rows if row == len(rows) else rows.repeat_interleave(torch.tensor(counts, device=rows.device), 0)
+            proj -= torch.cat(rows)
         return simhash(q, self.w, self.k).cpu(), pack_signs(proj, self.k).cpu()
 
     def free(self, seq_ids) -> None:

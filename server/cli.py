@@ -102,7 +102,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not subtract each key channel's mean before quantizing (default: subtract it)")
     p.add_argument("--value-smoothing", type=float, default=0.5,
                    help="alpha of the per-channel value smoothing, 0 (off) to 1 (default: 0.5)")
-    p.add_argument("--context-tokens", type=int, default=0,
+    p.add_argument("--context-tokens", type=int,
                    help="spread the windows over positions up to this context (default: the model's maximum)")
     p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory)")
 
@@ -120,7 +120,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text())
     windows = text_windows(ids, args.num_windows, args.window_tokens)
     result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing, args.key_centering,
-                       args.value_smoothing, args.context_tokens or None)
+                       args.value_smoothing, args.context_tokens)
     out = Path(args.out) if args.out else model_dir / THRESHOLDS_FILE
     result.save(out)
     v = result.values
