@@ -34,7 +34,8 @@ class KVStore(Protocol):
     head_dim: int
     block_size: int
 
-    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None: ...
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
+              positions: np.ndarray | None = None) -> None: ...
 
     def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]: ...
 
@@ -75,8 +76,9 @@ class PagedKVStore:
     def _decode(self, x: np.ndarray) -> np.ndarray:
         return x.view(np.float16).astype(np.float32) if self.dtype == "float16" else x.astype(np.float32)
 
-    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """slot_mapping: [T] int64; k, v: [T, Hkv, D] float32."""
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
+              positions: np.ndarray | None = None) -> None:
+        """slot_mapping: [T] int64; k, v: [T, Hkv, D] float32 (positions: unused here)."""
         write_kv(self.k[layer], self.v[layer], slot_mapping, self._encode(k), self._encode(v))
 
     def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,10 +119,11 @@ class OakenKVStore:
     values nearest the middle thresholds stored as middle values instead.
 
     Per-channel transforms from calibration ([L, Hkv * D] each, None = off): the store holds
-    (K - key_bias) / key_scales and V / value_scales. Attention multiplies q by key_scales (q.k is
-    the same, the keys' heavy channels are tamed), adds q.key_bias back to lse (the bias moves a
-    query's scores all by the same amount, so its weights do not change) and multiplies outputs
-    by value_scales (attention is linear in V).
+    (K - R(p) key_bias) / key_scales and V / value_scales, where R(p) key_bias is the keys' mean
+    before RoPE turned to the key's position p by the RoPE frequencies rope_inv_freq (zeros: a
+    fixed center). Attention multiplies q by key_scales (q.k is the same, the keys' heavy channels
+    are tamed), adds the turned center back to each key as it decodes it, and multiplies outputs by
+    value_scales (attention is linear in V). Writes of centered keys need their positions.
 
     With recent_blocks > 0, a block that is still filling (its first row written, not yet its
     last) stays in full precision in one of `recent_blocks` tail slots per layer and is quantized
@@ -132,7 +135,8 @@ class OakenKVStore:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  thresholds: np.ndarray, sparse_fraction: float = 0.125, key_scales: np.ndarray | None = None,
-                 recent_blocks: int = 0, key_bias: np.ndarray | None = None, value_scales: np.ndarray | None = None):
+                 recent_blocks: int = 0, key_bias: np.ndarray | None = None, value_scales: np.ndarray | None = None,
+                 rope_inv_freq: np.ndarray | None = None):
         if head_dim % oaken.SEGMENT:
             raise ValueError(f"Oaken KV needs head_dim a multiple of {oaken.SEGMENT}, not {head_dim}")
         if thresholds.shape != (num_layers, 2, 4):
@@ -145,9 +149,18 @@ class OakenKVStore:
             if x is not None and x.shape != (num_layers, c):
                 raise ValueError(f"{name} must be [{num_layers}, {c}], not {list(x.shape)}")
         shape = (num_layers, num_kv_heads, head_dim)
-        self.key_scales, self.value_scales, self.key_bias = (
-            np.full(shape, fill, np.float32) if x is None else np.ascontiguousarray(x, np.float32).reshape(shape)
-            for x, fill in ((key_scales, 1), (value_scales, 1), (key_bias, 0)))
+        self.key_scales, self.value_scales = (
+            np.full(shape, 1, np.float32) if x is None else np.ascontiguousarray(x, np.float32).reshape(shape)
+            for x in (key_scales, value_scales))
+        # the key center in store space, and rotate_half of it: [L, Hkv, 2, D]; RoPE tables [P, D / 2]
+        self.key_center = np.zeros((num_layers, num_kv_heads, 2, head_dim), np.float32)
+        self._rope_freq = np.zeros(head_dim // 2) if rope_inv_freq is None else np.asarray(rope_inv_freq, np.float64)
+        self._cos = self._sin = np.zeros((0, head_dim // 2), np.float32)
+        if key_bias is not None:
+            b, half = key_bias.reshape(shape), head_dim // 2
+            self.key_center[:, :, 0] = b / self.key_scales
+            self.key_center[:, :, 1] = np.concatenate([-b[..., half:], b[..., :half]], -1) / self.key_scales
+            self._rope_tables(1)
         self.budget = self.sparse_budget(num_kv_heads, head_dim, block_size, sparse_fraction)
         lead = (num_layers, 2, num_blocks, block_size)
         self.dense = np.zeros(lead + (c // 2,), np.uint8)
@@ -180,6 +193,23 @@ class OakenKVStore:
         return 2 * num_layers * (block_size * per_token + cls.sparse_budget(num_kv_heads, head_dim, block_size,
                                                                               sparse_fraction))
 
+    def _rope_tables(self, positions: int) -> None:
+        """Grow the cos / sin tables of the key centers to cover `positions` (doubling)."""
+        if len(self._cos) < positions:
+            angle = np.outer(np.arange(max(positions, 2 * len(self._cos)), dtype=np.float64), self._rope_freq)
+            self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+
+    def _centers(self, layer: int, positions: np.ndarray) -> np.ndarray:
+        """[T] positions -> the key centers at them in store space, [T, Hkv, D] (zeros without centering)."""
+        c = self.key_center[layer]
+        if not len(self._cos):
+            return np.zeros((len(positions),) + c[:, 0].shape, np.float32)
+        cos, sin = (np.tile(t[positions], 2)[:, None, :] for t in (self._cos, self._sin))
+        return c[:, 0] * cos + c[:, 1] * sin
+
+    def _center_args(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.key_center[layer], self._cos, self._sin
+
     def _parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
         return self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv], self.sparse[layer, kv]
 
@@ -197,18 +227,26 @@ class OakenKVStore:
                 raise ValueError(f"{'KV'[kv]} of layer {layer} has NaN or inf in {bad} token(s); "
                                  "Oaken quantization needs finite values")
 
-    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """slot_mapping: [T] int64 (a sequence's rows in position order); k, v: [T, Hkv, D] float32."""
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
+              positions: np.ndarray | None = None) -> None:
+        """slot_mapping: [T] int64 (a sequence's rows in position order); k, v: [T, Hkv, D] float32;
+        positions: [T] of the rows in their sequences (needed when keys are centered)."""
         if len(slot_mapping) == 0:
             return
+        if len(self._cos) and positions is None:
+            raise ValueError("this store centers keys by position: write needs the rows' positions")
         rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
         for kv, x in enumerate(rows):
             if not np.isfinite(x).all():
                 bad = int((~np.isfinite(x).all(axis=1)).sum())
                 raise ValueError(f"{'KV'[kv]} of layer {layer} has NaN or inf in {bad} token(s); "
                                  "Oaken quantization needs finite values")
-        rows = ((rows[0] - self.key_bias[layer].ravel()) / self.key_scales[layer].ravel(),
-                rows[1] / self.value_scales[layer].ravel())
+        keys = rows[0] / self.key_scales[layer].ravel()
+        if len(self._cos):
+            positions = np.asarray(positions, np.int64)
+            self._rope_tables(int(positions.max()) + 1)
+            keys -= self._centers(layer, positions).reshape(len(keys), -1)
+        rows = (keys, rows[1] / self.value_scales[layer].ravel())
         direct = self._route_to_tails(layer, slot_mapping, rows) if self.tail.shape[2] else slice(None)
         self._quantize(layer, slot_mapping[direct], (rows[0][direct], rows[1][direct]))
 
@@ -256,7 +294,9 @@ class OakenKVStore:
             x = np.empty(shape, np.float32)
             oaken.dequantize_blocks(self._read_parts(layer, kv), self.thresholds[layer, kv], blocks, seq_len, x)
             x = x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
-            out.append(x * self.key_scales[layer] + self.key_bias[layer] if kv == 0 else x * self.value_scales[layer])
+            if kv == 0:
+                x = x + self._centers(layer, np.arange(seq_len))
+            out.append(x * (self.key_scales if kv == 0 else self.value_scales)[layer])
         return out[0], out[1]
 
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
@@ -268,24 +308,22 @@ class OakenKVStore:
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
         oaken.oaken_decode_attention(
             self._store_queries(layer, q), self._read_parts(layer, 0), self._read_parts(layer, 1),
-            self.thresholds[layer, 0], self.thresholds[layer, 1], block_tables, seq_lens, np.float32(scale), out, lse,
-            *attention_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim))
-        return self._true_output(layer, q, scale, out, lse)
+            self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens,
+            np.float32(scale), out, lse, *attention_scratch(num_seqs * self.num_kv_heads, group, self.block_size,
+                                                            head_dim))
+        return self._true_output(layer, out), lse
 
     def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """q [B, Hq, D] -> q * key_scales, so that q'.k_stored = q.(k - key_bias)."""
+        """q [B, Hq, D] -> q * key_scales, so that q'.k' = q.k for keys in store space (k / key_scales)."""
         b, num_heads, head_dim = q.shape
         grouped = np.asarray(q, np.float32).reshape(b, self.num_kv_heads, -1, head_dim)
         return np.ascontiguousarray((grouped * self.key_scales[layer][:, None]).reshape(q.shape))
 
-    def _true_output(self, layer: int, q: np.ndarray, scale: float, out: np.ndarray, lse: np.ndarray):
-        """Undo the transforms on attention over the store: out * value_scales, lse + scale * q.key_bias."""
-        b, num_heads, head_dim = q.shape
+    def _true_output(self, layer: int, out: np.ndarray) -> np.ndarray:
+        """Attention over the store's values -> over the true values (out * value_scales)."""
+        b, num_heads, head_dim = out.shape
         grouped = (b, self.num_kv_heads, num_heads // self.num_kv_heads, head_dim)
-        out = (out.reshape(grouped) * self.value_scales[layer][:, None]).reshape(out.shape)
-        lse += np.float32(scale) * np.einsum("bhgd,hd->bhg", np.asarray(q, np.float32).reshape(grouped),
-                                             self.key_bias[layer]).reshape(lse.shape)
-        return out, lse
+        return (out.reshape(grouped) * self.value_scales[layer][:, None]).reshape(out.shape)
 
     def sampled_decode_attention(self, layer: int, q: np.ndarray, q_codes: np.ndarray, block_tables: np.ndarray,
                                  seq_lens: np.ndarray, scale: float, tables: tuple[np.ndarray, ...], mu: np.ndarray,
@@ -305,17 +343,18 @@ class OakenKVStore:
         capacity = max(int((ends[set_of[..., 1]] - ends[set_of[..., 0]]).max(initial=0)), 1)  # keys of one item
         q_norm = np.linalg.norm(q, axis=-1).astype(np.float32)
         key_scale = self.key_scales[layer]
-        mu = np.ascontiguousarray((mu - self.key_bias[layer]) / key_scale, np.float32)  # in the store's key space
+        mu = np.ascontiguousarray(mu / key_scale, np.float32)  # in the store's key space
         out = np.empty(q.shape, np.float32)
         lse = np.empty((num_seqs, num_heads), np.float32)
         touched = np.empty((num_seqs, num_heads), np.int64)
         lsh.sampled_decode_attention(
             self._store_queries(layer, q), q_norm, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0),
-            self._read_parts(layer, 1), self.thresholds[layer, 0], self.thresholds[layer, 1], key_scale, mu,
+            self._read_parts(layer, 1), self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer),
+            key_scale, mu,
             block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, np.float32(scale), out, lse,
             touched,
             *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim, capacity))
-        return *self._true_output(layer, q, scale, out, lse), touched
+        return self._true_output(layer, out), lse, touched
 
     def group_counts(self, block_table, seq_len: int) -> dict[str, int]:
         """What one sequence's stored values are, over every layer, K and V: counts of values,
@@ -361,7 +400,8 @@ class SimQuantKVStore(PagedKVStore):
         super().__init__(num_layers, num_kv_heads, head_dim, block_size, num_blocks, "float32")
         self.kind = kind
 
-    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
+              positions: np.ndarray | None = None) -> None:
         if self.kind == "int4":
             c = self.num_kv_heads * self.head_dim
             k, v = (_int4_roundtrip(x.reshape(-1, c), 1).reshape(x.shape) for x in (k, v))
@@ -399,7 +439,7 @@ def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int
         if oaken_cal is None:
             raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
         return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales, recent_blocks,
-                            oaken_cal.key_bias, oaken_cal.value_scales)
+                            oaken_cal.key_bias, oaken_cal.value_scales, oaken_cal.rope_inv_freq)
     if kv_format in ("int4", "kivi"):
         return SimQuantKVStore(*geometry, kv_format)
     if kv_format in ("fp16", "fp32"):

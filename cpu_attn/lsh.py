@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, attend_scores, prefetch
-from cpu_attn.oaken import SEGMENT, load_block, load_row
+from cpu_attn.oaken import SEGMENT, add_key_center, load_block, load_row
 
 MAX_KEYS = 65535  # keys one table set can index (uint16 ids and offsets); longer contexts take more sets
 LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
@@ -146,7 +146,8 @@ def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand, base):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _attend_range(q, k_parts, v_parts, thr_k, thr_v, table, first_seg, lo, hi, scale, s, kb, vb, lut, acc, m, l):
+def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, lo, hi, scale, s, kb, vb, lut,
+                  acc, m, l):
     """Exact attention of the group's queries over positions [lo, hi) of one kv-head."""
     bs = k_parts[0].shape[1]
     if hi <= lo:
@@ -155,6 +156,7 @@ def _attend_range(q, k_parts, v_parts, thr_k, thr_v, table, first_seg, lo, hi, s
         block = table[j]
         start, end = max(lo - j * bs, 0), min(hi - j * bs, bs)
         load_block(k_parts, block, thr_k, first_seg, end, kb, lut)
+        add_key_center(kb, j * bs, end, k_center, kvh)
         load_block(v_parts, block, thr_v, first_seg, end, vb, lut)
         attend_block(q, kb[start:], vb[start:], end - start, scale, s, acc, m, l)
 
@@ -175,7 +177,7 @@ def _prefetch_rows(k_parts, v_parts, table, positions, first_seg):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v, key_scale, mu, block_tables,
+def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v, k_center, key_scale, mu, block_tables,
                              seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, scale, out, lse,
                              touched, s, kb, vb, m, l, count, marks, cand):
     """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
@@ -183,7 +185,7 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
 
     q [B, Hq, D] float32 in the store's key space (already times key_scale); q_norm [B, Hq]
     norms of the true queries; q_codes [B, Hq, L] int32; k_parts, v_parts, thr_k, thr_v as in
-    oaken_decode_attention (with tails); key_scale [Hkv, D] (ones without key smoothing); mu [B, Hkv, D] the
+    oaken_decode_attention (with tails, and the keys' centers k_center); key_scale [Hkv, D] (ones without key smoothing); mu [B, Hkv, D] the
     keys' centers in store space; set_of [B, Hkv, 2] the range [first, end) of each item's table
     sets, indexed [S] keys in each set, offsets [S, L, 2^K + 1], ids [S, L, >= indexed];
     log_u [LOG_U_POINTS].
@@ -216,10 +218,10 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
         for st in range(first_set, end_set):
             num_indexed += indexed[st]
         tail = max(min(num_indexed, n - window), sinks)
-        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, table, first_seg, 0, sinks, scale, s[item],
-                      kb[item], vb[item], lut, acc, m[item], l[item])
-        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, table, first_seg, tail, n, scale, s[item],
-                      kb[item], vb[item], lut, acc, m[item], l[item])
+        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, 0, sinks, scale,
+                      s[item], kb[item], vb[item], lut, acc, m[item], l[item])
+        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, tail, n, scale,
+                      s[item], kb[item], vb[item], lut, acc, m[item], l[item])
         num, heads_of, union = 0, marks[item], cand[item, group * cap:]
         for g in range(group):
             h = kvh * group + g
@@ -246,6 +248,7 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
             for t in range(width):
                 pos = union[c0 + t]
                 load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, kb[item, t], lut)
+                add_key_center(kb[item, t:t + 1], pos, 1, k_center, kvh)
                 load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, vb[item, t], lut)
             for t in range(width):
                 pos = union[c0 + t]

@@ -343,14 +343,31 @@ def load_row(parts, block, thr, first_seg, offset, out, lut):
         dequantize_row(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, offset, out, lut)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def add_key_center(rows, pos0, width, center, kvh):
+    """rows[t] += the key center of kv-head kvh turned to position pos0 + t, for t < width:
+    c * cos + rotate_half(c) * sin (RoPE's rotate-half layout). center = (c [Hkv, 2, D] holding c
+    and rotate_half(c) in the store's key space, cos and sin [>= pos0 + width, D / 2]); a no-op
+    when the tables are empty (no centering)."""
+    c, cos, sin = center
+    half = rows.shape[1] // 2
+    if cos.shape[0] == 0:
+        return
+    for t in range(width):
+        p = pos0 + t
+        for i in range(half):
+            rows[t, i] += c[kvh, 0, i] * cos[p, i] + c[kvh, 1, i] * sin[p, i]
+            rows[t, i + half] += c[kvh, 0, i + half] * cos[p, i] + c[kvh, 1, i + half] * sin[p, i]
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, block_tables, seq_lens, scale, out, lse,
+def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, k_center, block_tables, seq_lens, scale, out, lse,
                            scores, kb, vb, m, l):
     """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
     of one kv-head are decoded into small scratch (kb, vb: [W, block_size, D], L1-sized) and used
     at once; no full-precision copy of the cache is ever made.
     k_parts, v_parts: (dense, scales, counts, sparse, tail, tail_of) of one layer (see load_block);
-    thr_k, thr_v: [4]."""
+    thr_k, thr_v: [4]; k_center: the keys' centers (see add_key_center)."""
     num_seqs, num_heads, head_dim = q.shape
     block_size = k_parts[0].shape[1]
     num_kv_heads = k_parts[0].shape[2] * 2 // head_dim
@@ -367,6 +384,7 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, block_tables, seq_
             block = block_tables[b, j]
             width = min(block_size, n - j * block_size)
             load_block(k_parts, block, thr_k, first_seg, width, kb[item], lut)
+            add_key_center(kb[item], j * block_size, width, k_center, kvh)
             load_block(v_parts, block, thr_v, first_seg, width, vb[item], lut)
             attend_block(q[b, heads], kb[item], vb[item], width, scale, scores[item], acc, m[item], l[item])
         attend_end(acc, m[item], l[item], lse[b, heads])

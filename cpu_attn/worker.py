@@ -35,6 +35,7 @@ class ChunkLayout:
 @dataclass
 class _StepPlan:
     slot_mapping: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64, of each row in its sequence
     decode_rows: torch.Tensor  # [B] rows of 1-token chunks in the flat batch
     block_tables: np.ndarray  # [B, max_blocks] int32
     seq_lens: np.ndarray  # [B] int32
@@ -54,12 +55,13 @@ class AttentionWorker:
 
     def begin_step(self, chunks: Sequence[ChunkLayout]) -> None:
         bs = self.store.block_size
-        slots, decode_rows, tables, seq_lens, prefills, spans, decode_ids = [], [], [], [], [], [], []
+        slots, positions, decode_rows, tables, seq_lens, prefills, spans, decode_ids = [], [], [], [], [], [], [], []
         row = 0
         for c in chunks:
             pos = np.arange(c.start_pos, c.start_pos + c.num_tokens)
             table = np.asarray(c.block_table, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
+            positions.append(pos)
             spans.append((row, c.num_tokens, c.start_pos, c.seq_id))
             if c.num_tokens == 1:
                 decode_ids.append(c.seq_id)
@@ -75,6 +77,7 @@ class AttentionWorker:
             block_tables[i, : len(t)] = t
         self._plan = _StepPlan(
             slot_mapping=np.concatenate(slots) if slots else np.zeros(0, np.int64),
+            positions=np.concatenate(positions) if positions else np.zeros(0, np.int64),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long),
             block_tables=block_tables,
             seq_lens=np.asarray(seq_lens, dtype=np.int32),
@@ -114,7 +117,7 @@ class AttentionWorker:
         """Write the step's k, v [T, Hkv, D] to the store (and k to the sparse part's tables) only."""
         plan = self._plan
         assert plan is not None, "begin_step must come first"
-        self.store.write(layer, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy())
+        self.store.write(layer, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy(), plan.positions)
         if self.sparse is not None:
             for first, n, start, seq_id in plan.chunks:
                 self.sparse.append(layer, seq_id, start, k[first:first + n],

@@ -32,16 +32,17 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
     starts = window_starts(5, 64, model.cfg.max_position_embeddings)
     kv = collect_kv(model, windows[0], starts[0])
     for kind in (0, 1):
-        outer, _, inner = result.group_fractions(1, kind, result.stored(1, kind, kv[1][kind]))
+        outer, _, inner = result.group_fractions(1, kind, result.stored(1, kind, kv[1][kind], starts[0] + np.arange(64)))
         assert abs(outer - 0.04) < 0.03 and abs(inner - 0.06) < 0.03
     # the per-channel transforms: keys centered on their mean, then smoothed; values smoothed
-    k = result.stored(1, 0, np.concatenate([collect_kv(model, w, s)[1][0] for w, s in zip(windows, starts)]))
+    positions = np.concatenate([s + np.arange(len(w)) for w, s in zip(windows, starts)])
+    k = result.stored(1, 0, np.concatenate([collect_kv(model, w, s)[1][0] for w, s in zip(windows, starts)]), positions)
     assert np.abs(k.mean(0)).max() < 0.1 * np.abs(k).max()
     assert result.key_scales.shape == result.key_bias.shape == result.value_scales.shape == (2, k.shape[1])
     result.save(tmp_path / "t.json")
     back = OakenThresholds.load(tmp_path / "t.json")
     np.testing.assert_allclose(back.values, v)
-    for name in ("key_scales", "key_bias", "value_scales"):
+    for name in ("key_scales", "key_bias", "value_scales", "rope_inv_freq"):
         np.testing.assert_allclose(getattr(back, name), getattr(result, name))
     assert back.version == CALIBRATION_VERSION and back.context_tokens == model.cfg.max_position_embeddings
     with pytest.raises(ValueError, match="fewer than one window"):

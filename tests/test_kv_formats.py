@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cpu_attn.calibrate import rotate
 from cpu_attn.kv_store import KV_FORMATS, OakenKVStore, PagedKVStore, SimQuantKVStore, bytes_per_block, make_store
 from cpu_attn.oaken import INNER, MIDDLE, OUTER, dequantize, quantize
 from tests.test_cpu_attn import naive_attention
@@ -20,21 +21,23 @@ def oaken_store(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, num_bl
                         key_scales, recent_blocks, **transforms)
 
 
-def write_sequences(store, rng, seq_lens, layer=0, prefill=None, scale=1.0, offset=0.0):
+def write_sequences(store, rng, seq_lens, layer=0, prefill=None, scale=1.0, offset=0.0, rope_inv_freq=None):
     """Random K/V per sequence into shuffled blocks: a prefill chunk, then one token at a time.
-    offset: added to every key (real keys have per-channel offsets)."""
+    offset: added to every key (real keys have per-channel offsets before RoPE), turned to each
+    key's position by rope_inv_freq when given."""
     bs, free = store.block_size, list(rng.permutation(store.num_blocks))
     tables, kv = [], []
     for n in seq_lens:
         table = np.array([free.pop() for _ in range(-(-n // bs))])
         k, v = (rng.standard_normal((2, n, store.num_kv_heads, store.head_dim)) * scale).astype(np.float32)
         k[:, :, 5] *= 6  # a heavy channel, as real keys have
-        k += offset
-        slots = (table[np.arange(n) // bs] * bs + np.arange(n) % bs).astype(np.int64)
+        pos = np.arange(n)
+        k += offset if rope_inv_freq is None else rotate(np.broadcast_to(offset, k.shape[1:])[None], rope_inv_freq, pos)
+        slots = (table[pos // bs] * bs + pos % bs).astype(np.int64)
         first = n // 2 if prefill is None else min(prefill, n)
-        store.write(layer, slots[:first], k[:first], v[:first])
+        store.write(layer, slots[:first], k[:first], v[:first], pos[:first])
         for t in range(first, n):
-            store.write(layer, slots[t:t + 1], k[t:t + 1], v[t:t + 1])
+            store.write(layer, slots[t:t + 1], k[t:t + 1], v[t:t + 1], pos[t:t + 1])
         tables.append(table)
         kv.append((k, v))
     width = max(len(t) for t in tables)
@@ -78,6 +81,7 @@ def channel_transforms(rng, num_kv_heads, head_dim, kinds):
         out["key_scales"] = s.reshape(2, c)
     if "bias" in kinds:
         out["key_bias"] = rng.uniform(-3, 3, (2, c)).astype(np.float32)
+        out["rope_inv_freq"] = 10000.0 ** -(np.arange(head_dim // 2) * 2 / head_dim)
         out["value_scales"] = rng.uniform(0.8, 1.25, (2, c)).astype(np.float32)
     return out
 
@@ -87,13 +91,13 @@ def channel_transforms(rng, num_kv_heads, head_dim, kinds):
 def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, transforms):
     rng = np.random.default_rng(1)
     seq_lens = [1, 20, 77, 200]
-    # per-channel transforms: the store keeps (K - b) / s and V / s_v, scales q by s, adds q.b to
-    # lse and scales outputs by s_v; attention (output and lse) must not change
+    # per-channel transforms: the store keeps (K - R(p) b) / s and V / s_v, scales q by s, adds
+    # R(p) b back to each decoded key and scales outputs by s_v; attention (output and lse) must not change
     tf = channel_transforms(np.random.default_rng(2), num_kv_heads, head_dim, transforms)  # same K, V, q for all
     store = oaken_store(num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                         num_blocks=sum(-(-n // block_size) for n in seq_lens) + 3, sparse_fraction=0.5, **tf)
     offset = tf["key_bias"][0].reshape(num_kv_heads, head_dim) if "bias" in transforms else 0.0
-    tables, kv = write_sequences(store, rng, seq_lens, offset=offset)
+    tables, kv = write_sequences(store, rng, seq_lens, offset=offset, rope_inv_freq=tf.get("rope_inv_freq"))
     q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float32)
     scale = head_dim**-0.5
     out, lse = store.decode_attention(0, q, tables, np.array(seq_lens, np.int32), scale)
@@ -106,6 +110,30 @@ def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, t
         # against full precision: 4/5-bit error, a few percent of the output's spread
         exact, _ = naive_attention(q[b], *kv[b], scale)
         assert np.abs(out[b] - exact).max() <= 0.15 * max(np.abs(exact).max(), 0.1), b
+
+
+def test_key_center_turns_with_the_position():
+    """Keys that are a large pre-RoPE mean turned to their position plus small noise: the store
+    keeps only the noise (so its quantization error is the noise's, not the mean's), gives the keys
+    back, and a write without positions is refused."""
+    rng = np.random.default_rng(5)
+    inv_freq = 10000.0 ** -(np.arange(32) * 2 / 64)
+    bias = rng.uniform(-20, 20, (3, 64)).astype(np.float32)
+    store = oaken_store(key_bias=np.tile(bias.reshape(1, -1), (2, 1)), rope_inv_freq=inv_freq, sparse_fraction=0.5,
+                        num_blocks=200)
+    pos = np.arange(3000, 3100)  # past the first table size, so the RoPE tables grow
+    k = rotate(bias[None], inv_freq, pos) + 0.5 * rng.standard_normal((100, 3, 64)).astype(np.float32)
+    slots, table = pos, np.arange(200)  # block j holds positions 16 j ..
+    store.write(0, slots, k, k, pos)
+    stored = store.gather(0, table, 3100)[0][3000:]
+    noise = np.abs(k - rotate(bias[None], inv_freq, pos)).mean()
+    assert np.abs(stored - k).mean() < 0.15 * noise  # 4/5-bit error on the noise alone (measured 0.09)
+    # a fixed (unturned) center would leave the turning part in the stored values
+    fixed = oaken_store(key_bias=np.tile(bias.reshape(1, -1), (2, 1)), sparse_fraction=0.5, num_blocks=200)
+    fixed.write(0, slots, k, k, pos)
+    assert np.abs(fixed.gather(0, table, 3100)[0][3000:] - k).mean() > noise  # (measured 2.1)
+    with pytest.raises(ValueError, match="positions"):
+        store.write(0, slots, k, k)
 
 
 @pytest.mark.parametrize("recent_blocks,exact_tails", [(4, [0, 1, 2, 3]), (1, [3]), (2, [2, 3])])

@@ -137,7 +137,7 @@ def test_sampled_attention_follows_the_estimator(transforms):
     store = oaken_store(num_blocks=80, **tf)
     seq_lens = [300, 200]
     offset = tf["key_bias"][0].reshape(3, 64) if transforms else 0.0
-    block_tables, _ = write_sequences(store, rng, seq_lens, offset=offset)
+    block_tables, _ = write_sequences(store, rng, seq_lens, offset=offset, rope_inv_freq=tf.get("rope_inv_freq"))
     k, num_tables, sinks, window = 6, 20, 4, 16
     w = simhash_matrix(64, k, num_tables, seed=0)
     q = rng.standard_normal((2, 9, 64)).astype(np.float32)
