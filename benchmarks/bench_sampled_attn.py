@@ -17,10 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_decode_attn import BLOCK, HEAD_DIM, HEADS, KV_HEADS, THR, best_of, fill
+from benchmarks.bench_decode_attn import BLOCK, HEAD_DIM, HEADS, KV_HEADS, best_of, fill, served_oaken
 from benchmarks.common import machine, print_table, write_json
 from cpu_attn import lsh
-from cpu_attn.kv_store import OakenKVStore
 from gpu_model.lsh import simhash, simhash_matrix
 
 
@@ -42,7 +41,7 @@ def main() -> None:
     for context in args.context:
         for batch in args.batch:
             num_blocks = batch * -(-context // BLOCK)
-            store = OakenKVStore(1, KV_HEADS, HEAD_DIM, BLOCK, num_blocks, np.tile(THR, (1, 2, 1)))
+            store = served_oaken(num_blocks, rng)
             tables = fill(store, rng, batch, context)
             lens = np.full(batch, context, np.int32)
             keys = [store.gather(0, t, context) for t in tables]

@@ -45,6 +45,14 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
     for name in ("key_scales", "key_bias", "value_scales", "rope_inv_freq"):
         np.testing.assert_allclose(getattr(back, name), getattr(result, name))
     assert back.version == CALIBRATION_VERSION and back.context_tokens == model.cfg.max_position_embeddings
+    # files of versions 2-3 hold one post-RoPE mean: it loads as a center that does not turn
+    data = json.loads((tmp_path / "t.json").read_text())
+    del data["rope_inv_freq"]
+    (tmp_path / "v3.json").write_text(json.dumps(data | {"version": 3}))
+    old = OakenThresholds.load(tmp_path / "v3.json")
+    assert old.version == 3 and not old.rope_inv_freq.any()
+    np.testing.assert_allclose(old.stored(1, 0, k, positions), (k * back.key_scales[1] - back.key_bias[1]) /
+                               back.key_scales[1], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="fewer than one window"):
         text_windows(ids[:10], 5, 64)
     with pytest.raises(ValueError, match="outer_ratio"):
