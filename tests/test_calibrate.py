@@ -36,7 +36,8 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
         assert abs(outer - 0.04) < 0.03 and abs(inner - 0.06) < 0.03
     # the per-channel transforms: keys centered on their mean, then smoothed; values smoothed
     positions = np.concatenate([s + np.arange(len(w)) for w, s in zip(windows, starts)])
-    k = result.stored(1, 0, np.concatenate([collect_kv(model, w, s)[1][0] for w, s in zip(windows, starts)]), positions)
+    raw = np.concatenate([collect_kv(model, w, s)[1][0] for w, s in zip(windows, starts)])
+    k = result.stored(1, 0, raw, positions)
     assert np.abs(k.mean(0)).max() < 0.1 * np.abs(k).max()
     assert result.key_scales.shape == result.key_bias.shape == result.value_scales.shape == (2, k.shape[1])
     result.save(tmp_path / "t.json")
@@ -51,8 +52,8 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
     (tmp_path / "v3.json").write_text(json.dumps(data | {"version": 3}))
     old = OakenThresholds.load(tmp_path / "v3.json")
     assert old.version == 3 and not old.rope_inv_freq.any()
-    np.testing.assert_allclose(old.stored(1, 0, k, positions), (k * back.key_scales[1] - back.key_bias[1]) /
-                               back.key_scales[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(old.stored(1, 0, raw, positions),
+                               (raw.reshape(len(raw), -1) - back.key_bias[1]) / back.key_scales[1], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="fewer than one window"):
         text_windows(ids[:10], 5, 64)
     with pytest.raises(ValueError, match="outer_ratio"):
