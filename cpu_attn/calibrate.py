@@ -114,13 +114,22 @@ def _rope_inv_freq(data: dict, key_bias: np.ndarray | None) -> np.ndarray | None
     return None if key_bias is None else np.zeros(key_bias.shape[-1] // 2)  # versions 2-3: a fixed center
 
 
-def rotate(x: np.ndarray, inv_freq: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """x [T or 1, H, D] turned by RoPE (rotate-half layout) to positions [T] -> [T, H, D] float32;
-    negative positions turn back."""
-    angle = np.outer(np.asarray(positions, np.float64), np.asarray(inv_freq, np.float64))  # [T, D / 2]
-    cos, sin = (np.tile(f(angle), 2)[:, None, :] for f in (np.cos, np.sin))
+def rotate_half(x: np.ndarray) -> np.ndarray:
+    """RoPE's rotate-half: [..., D] -> (-x[D/2:], x[:D/2])."""
     half = x.shape[-1] // 2
-    return (x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin).astype(np.float32)
+    return np.concatenate([-x[..., half:], x[..., :half]], -1)
+
+
+def turn(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T or 1, H, D] turned by RoPE (rotate-half layout) by angles with cos, sin [T, D / 2] -> [T, H, D] float32."""
+    cos, sin = (np.tile(t, 2)[:, None, :] for t in (cos, sin))
+    return (x * cos + rotate_half(x) * sin).astype(np.float32)
+
+
+def rotate(x: np.ndarray, inv_freq: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """x [T or 1, H, D] turned by RoPE to positions [T] -> [T, H, D] float32; negative positions turn back."""
+    angle = np.outer(np.asarray(positions, np.float64), np.asarray(inv_freq, np.float64))  # [T, D / 2]
+    return turn(x, np.cos(angle), np.sin(angle))
 
 
 def window_thresholds(x: np.ndarray, outer_ratio: float, inner_ratio: float) -> np.ndarray:
@@ -174,13 +183,12 @@ def _smoothing(peaks: np.ndarray, alpha: float) -> np.ndarray | None:
     return (s / np.exp(np.log(s).mean(-1, keepdims=True))).astype(np.float32)
 
 
-def channel_transforms(model, windows: list[list[int]], starts: list[int], key_smoothing: float, key_centering: bool,
-                       value_smoothing: float) -> tuple[np.ndarray | None, ...]:
+def channel_transforms(model, windows: list[list[int]], starts: list[int], inv_freq: np.ndarray, key_smoothing: float,
+                       key_centering: bool, value_smoothing: float) -> tuple[np.ndarray | None, ...]:
     """(key_scales, key_bias, value_scales), each [num_layers, Hkv * D] or None: per window the
     per-channel mean of the keys before RoPE b, max |K - R(p) b| and max |V|, averaged over
-    windows (a window's peaks are taken around its own mean, so one pass over the windows does)."""
-    inv_freq = model.inv_freq.double().cpu().numpy()
-
+    windows (a window's peaks are taken around its own mean, so one pass over the windows does);
+    inv_freq: the model's RoPE frequencies."""
     def stats(k, v, positions):
         b = rotate(k, inv_freq, -positions).mean(0, keepdims=True) if key_centering else np.zeros_like(k[:1])
         k_peak = np.abs(k - rotate(b, inv_freq, positions)).max(0)
@@ -206,11 +214,12 @@ def calibrate(model, windows: list[list[int]], outer_ratio: float = 0.04, inner_
 
     context_tokens = context_tokens or model.cfg.max_position_embeddings
     starts = window_starts(len(windows), max(map(len, windows)), context_tokens)
-    k_scale, k_bias, v_scale = channel_transforms(model, windows[:16], starts, key_smoothing, key_centering,
+    inv_freq = model.inv_freq.double().cpu().numpy()
+    k_scale, k_bias, v_scale = channel_transforms(model, windows[:16], starts, inv_freq, key_smoothing, key_centering,
                                                   value_smoothing)
     cal = OakenThresholds(np.zeros((model.cfg.num_layers, 2, 4), np.float32), outer_ratio, inner_ratio, k_scale,
-                          key_smoothing, k_bias, None if k_bias is None else model.inv_freq.double().cpu().numpy(),
-                          v_scale, value_smoothing, context_tokens)
+                          key_smoothing, k_bias, None if k_bias is None else inv_freq, v_scale, value_smoothing,
+                          context_tokens)
     total = np.zeros(cal.values.shape, dtype=np.float64)
     for window, start in tqdm(list(zip(windows, starts)), desc="calibrating", unit="window", disable=not progress):
         positions = start + np.arange(len(window))

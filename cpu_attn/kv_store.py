@@ -18,7 +18,7 @@ import numpy as np
 from numba import get_num_threads
 
 from cpu_attn import lsh, oaken
-from cpu_attn.calibrate import OakenThresholds
+from cpu_attn.calibrate import OakenThresholds, rotate_half, turn
 from cpu_attn.kernels import attention_scratch, paged_decode_attention, write_kv
 
 # fp16 is kept as raw uint16 bits (Numba has no CPU float16); see kernels.py
@@ -152,14 +152,15 @@ class OakenKVStore:
         self.key_scales, self.value_scales = (
             np.full(shape, 1, np.float32) if x is None else np.ascontiguousarray(x, np.float32).reshape(shape)
             for x in (key_scales, value_scales))
-        # the key center in store space, and rotate_half of it: [L, Hkv, 2, D]; RoPE tables [P, D / 2]
-        self.key_center = np.zeros((num_layers, num_kv_heads, 2, head_dim), np.float32)
+        self.key_bias = None if key_bias is None else np.ascontiguousarray(key_bias, np.float32).reshape(shape)
         self._rope_freq = np.zeros(head_dim // 2) if rope_inv_freq is None else np.asarray(rope_inv_freq, np.float64)
+        # RoPE tables [P, D / 2] (empty without centering: the kernels then skip it) and, for the
+        # kernels, the key center and rotate_half of it in store space: [L, Hkv, 2, D]
         self._cos = self._sin = np.zeros((0, head_dim // 2), np.float32)
-        if key_bias is not None:
-            b, half = key_bias.reshape(shape), head_dim // 2
-            self.key_center[:, :, 0] = b / self.key_scales
-            self.key_center[:, :, 1] = np.concatenate([-b[..., half:], b[..., :half]], -1) / self.key_scales
+        self.key_center = np.zeros((num_layers, num_kv_heads, 2, head_dim), np.float32)
+        if self.key_bias is not None:
+            self.key_center[:, :, 0] = self.key_bias / self.key_scales
+            self.key_center[:, :, 1] = rotate_half(self.key_bias) / self.key_scales
             self._rope_tables(1)
         self.budget = self.sparse_budget(num_kv_heads, head_dim, block_size, sparse_fraction)
         lead = (num_layers, 2, num_blocks, block_size)
@@ -200,12 +201,8 @@ class OakenKVStore:
             self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
 
     def _centers(self, layer: int, positions: np.ndarray) -> np.ndarray:
-        """[T] positions -> the key centers at them in store space, [T, Hkv, D] (zeros without centering)."""
-        c = self.key_center[layer]
-        if not len(self._cos):
-            return np.zeros((len(positions),) + c[:, 0].shape, np.float32)
-        cos, sin = (np.tile(t[positions], 2)[:, None, :] for t in (self._cos, self._sin))
-        return c[:, 0] * cos + c[:, 1] * sin
+        """[T] written positions -> the key centers at them in store space, R(p) key_bias / key_scales: [T, Hkv, D]."""
+        return turn(self.key_bias[layer][None], self._cos[positions], self._sin[positions]) / self.key_scales[layer]
 
     def _center_args(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.key_center[layer], self._cos, self._sin
@@ -233,7 +230,7 @@ class OakenKVStore:
         positions: [T] of the rows in their sequences (needed when keys are centered)."""
         if len(slot_mapping) == 0:
             return
-        if len(self._cos) and positions is None:
+        if self.key_bias is not None and positions is None:
             raise ValueError("this store centers keys by position: write needs the rows' positions")
         rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
         for kv, x in enumerate(rows):
@@ -242,7 +239,7 @@ class OakenKVStore:
                 raise ValueError(f"{'KV'[kv]} of layer {layer} has NaN or inf in {bad} token(s); "
                                  "Oaken quantization needs finite values")
         keys = rows[0] / self.key_scales[layer].ravel()
-        if len(self._cos):
+        if self.key_bias is not None:
             positions = np.asarray(positions, np.int64)
             self._rope_tables(int(positions.max()) + 1)
             keys -= self._centers(layer, positions).reshape(len(keys), -1)
@@ -294,7 +291,7 @@ class OakenKVStore:
             x = np.empty(shape, np.float32)
             oaken.dequantize_blocks(self._read_parts(layer, kv), self.thresholds[layer, kv], blocks, seq_len, x)
             x = x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
-            if kv == 0:
+            if kv == 0 and self.key_bias is not None:
                 x = x + self._centers(layer, np.arange(seq_len))
             out.append(x * (self.key_scales if kv == 0 else self.value_scales)[layer])
         return out[0], out[1]
@@ -350,9 +347,8 @@ class OakenKVStore:
         lsh.sampled_decode_attention(
             self._store_queries(layer, q), q_norm, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0),
             self._read_parts(layer, 1), self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer),
-            key_scale, mu,
-            block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, np.float32(scale), out, lse,
-            touched,
+            key_scale, mu, block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window,
+            np.float32(scale), out, lse, touched,
             *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim, capacity))
         return self._true_output(layer, out), lse, touched
 

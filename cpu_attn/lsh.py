@@ -185,10 +185,10 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
 
     q [B, Hq, D] float32 in the store's key space (already times key_scale); q_norm [B, Hq]
     norms of the true queries; q_codes [B, Hq, L] int32; k_parts, v_parts, thr_k, thr_v as in
-    oaken_decode_attention (with tails, and the keys' centers k_center); key_scale [Hkv, D] (ones without key smoothing); mu [B, Hkv, D] the
-    keys' centers in store space; set_of [B, Hkv, 2] the range [first, end) of each item's table
-    sets, indexed [S] keys in each set, offsets [S, L, 2^K + 1], ids [S, L, >= indexed];
-    log_u [LOG_U_POINTS].
+    oaken_decode_attention (with tails, and the keys' centers k_center); key_scale [Hkv, D] (ones
+    without key smoothing); mu [B, Hkv, D] the keys' centers for LSH in store space; set_of
+    [B, Hkv, 2] the range [first, end) of each item's table sets, indexed [S] keys in each set,
+    offsets [S, L, 2^K + 1], ids [S, L, >= indexed]; log_u [LOG_U_POINTS].
     Writes out [B, Hq, D], lse [B, Hq] and touched [B, Hq] (keys sampled per query head).
     Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
     count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, cap >= the keys an item indexes.

@@ -33,7 +33,8 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
         if found is not None:
             log.warning("%s is from an older calibration (version %d of %d: less accurate, see "
                         "cpu_attn/calibrate.py) and there is no default text to recalibrate on: using it; run "
-                        "`hetserve calibrate --text FILE` for better accuracy", cached, found.version, CALIBRATION_VERSION)
+                        "`hetserve calibrate --text FILE` for better accuracy", cached, found.version,
+                        CALIBRATION_VERSION)
             return found
         raise RuntimeError(f"no Oaken thresholds in {cached} and no default calibration text at {DEFAULT_TEXT}: "
                            "run `hetserve calibrate --text FILE` first, or pass --oaken-thresholds")
