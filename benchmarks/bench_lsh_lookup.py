@@ -5,7 +5,7 @@ side by side in one run, on the same codes.
 
 Keys of one (sequence, layer, kv-head): Gaussian with a heavy channel, centered, hashed with
 gpu_model.lsh (K bits per table, L tables); queries near stored keys. Both indexes hold the same
-codes: ours as L CSR tables of uint16 ids (cpu_attn.lsh.table_set); faiss's
+codes: ours as L CSR tables of bit-packed ids (cpu_attn.lsh.table_set); faiss's
 IndexBinaryMultiHash(d = K·L bits, nhash = L, b = K) as L hash maps over the same K-bit pieces.
 Per query, ours returns the keys colliding in >= 2 tables (what MagicPIG samples); faiss
 gathers the keys colliding in >= 1 table, ranks them by Hamming distance over all K·L bits and
@@ -70,8 +70,8 @@ def main() -> None:
         t_build = timed(lambda: lsh.table_set(codes, k))
         offsets, ids = lsh.table_set(codes, k)
         count, cand = np.zeros(n, np.uint8), np.empty(n, np.int64)
-        found = [lsh.collect_candidates(qc, offsets, ids, 0, n, count, cand, 0) for qc in q_codes]  # compiles too
-        t_ours = timed(lambda: [lsh.collect_candidates(qc, offsets, ids, 0, n, count, cand, 0) for qc in q_codes])
+        found = [lsh.collect_candidates(qc, offsets, ids, n, 0, n, count, cand, 0) for qc in q_codes]  # compiles too
+        t_ours = timed(lambda: [lsh.collect_candidates(qc, offsets, ids, n, 0, n, count, cand, 0) for qc in q_codes])
 
         d = -(-k * num_tables // 8) * 8
         db, qb = faiss_bits(codes, k), faiss_bits(q_codes, k)

@@ -4,11 +4,14 @@ merged with exact attention over the sinks and the local window.
 
 Codes come from gpu_model/lsh.py (keys centered on their mean prefill key, queries as they are).
 A table set holds up to MAX_KEYS keys in CSR form:
-    offsets [L, 2^K + 1] uint16  bucket b of table t is ids[t, offsets[t, b]:offsets[t, b + 1]]
-    ids     [L, cap] uint16      keys (0 = the set's first), ascending within a bucket
-That is 2 bytes per key and table, plus the offsets (2 * L * 2^K bytes per set). A (sequence,
-layer, kv-head) indexes its first keys in consecutive sets, each full but the last: positions
-0 .. MAX_KEYS - 1 in the first, MAX_KEYS .. in the second, and so on.
+    offsets [L, 2^K + 1] uint16  bucket b of table t holds the ids at indices
+                                 offsets[t, b] .. offsets[t, b + 1] - 1 of table t
+    ids     [L, words] uint32    keys (0 = the set's first), ascending within a bucket, each packed
+                                 in id_bits(n) = ceil(log2 n) bits (13 for 8k keys), plus one spare
+                                 word so every id is read with one 64-bit window (get_id)
+That is id_bits(n) / 8 bytes per key and table (at most 2), plus the offsets (2 * L * 2^K bytes
+per set). A (sequence, layer, kv-head) indexes its first keys in consecutive sets, each full but
+the last: positions 0 .. MAX_KEYS - 1 in the first, MAX_KEYS .. in the second, and so on.
 
 A key collides with the query in one table with probability p^K, p = 1 - angle / pi, so it is
 retrieved (>= 2 of L tables) with probability
@@ -25,7 +28,7 @@ from numba import njit, prange
 from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, attend_scores, prefetch
 from cpu_attn.oaken import SEGMENT, add_key_center, load_block, load_row
 
-MAX_KEYS = 65535  # keys one table set can index (uint16 ids and offsets); longer contexts take more sets
+MAX_KEYS = 65535  # keys one table set can index (uint16 offsets, ids of <= 16 bits); longer contexts take more sets
 LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
 _LOG_U_FLOOR = -80.0
 
@@ -51,15 +54,53 @@ def _log_u(table, cos):
     return table[i] + f * (table[i + 1] - table[i])
 
 
-def table_set(codes: np.ndarray, k: int, capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+@njit(cache=True, nogil=True)
+def id_bits(num_keys):
+    """Bits per packed id in a set of num_keys keys (ids 0 .. num_keys - 1; at least 1)."""
+    bits = 1
+    while (1 << bits) < num_keys:
+        bits += 1
+    return bits
+
+
+def empty_ids(num_tables: int, num_keys: int) -> np.ndarray:
+    """Zeroed packed ids for a set of num_keys keys: [L, words] uint32."""
+    return np.zeros((num_tables, (num_keys * id_bits(num_keys) + 31) // 32 + 1), np.uint32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def get_id(row, i, bits):
+    """Id i of a packed table row (uint32 words)."""
+    at = i * bits
+    pair = np.uint64(row[at >> 5]) | (np.uint64(row[(at >> 5) + 1]) << np.uint64(32))
+    return np.int64((pair >> np.uint64(at & 31)) & np.uint64((1 << bits) - 1))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def put_id(row, i, bits, key):
+    """Write id i of a packed table row whose bits there are still zero."""
+    at = i * bits
+    pair = np.uint64(key) << np.uint64(at & 31)
+    row[at >> 5] |= np.uint32(pair & np.uint64(0xFFFFFFFF))
+    row[(at >> 5) + 1] |= np.uint32(pair >> np.uint64(32))
+
+
+def unpack_ids(ids: np.ndarray, num_keys: int) -> np.ndarray:
+    """Packed ids [L, words] of a set of num_keys keys -> [L, num_keys] int64 (NumPy)."""
+    bits = id_bits(num_keys)
+    at = np.arange(num_keys, dtype=np.int64) * bits
+    pair = ids[:, at >> 5].astype(np.uint64) | (ids[:, (at >> 5) + 1].astype(np.uint64) << np.uint64(32))
+    return ((pair >> (at & 31).astype(np.uint64)) & np.uint64((1 << bits) - 1)).astype(np.int64)
+
+
+def table_set(codes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Hash tables of keys 0..N-1 from their codes [N, L] -> offsets [L, 2^K + 1] uint16,
-    ids [L, capacity or N] uint16."""
+    packed ids [L, words] uint32."""
     n, num_tables = codes.shape
-    capacity = n if capacity is None else capacity
-    if not n <= capacity <= MAX_KEYS:
-        raise ValueError(f"a table set holds at most {MAX_KEYS} keys (uint16 ids), not {max(n, capacity)}")
+    if n > MAX_KEYS:
+        raise ValueError(f"a table set holds at most {MAX_KEYS} keys (uint16 offsets), not {n}")
     offsets = np.empty((num_tables, 2**k + 1), np.uint16)
-    ids = np.zeros((num_tables, capacity), np.uint16)
+    ids = empty_ids(num_tables, n)
     build_tables(np.ascontiguousarray(codes, np.int32), 2**k, offsets, ids)
     return offsets, ids
 
@@ -75,9 +116,10 @@ def sampled_scratch(work: int, group: int, block_size: int, head_dim: int, capac
 
 @njit(cache=True, nogil=True, parallel=True)
 def build_tables(codes, num_buckets, offsets, ids):
-    """codes [N, L] int32 of keys 0..N-1 -> offsets [L, num_buckets + 1], ids [L, >= N] (counting
-    sort per table, tables in parallel)."""
+    """codes [N, L] int32 of keys 0..N-1 -> offsets [L, num_buckets + 1], ids [L, words] zeroed,
+    packed at id_bits(N) (counting sort per table, tables in parallel)."""
     n = codes.shape[0]
+    bits = id_bits(n)
     for t in prange(codes.shape[1]):
         offsets[t, :] = 0
         for i in range(n):
@@ -87,16 +129,17 @@ def build_tables(codes, num_buckets, offsets, ids):
         fill = offsets[t, :num_buckets].copy()
         for i in range(n):
             b = codes[i, t]
-            ids[t, fill[b]] = i
+            put_id(ids[t], fill[b], bits, i)
             fill[b] += 1
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def merge_tables(offsets, ids, num_old, codes, new_offsets, new_ids):
     """Add keys num_old .. num_old + len(codes) - 1 (codes [M, L]) to tables that hold keys
-    0..num_old-1 -> new_offsets, new_ids (ids [L, >= num_old + M]); old ids are copied bucket by
-    bucket, so buckets stay ascending and no key's code has to be kept. O(L * (N + 2^K))."""
+    0..num_old-1 -> new_offsets, new_ids (zeroed, empty_ids(L, num_old + M)); old ids are copied
+    bucket by bucket, so buckets stay ascending and no key's code has to be kept. O(L * (N + 2^K))."""
     num_buckets = offsets.shape[1] - 1
+    old_bits, bits = id_bits(num_old), id_bits(num_old + codes.shape[0])
     for t in prange(codes.shape[1]):
         new_offsets[t, :] = 0
         for i in range(codes.shape[0]):
@@ -106,18 +149,18 @@ def merge_tables(offsets, ids, num_old, codes, new_offsets, new_ids):
         fill = new_offsets[t, :num_buckets].copy()
         for b in range(num_buckets):
             for i in range(offsets[t, b], offsets[t, b + 1]):
-                new_ids[t, fill[b]] = ids[t, i]
+                put_id(new_ids[t], fill[b], bits, get_id(ids[t], i, old_bits))
                 fill[b] += 1
         for i in range(codes.shape[0]):
             b = codes[i, t]
-            new_ids[t, fill[b]] = num_old + i
+            put_id(new_ids[t], fill[b], bits, num_old + i)
             fill[b] += 1
 
 
 @njit(cache=True, nogil=True)
-def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand, base):
-    """Keys in [lo, hi) of one table set that share the query's bucket in >= 2 tables -> their
-    positions (base + key) in cand[:n]; returns n.
+def collect_candidates(q_codes, offsets, ids, num_keys, lo, hi, count, cand, base):
+    """Keys in [lo, hi) of one table set (offsets, ids, num_keys) that share the query's bucket in
+    >= 2 tables -> their positions (base + key) in cand[:n]; returns n.
     count: [>= hi] uint8 scratch, all zero on entry and on return.
 
     Each table costs two dependent misses (bucket offset, then its ids) when the tables are
@@ -125,13 +168,14 @@ def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand, base):
     overlap instead of coming one after another."""
     for t in range(q_codes.shape[0]):
         prefetch(offsets, (t, q_codes[t]))
+    bits = id_bits(num_keys)
     for t in range(q_codes.shape[0]):
-        prefetch(ids, (t, offsets[t, q_codes[t]]))
+        prefetch(ids, (t, (np.int64(offsets[t, q_codes[t]]) * bits) >> 5))
     n = 0
     for t in range(q_codes.shape[0]):
         b = q_codes[t]
         for i in range(offsets[t, b], offsets[t, b + 1]):
-            key = np.int64(ids[t, i])
+            key = get_id(ids[t], i, bits)
             if lo <= key < hi:
                 c = count[key] + 1
                 count[key] = min(c, 2)
@@ -141,7 +185,7 @@ def collect_candidates(q_codes, offsets, ids, lo, hi, count, cand, base):
     for t in range(q_codes.shape[0]):
         b = q_codes[t]
         for i in range(offsets[t, b], offsets[t, b + 1]):
-            count[ids[t, i]] = 0
+            count[get_id(ids[t], i, bits)] = 0
     return n
 
 
@@ -188,7 +232,7 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
     oaken_decode_attention (with tails, and the keys' centers k_center); key_scale [Hkv, D] (ones
     without key smoothing); mu [B, Hkv, D] the keys' centers for LSH in store space; set_of
     [B, Hkv, 2] the range [first, end) of each item's table sets, indexed [S] keys in each set,
-    offsets [S, L, 2^K + 1], ids [S, L, >= indexed]; log_u [LOG_U_POINTS].
+    offsets [S, L, 2^K + 1], ids [S, L, >= words] (packed for indexed[S] keys); log_u [LOG_U_POINTS].
     Writes out [B, Hq, D], lse [B, Hq] and touched [B, Hq] (keys sampled per query head).
     Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
     count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, cap >= the keys an item indexes.
@@ -229,8 +273,8 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
             found, base = 0, 0
             for st in range(first_set, end_set):
                 if base < tail:
-                    found += collect_candidates(q_codes[b, h], offsets[st], ids[st], max(sinks - base, 0), tail - base,
-                                                count[item], mine[found:], base)
+                    found += collect_candidates(q_codes[b, h], offsets[st], ids[st], indexed[st], max(sinks - base, 0),
+                                                tail - base, count[item], mine[found:], base)
                 base += indexed[st]
             touched[b, h] = found
             for c in range(found):

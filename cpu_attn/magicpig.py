@@ -8,7 +8,7 @@ hashes q and k next to the projection, keys centered the same way as here.
 Per sequence and layer:
     mu       [Hkv, D]          mean key of the first prefill chunk (for the angle in u)
     tables   per set c (lsh.MAX_KEYS keys each, the last one filling): offsets [Hkv][L, 2^K + 1],
-             ids [Hkv][L, keys in the set]; together keys 0..indexed-1
+             packed ids [Hkv][L, words]; together keys 0..indexed-1
     pending  [P, Hkv, L] int32 codes of keys indexed .. indexed + P - 1
 Keys stay pending (and are attended exactly, as the local window) until `merge_every` of them
 lie before the window; then they are merged into the tables in one pass (lsh.merge_tables).
@@ -46,7 +46,7 @@ class LshConfig:
 class _Layer:
     mu: np.ndarray
     offsets: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, 2^K + 1]
-    ids: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, keys in the set]
+    ids: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, words] (lsh.table_set)
     indexed: int = 0
     pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L]
     version: int = 0  # bumped by every merge (the tables are new arrays)
@@ -60,7 +60,7 @@ class MagicPig:
         self.sampled_layers = [layer not in dense for layer in range(num_layers)]
         self.log_u = lsh.log_u_table(cfg.k, cfg.l)
         self.seqs: dict[int, list[_Layer | None]] = {}
-        self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.uint16), np.zeros((cfg.l, 1), np.uint16))
+        self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.uint16), lsh.empty_ids(cfg.l, 0))
         self._lists: dict[int, tuple] = {}  # per layer: the last batch's states, versions and typed Lists
         self.touched = 0
         """Keys sampled (summed over query heads) since the last take_stats."""
@@ -113,7 +113,7 @@ class MagicPig:
                     offsets.append(o)
                     ids.append(i)
                 else:
-                    o, i = np.empty_like(offsets[h]), np.empty((self.cfg.l, in_set + len(take)), np.uint16)
+                    o, i = np.empty_like(offsets[h]), lsh.empty_ids(self.cfg.l, in_set + len(take))
                     lsh.merge_tables(offsets[h], ids[h], in_set, new, o, i)
                     offsets[h], ids[h] = o, i
             state.indexed += len(take)
@@ -161,7 +161,7 @@ class MagicPig:
                 for c in sets:
                     offsets.append(state.offsets[c][h])
                     ids.append(state.ids[c][h])
-                    indexed.append(state.ids[c][h].shape[1])  # keys in the set
+                    indexed.append(min(lsh.MAX_KEYS, state.indexed - c * lsh.MAX_KEYS))  # keys in the set
                 if not sets:
                     offsets.append(self._empty[0])
                     ids.append(self._empty[1])

@@ -34,14 +34,36 @@ def test_simhash_codes_are_packed_sign_bits():
     assert torch.equal(pack_signs_torch(proj, 10), codes)
 
 
+@pytest.mark.parametrize("bits", [1, 5, 9, 13, 16])
+def test_ids_pack_into_a_little_endian_bit_string(bits):
+    """put_id / get_id against NumPy: id i takes bits i*bits .. (i+1)*bits - 1 of the row, read as
+    one little-endian bit string of uint32 words."""
+    rng = np.random.default_rng(bits)
+    num_keys = 2**bits if bits < 16 else 65535
+    keys = rng.integers(0, num_keys, 200)
+    assert lsh.id_bits(num_keys) == bits and lsh.id_bits(2**bits + 1) == bits + 1
+    assert lsh.empty_ids(3, num_keys).shape == (3, -(-num_keys * bits // 32) + 1)
+    row = np.zeros(-(-200 * bits // 32) + 1, np.uint32)  # 200 ids and the spare word
+    for i, key in enumerate(keys):
+        lsh.put_id(row, i, bits, key)
+    stream = ((keys[:, None] >> np.arange(bits)) & 1).astype(np.uint8).ravel()
+    expect = np.packbits(stream, bitorder="little")
+    np.testing.assert_array_equal(row.view(np.uint8)[:len(expect)], expect)
+    assert not row.view(np.uint8)[len(expect):].any()
+    assert [lsh.get_id(row, i, bits) for i in range(200)] == keys.tolist()
+
+
 def test_tables_hold_every_key_once_in_its_bucket_in_order():
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 2**4, (300, 6)).astype(np.int32)
-    offsets, ids = lsh.table_set(codes, 4, capacity=320)
-    assert offsets.shape == (6, 17) and ids.shape == (6, 320) and ids.dtype == np.uint16
+    offsets, ids = lsh.table_set(codes, 4)
+    assert offsets.shape == (6, 17) and ids.dtype == np.uint32
+    assert ids.shape == (6, -(-300 * 9 // 32) + 1)  # 300 keys: 9-bit ids, one spare word
+    unpacked = lsh.unpack_ids(ids, 300)
     for t in range(6):
         for b in range(16):
-            np.testing.assert_array_equal(ids[t, offsets[t, b]:offsets[t, b + 1]], np.flatnonzero(codes[:, t] == b))
+            np.testing.assert_array_equal(unpacked[t, offsets[t, b]:offsets[t, b + 1]],
+                                          np.flatnonzero(codes[:, t] == b))
     with pytest.raises(ValueError, match="65535"):
         lsh.table_set(np.zeros((70000, 2), np.int32), 2)
 
@@ -49,8 +71,8 @@ def test_tables_hold_every_key_once_in_its_bucket_in_order():
 def test_merging_new_keys_equals_building_from_scratch():
     rng = np.random.default_rng(5)
     codes = rng.integers(0, 2**5, (700, 7)).astype(np.int32)
-    offsets, ids = lsh.table_set(codes[:450], 5, capacity=700)
-    new_offsets, new_ids = np.empty_like(offsets), np.zeros_like(ids)
+    offsets, ids = lsh.table_set(codes[:450], 5)  # 9-bit ids, merged into 10-bit ones
+    new_offsets, new_ids = np.empty_like(offsets), lsh.empty_ids(7, 700)
     lsh.merge_tables(offsets, ids, 450, codes[450:], new_offsets, new_ids)
     ref_offsets, ref_ids = lsh.table_set(codes, 5)
     np.testing.assert_array_equal(new_offsets, ref_offsets)
@@ -66,7 +88,7 @@ def test_candidates_are_the_keys_colliding_in_two_tables(lo, hi):
     count, cand = np.zeros(500, np.uint8), np.empty(500, np.int64)
     for _ in range(20):
         q = rng.integers(0, 2**k, num_tables).astype(np.int32)
-        n = lsh.collect_candidates(q, offsets, ids, lo, hi, count, cand, 0)
+        n = lsh.collect_candidates(q, offsets, ids, 500, lo, hi, count, cand, 0)
         hits = (codes == q).sum(1)
         expect = np.flatnonzero(hits >= 2)
         expect = expect[(expect >= lo) & (expect < hi)]
@@ -91,15 +113,21 @@ def test_inclusion_probability_matches_monte_carlo(cos):
     assert abs(np.interp(cos, grid, table) - np.log(u)) < 1e-3
 
 
+def stacked(sets):
+    """Table sets of different sizes as the kernel's [S, L, ...] arrays (ids padded with zeros)."""
+    words = max(ids.shape[1] for _, ids in sets)
+    return (np.stack([offsets for offsets, _ in sets]),
+            np.stack([np.pad(ids, ((0, 0), (0, words - ids.shape[1]))) for _, ids in sets]))
+
+
 def sampled(store, q, q_codes, tables_per_seq, seq_lens, block_tables, mu, log_u, sinks, window, k):
     """Run the store's sampled attention with per-(sequence, kv-head) code arrays."""
     num_seqs, hkv = len(seq_lens), store.num_kv_heads
-    cap = max(len(c) for row in tables_per_seq for c in row)
-    sets = [lsh.table_set(c, k, cap) for row in tables_per_seq for c in row]
+    sets = [lsh.table_set(c, k) for row in tables_per_seq for c in row]
     first = np.arange(num_seqs * hkv, dtype=np.int32).reshape(num_seqs, hkv)
     set_of = np.stack([first, first + 1], -1)  # one set per (sequence, kv-head)
     indexed = np.array([len(c) for row in tables_per_seq for c in row], np.int32)
-    tables = (set_of, indexed, np.stack([s[0] for s in sets]), np.stack([s[1] for s in sets]))
+    tables = (set_of, indexed, *stacked(sets))
     return store.sampled_decode_attention(0, q, q_codes, block_tables, np.asarray(seq_lens, np.int32),
                                           q.shape[-1]**-0.5, tables, mu, log_u, sinks, window)
 
@@ -239,7 +267,7 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
 
 
 def test_magicpig_indexes_past_max_keys_in_more_table_sets(monkeypatch):
-    """A set holds at most lsh.MAX_KEYS keys (uint16 ids): later keys go to the next set, and
+    """A set holds at most lsh.MAX_KEYS keys (uint16 offsets): later keys go to the next set, and
     each set equals tables built from its own keys' codes."""
     from cpu_attn.magicpig import LshConfig, MagicPig
 
@@ -287,11 +315,10 @@ def test_sampled_attention_over_several_table_sets_equals_one_set():
     for b in range(2):
         for h in range(3):
             set_of[b, h, 0] = len(sets)
-            sets += [(lsh.table_set(codes[b][h][i:i + 40], k, 40), len(codes[b][h][i:i + 40]))
+            sets += [(lsh.table_set(codes[b][h][i:i + 40], k), len(codes[b][h][i:i + 40]))
                      for i in range(0, len(codes[b][h]), 40)]
             set_of[b, h, 1] = len(sets)
-    tables = (set_of, np.array([n for _, n in sets], np.int32), np.stack([t[0] for t, _ in sets]),
-              np.stack([t[1] for t, _ in sets]))
+    tables = (set_of, np.array([n for _, n in sets], np.int32), *stacked([t for t, _ in sets]))
     many = store.sampled_decode_attention(0, q, q_codes, block_tables, np.asarray(seq_lens, np.int32), 64**-0.5,
                                           tables, mu, log_u, 4, 8)
     assert one[2].sum() > 0
