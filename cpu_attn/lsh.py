@@ -6,9 +6,9 @@ Codes come from gpu_model/lsh.py (keys centered on their mean prefill key, queri
 A table set holds up to MAX_KEYS keys in CSR form:
     offsets [L, 2^K + 1] uint16  bucket b of table t holds the ids at indices
                                  offsets[t, b] .. offsets[t, b + 1] - 1 of table t
-    ids     [L, words] uint32    keys (0 = the set's first), ascending within a bucket, each packed
-                                 in id_bits(n) = ceil(log2 n) bits (13 for 8k keys), plus one spare
-                                 word so every id is read with one 64-bit window (get_id)
+    ids     [L, bytes] uint8     keys (0 = the set's first), ascending within a bucket, each packed
+                                 in id_bits(n) = ceil(log2 n) bits (13 for 8k keys) as one
+                                 little-endian bit string per table, plus 3 spare bytes
 That is id_bits(n) / 8 bytes per key and table (at most 2), plus the offsets (2 * L * 2^K bytes
 per set). A (sequence, layer, kv-head) indexes its first keys in consecutive sets, each full but
 the last: positions 0 .. MAX_KEYS - 1 in the first, MAX_KEYS .. in the second, and so on.
@@ -64,38 +64,43 @@ def id_bits(num_keys):
 
 
 def empty_ids(num_tables: int, num_keys: int) -> np.ndarray:
-    """Zeroed packed ids for a set of num_keys keys: [L, words] uint32."""
-    return np.zeros((num_tables, (num_keys * id_bits(num_keys) + 31) // 32 + 1), np.uint32)
+    """Zeroed packed ids for a set of num_keys keys: [L, bytes] uint8 (3 spare bytes per table so
+    get_id can always read 4)."""
+    return np.zeros((num_tables, (num_keys * id_bits(num_keys) + 7) // 8 + 3), np.uint8)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def get_id(row, i, bits):
-    """Id i of a packed table row (uint32 words)."""
+    """Id i of a packed table row: one (unaligned) 32-bit little-endian read at its first byte."""
     at = i * bits
-    pair = np.uint64(row[at >> 5]) | (np.uint64(row[(at >> 5) + 1]) << np.uint64(32))
-    return np.int64((pair >> np.uint64(at & 31)) & np.uint64((1 << bits) - 1))
+    p = at >> 3
+    word = (np.uint32(row[p]) | (np.uint32(row[p + 1]) << np.uint32(8)) | (np.uint32(row[p + 2]) << np.uint32(16))
+            | (np.uint32(row[p + 3]) << np.uint32(24)))
+    return np.int64((word >> np.uint32(at & 7)) & np.uint32((1 << bits) - 1))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def put_id(row, i, bits, key):
-    """Write id i of a packed table row whose bits there are still zero."""
+    """Write id i (< 2^16) of a packed table row whose bits there are still zero."""
     at = i * bits
-    pair = np.uint64(key) << np.uint64(at & 31)
-    row[at >> 5] |= np.uint32(pair & np.uint64(0xFFFFFFFF))
-    row[(at >> 5) + 1] |= np.uint32(pair >> np.uint64(32))
+    p = at >> 3
+    word = np.uint32(key) << np.uint32(at & 7)
+    row[p] |= np.uint8(word & np.uint32(255))
+    row[p + 1] |= np.uint8((word >> np.uint32(8)) & np.uint32(255))
+    row[p + 2] |= np.uint8(word >> np.uint32(16))
 
 
 def unpack_ids(ids: np.ndarray, num_keys: int) -> np.ndarray:
-    """Packed ids [L, words] of a set of num_keys keys -> [L, num_keys] int64 (NumPy)."""
+    """Packed ids [L, bytes] of a set of num_keys keys -> [L, num_keys] int64 (NumPy)."""
     bits = id_bits(num_keys)
     at = np.arange(num_keys, dtype=np.int64) * bits
-    pair = ids[:, at >> 5].astype(np.uint64) | (ids[:, (at >> 5) + 1].astype(np.uint64) << np.uint64(32))
-    return ((pair >> (at & 31).astype(np.uint64)) & np.uint64((1 << bits) - 1)).astype(np.int64)
+    word = sum(ids[:, (at >> 3) + j].astype(np.int64) << (8 * j) for j in range(4))
+    return (word >> (at & 7)) & ((1 << bits) - 1)
 
 
 def table_set(codes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Hash tables of keys 0..N-1 from their codes [N, L] -> offsets [L, 2^K + 1] uint16,
-    packed ids [L, words] uint32."""
+    packed ids [L, bytes] uint8."""
     n, num_tables = codes.shape
     if n > MAX_KEYS:
         raise ValueError(f"a table set holds at most {MAX_KEYS} keys (uint16 offsets), not {n}")
@@ -116,7 +121,7 @@ def sampled_scratch(work: int, group: int, block_size: int, head_dim: int, capac
 
 @njit(cache=True, nogil=True, parallel=True)
 def build_tables(codes, num_buckets, offsets, ids):
-    """codes [N, L] int32 of keys 0..N-1 -> offsets [L, num_buckets + 1], ids [L, words] zeroed,
+    """codes [N, L] int32 of keys 0..N-1 -> offsets [L, num_buckets + 1], ids [L, bytes] zeroed,
     packed at id_bits(N) (counting sort per table, tables in parallel)."""
     n = codes.shape[0]
     bits = id_bits(n)
@@ -170,7 +175,7 @@ def collect_candidates(q_codes, offsets, ids, num_keys, lo, hi, count, cand, bas
         prefetch(offsets, (t, q_codes[t]))
     bits = id_bits(num_keys)
     for t in range(q_codes.shape[0]):
-        prefetch(ids, (t, (np.int64(offsets[t, q_codes[t]]) * bits) >> 5))
+        prefetch(ids, (t, (np.int64(offsets[t, q_codes[t]]) * bits) >> 3))
     n = 0
     for t in range(q_codes.shape[0]):
         b = q_codes[t]
@@ -232,7 +237,7 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
     oaken_decode_attention (with tails, and the keys' centers k_center); key_scale [Hkv, D] (ones
     without key smoothing); mu [B, Hkv, D] the keys' centers for LSH in store space; set_of
     [B, Hkv, 2] the range [first, end) of each item's table sets, indexed [S] keys in each set,
-    offsets [S, L, 2^K + 1], ids [S, L, >= words] (packed for indexed[S] keys); log_u [LOG_U_POINTS].
+    offsets [S, L, 2^K + 1], ids [S, L, >= bytes] (packed for indexed[S] keys); log_u [LOG_U_POINTS].
     Writes out [B, Hq, D], lse [B, Hq] and touched [B, Hq] (keys sampled per query head).
     Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
     count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, cap >= the keys an item indexes.

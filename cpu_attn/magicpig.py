@@ -8,7 +8,7 @@ hashes q and k next to the projection, keys centered the same way as here.
 Per sequence and layer:
     mu       [Hkv, D]          mean key of the first prefill chunk (for the angle in u)
     tables   per set c (lsh.MAX_KEYS keys each, the last one filling): offsets [Hkv][L, 2^K + 1],
-             packed ids [Hkv][L, words]; together keys 0..indexed-1
+             packed ids [Hkv][L, bytes]; together keys 0..indexed-1
     pending  [P, Hkv, L] int32 codes of keys indexed .. indexed + P - 1
 Keys stay pending (and are attended exactly, as the local window) until `merge_every` of them
 lie before the window; then they are merged into the tables in one pass (lsh.merge_tables).
@@ -46,7 +46,7 @@ class LshConfig:
 class _Layer:
     mu: np.ndarray
     offsets: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, 2^K + 1]
-    ids: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, words] (lsh.table_set)
+    ids: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, bytes] (lsh.table_set)
     indexed: int = 0
     pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L]
     version: int = 0  # bumped by every merge (the tables are new arrays)

@@ -37,19 +37,19 @@ def test_simhash_codes_are_packed_sign_bits():
 @pytest.mark.parametrize("bits", [1, 5, 9, 13, 16])
 def test_ids_pack_into_a_little_endian_bit_string(bits):
     """put_id / get_id against NumPy: id i takes bits i*bits .. (i+1)*bits - 1 of the row, read as
-    one little-endian bit string of uint32 words."""
+    one little-endian bit string of bytes."""
     rng = np.random.default_rng(bits)
     num_keys = 2**bits if bits < 16 else 65535
     keys = rng.integers(0, num_keys, 200)
     assert lsh.id_bits(num_keys) == bits and lsh.id_bits(2**bits + 1) == bits + 1
-    assert lsh.empty_ids(3, num_keys).shape == (3, -(-num_keys * bits // 32) + 1)
-    row = np.zeros(-(-200 * bits // 32) + 1, np.uint32)  # 200 ids and the spare word
+    assert lsh.empty_ids(3, num_keys).shape == (3, -(-num_keys * bits // 8) + 3)
+    row = np.zeros(-(-200 * bits // 8) + 3, np.uint8)  # 200 ids and the spare bytes
     for i, key in enumerate(keys):
         lsh.put_id(row, i, bits, key)
     stream = ((keys[:, None] >> np.arange(bits)) & 1).astype(np.uint8).ravel()
     expect = np.packbits(stream, bitorder="little")
-    np.testing.assert_array_equal(row.view(np.uint8)[:len(expect)], expect)
-    assert not row.view(np.uint8)[len(expect):].any()
+    np.testing.assert_array_equal(row[:len(expect)], expect)
+    assert not row[len(expect):].any()
     assert [lsh.get_id(row, i, bits) for i in range(200)] == keys.tolist()
 
 
@@ -57,8 +57,8 @@ def test_tables_hold_every_key_once_in_its_bucket_in_order():
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 2**4, (300, 6)).astype(np.int32)
     offsets, ids = lsh.table_set(codes, 4)
-    assert offsets.shape == (6, 17) and ids.dtype == np.uint32
-    assert ids.shape == (6, -(-300 * 9 // 32) + 1)  # 300 keys: 9-bit ids, one spare word
+    assert offsets.shape == (6, 17) and ids.dtype == np.uint8
+    assert ids.shape == (6, -(-300 * 9 // 8) + 3)  # 300 keys: 9-bit ids, 3 spare bytes
     unpacked = lsh.unpack_ids(ids, 300)
     for t in range(6):
         for b in range(16):
@@ -115,9 +115,9 @@ def test_inclusion_probability_matches_monte_carlo(cos):
 
 def stacked(sets):
     """Table sets of different sizes as the kernel's [S, L, ...] arrays (ids padded with zeros)."""
-    words = max(ids.shape[1] for _, ids in sets)
+    width = max(ids.shape[1] for _, ids in sets)
     return (np.stack([offsets for offsets, _ in sets]),
-            np.stack([np.pad(ids, ((0, 0), (0, words - ids.shape[1]))) for _, ids in sets]))
+            np.stack([np.pad(ids, ((0, 0), (0, width - ids.shape[1]))) for _, ids in sets]))
 
 
 def sampled(store, q, q_codes, tables_per_seq, seq_lens, block_tables, mu, log_u, sinks, window, k):
