@@ -187,10 +187,7 @@ def collect_candidates(q_codes, offsets, ids, num_keys, lo, hi, count, cand, bas
                 if c == 2:
                     cand[n] = base + key
                     n += 1
-    for t in range(q_codes.shape[0]):
-        b = q_codes[t]
-        for i in range(offsets[t, b], offsets[t, b + 1]):
-            count[get_id(ids[t], i, bits)] = 0
+    count[lo:max(lo, hi)] = 0  # a memset: cheaper than walking the buckets again (0.15 n ids at K 10, L 150)
     return n
 
 
