@@ -16,7 +16,7 @@ from typing import Callable
 from server.backend import Backend, SamplingParams, WorkerLost
 from server.block_manager import BlockManager
 from server.detokenizer import IncrementalDetokenizer
-from server.memory import TRIM_INTERVAL_S, release_free_memory
+from server.memory import Trimmer
 from server.metrics import ServingMetrics
 from server.scheduler import Scheduler, SchedulerConfig, Sequence
 
@@ -131,22 +131,20 @@ class Engine:
 
     # ---- engine thread
     def _loop(self) -> None:
-        steps_since_trim, trimmed_s = 0, time.monotonic()
+        trimmer = Trimmer()
         while not self._stopping.is_set():
             self._drain(block=not self.scheduler.has_work())
             self._expire()
             self._sync_workers()  # also when idle, so /health sees restarted workers come back
             if self.scheduler.has_work():
-                steps_since_trim += 1
+                trimmer.worked()
                 try:
                     self.step()
                 except Exception as exc:  # a failed step must not take the server down
                     log.exception("engine step failed")
                     for live in list(self._live.values()):
                         self._finish(live, "error", error=f"engine step failed: {exc}")
-            if steps_since_trim and time.monotonic() - trimmed_s >= TRIM_INTERVAL_S:
-                release_free_memory()  # server/memory.py: freed step arrays would stay resident
-                steps_since_trim, trimmed_s = 0, time.monotonic()
+            trimmer.maybe_release()  # server/memory.py: freed step arrays would stay resident
         for live in list(self._live.values()):
             self._finish(live, "abort", error="server shutting down")
 

@@ -16,6 +16,7 @@ import torch
 
 from server import channel
 from server.backend import StepInput, WorkerLost
+from server.memory import Trimmer
 
 log = logging.getLogger(__name__)
 STEP_TIMEOUT_S = 600.0
@@ -43,6 +44,7 @@ class AttentionActor:
         self.worker = attention_worker(cfg, kv_format, num_blocks, block_size, cal, sparse_fraction, recent_blocks, lsh)
         # micro-batch 1 has its own step plan over the same store and tables
         self.workers = [self.worker, AttentionWorker(self.worker.store, cfg.head_dim, self.worker.sparse)]
+        self.trimmer = Trimmer()
         self.first_block = first_block
         self._listener = socket.create_server((ray.util.get_node_ip_address(), 0))
         threading.Thread(target=self._serve, name="attention-channel", daemon=True).start()
@@ -78,6 +80,9 @@ class AttentionActor:
             q, k, v, *codes = (torch.from_numpy(a) for a in arrays)
             o = worker.attend(h["layer"], q, k, v, tuple(codes) or None)
             channel.send(conn, {"busy_s": worker.take_busy_s()} if h.get("last") else {}, [o.numpy()])
+            if h.get("last"):
+                self.trimmer.worked()
+                self.trimmer.maybe_release()  # server/memory.py
         except Exception as exc:  # reported to the model actor, which fails the step
             log.exception("attention failed")
             channel.send(conn, {"error": f"{type(exc).__name__}: {exc}"})
@@ -114,6 +119,7 @@ class ModelActor:
         self.socks: list[socket.socket | None] = []
         self.pending_free: list[list[int]] = []
         self.microbatches = microbatches
+        self.trimmer = Trimmer()
 
     def config(self):
         return self.model.cfg
@@ -155,6 +161,8 @@ class ModelActor:
         from gpu_model.sampler import sample
 
         t0 = time.perf_counter()
+        self.trimmer.maybe_release()  # what the previous steps freed (server/memory.py)
+        self.trimmer.worked()
         self.worker.free(inp.freed_seq_ids)
         for s, pending in enumerate(self.pending_free):
             pending.extend(inp.freed_seq_ids)

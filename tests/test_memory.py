@@ -35,3 +35,21 @@ def test_release_free_memory_returns_freed_heap_pages():
                                                            text=True, check=True).stdout.split())
     assert freed_by_free < 1000  # kB: the heap kept the 6 MB array's pages (what the trim is for)
     assert freed_by_trim > 5000  # and malloc_trim gave them back
+
+
+def test_trimmer_releases_only_after_work_and_at_most_once_per_interval(monkeypatch):
+    from server import memory
+
+    calls = []
+    monkeypatch.setattr(memory, "release_free_memory", lambda: calls.append(1))
+    trimmer = memory.Trimmer(interval_s=0.0)
+    trimmer.maybe_release()
+    assert calls == []  # nothing was done since it was made
+    trimmer.worked()
+    trimmer.maybe_release()
+    trimmer.maybe_release()
+    assert calls == [1]
+    slow = memory.Trimmer(interval_s=3600.0)
+    slow.worked()
+    slow.maybe_release()
+    assert calls == [1]  # not before its interval
