@@ -152,7 +152,9 @@ def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
 @njit(cache=True, nogil=True, inline="always")
 def attend_scores(s, vb, width, acc, m, l):
     """The online-softmax step of attend_block for given scores s [group, >= width] (overwritten
-    with their weights). A score of -inf must not be a head's first: m[g] has to be finite."""
+    with their weights). A score of -inf gets weight 0 and costs no accumulation (the sampled
+    kernel marks rows a head did not retrieve so), but must not be a head's first: m[g] has to
+    be finite."""
     group, head_dim = acc.shape
     for g in range(group):
         new_m = m[g]
@@ -163,14 +165,15 @@ def attend_scores(s, vb, width, acc, m, l):
         for d in range(head_dim):
             acc[g, d] *= correction
         for t in range(width):
-            s[g, t] = exp_nonpositive(s[g, t] - new_m)
+            s[g, t] = exp_nonpositive(s[g, t] - new_m) if s[g, t] > -np.inf else np.float32(0.0)
             l[g] += s[g, t]
         m[g] = new_m
     for t in range(width):
         for g in range(group):
             p = s[g, t]
-            for d in range(head_dim):
-                acc[g, d] += p * vb[t, d]
+            if p != 0.0:
+                for d in range(head_dim):
+                    acc[g, d] += p * vb[t, d]
 
 
 @njit(cache=True, nogil=True, inline="always")

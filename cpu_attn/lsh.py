@@ -242,7 +242,7 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
     Each query head retrieves its own keys; the union of the group's keys is walked in position
     order, block_size rows at a time: rows decoded into kb/vb (the next chunk's lines prefetched
     meanwhile), then one online-softmax step as in exact attention, where a head that did not
-    retrieve a key scores it -inf (weight below 2^-126)."""
+    retrieve a key scores it -inf (weight 0)."""
     num_seqs, num_heads, head_dim = q.shape
     bs = k_parts[0].shape[1]
     num_kv_heads = mu.shape[1]
@@ -280,13 +280,12 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
                 base += indexed[st]
             touched[b, h] = found
             for c in range(found):
-                if heads_of[mine[c]] == 0:
-                    union[num] = mine[c]
-                    num += 1
                 heads_of[mine[c]] |= 1 << g
             for d in range(head_dim):
                 q_mu[g] += q[b, h, d] * mu[b, kvh, d]
-        union[:num].sort()
+        for pos in range(sinks, tail):  # the union in position order: a branch-free scan beats a sort
+            union[num] = pos
+            num += heads_of[pos] != 0
         _prefetch_rows(k_parts, v_parts, table, union[:min(bs, num)], first_seg)
         for c0 in range(0, num, bs):
             width = min(bs, num - c0)
@@ -302,14 +301,15 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
                 for d in range(head_dim):
                     norm_c += ((kb[item, t, d] - mu[b, kvh, d]) * key_scale[kvh, d]) ** 2
                 norm_c = max(np.sqrt(norm_c), np.float32(1e-30))
-                for g in range(group):
-                    h = kvh * group + g
-                    dot = np.float32(0.0)
-                    for d in range(head_dim):
-                        dot += q[b, h, d] * kb[item, t, d]
-                    cos = (dot - q_mu[g]) / max(q_norm[b, h] * norm_c, np.float32(1e-30))
-                    chosen = heads_of[pos] & (1 << g)
-                    s[item, g, t] = dot * scale - _log_u(log_u, cos) if chosen else -np.inf
+                for g in range(group):  # a head that did not retrieve the row gives it weight 0, at no cost
+                    s[item, g, t] = -np.inf
+                    if heads_of[pos] & (1 << g):
+                        h = kvh * group + g
+                        dot = np.float32(0.0)
+                        for d in range(head_dim):
+                            dot += q[b, h, d] * kb[item, t, d]
+                        cos = (dot - q_mu[g]) / max(q_norm[b, h] * norm_c, np.float32(1e-30))
+                        s[item, g, t] = dot * scale - _log_u(log_u, cos)
                 heads_of[pos] = 0
             attend_scores(s[item], vb[item], width, acc, m[item], l[item])
         attend_end(acc, m[item], l[item], lse[b, heads])
