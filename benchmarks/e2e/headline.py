@@ -3,7 +3,8 @@ prompt (the only way to reach 16 x 8k contexts on 2 cores in minutes rather than
 
     python -m benchmarks.e2e.headline --context-tokens 7936 --concurrency 1 4 16 --steps 32 --repeats 2
 
-hetserve: `benchmarks.e2e.decode_only` (its backend, one prefill, its KV blocks shared by every sequence).
+hetserve: `benchmarks.e2e.decode_only` (its backend, one prefill, its KV blocks shared by every sequence, or
+copied to each with `--distinct`).
 llama.cpp: `llama-batched-bench -pps` (one prefill, copied to every sequence): without `-kvu` each sequence
 gets its own physical copy (as llama-server's slots have); with `-kvu` the cells are shared, like hetserve's
 blocks here. Both with flash attention, 2 threads, the same GGUF. Peak RSS of each process is recorded.
@@ -28,7 +29,7 @@ def run_hetserve(cfg: servers.ServerConfig, args, log: Path) -> list[dict]:
     out = log.with_suffix(".json")
     cmd = [sys.executable, "-m", "benchmarks.e2e.decode_only", "--context-tokens", str(args.context_tokens),
            "--concurrency", *map(str, args.concurrency), "--steps", str(args.steps), "--out", str(out),
-           "--", "--log-level", "warning", *cfg.args]
+           *(["--distinct"] if args.distinct else []), "--", "--log-level", "warning", *cfg.args]
     peak = _run(cmd, log)
     rows = json.loads(out.read_text())
     return [{"config": cfg.name, "concurrency": r["concurrency"], "decode_tok_s": r["decode_tok_s"],
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", choices=[n for n, c in servers.CONFIGS.items() if c.kind != "hf"],
                     default=["hetserve-oaken-magicpig", "llama-f16", "hetserve-oaken", "hetserve-fp16", "llama-q8_0"])
     ap.add_argument("--no-unified", action="store_true", help="llama.cpp: skip the shared-cell (-kvu) variant")
+    ap.add_argument("--distinct", action="store_true",
+                    help="hetserve: copy the prompt's KV to every sequence (as llama.cpp without -kvu), not share it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="e2e_decode.json")
     ap.add_argument("--run-dir", default=str(Path.home() / ".cache" / "hetserve" / "e2e_runs"))
