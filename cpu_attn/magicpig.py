@@ -73,9 +73,9 @@ class MagicPig:
                         [layer for layer, sampled in enumerate(self.sampled_layers) if sampled])
 
     def free(self, seq_ids) -> None:
-        for s in seq_ids:
-            self.seqs.pop(s, None)
-        self._lists.clear()  # it may hold a freed sequence's tables
+        freed = [s for s in seq_ids if self.seqs.pop(s, None) is not None]
+        if freed:  # the engine frees every step, mostly nothing: keep the batch's typed Lists then
+            self._lists.clear()  # they may hold a freed sequence's tables
 
     def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes: np.ndarray | None) -> None:
         """k [n, Hkv, D] (CPU float32): the keys of positions start_pos .. start_pos + n - 1;
