@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable
 
-from server.backend import Backend, SamplingParams, WorkerLost
+from server.backend import Backend, SamplingParams, StepInput, WorkerLost
 from server.block_manager import BlockManager
 from server.detokenizer import IncrementalDetokenizer
 from server.memory import Trimmer
@@ -202,6 +202,8 @@ class Engine:
                 live.scheduled_s = now
                 self.metrics.on_scheduled(now - live.req.arrival_s)
         if not inp.chunks:
+            if inp.freed_seq_ids:
+                self._free_finished(inp)
             if self.scheduler.waiting and not self.blocks.live:  # every CPU attention worker is down
                 for seq in list(self.scheduler.waiting):
                     self._finish(self._live[seq.seq_id], "error",
@@ -233,6 +235,14 @@ class Engine:
             self.sim_clock_s = sim_clock
             self.sim_steps += 1
             self.sim_output_tokens += len(out.sampled)
+
+    def _free_finished(self, inp: StepInput) -> None:
+        """A step with nothing to run still tells the backend which sequences ended (it drops their
+        LSH centers and MagicPIG tables); one that cannot be reached now keeps them for later."""
+        try:
+            self.backend.step(inp)
+        except WorkerLost as exc:
+            log.warning("finished sequences not freed in the backend yet: %s", exc)
 
     def _on_token(self, live: _Live, token: int) -> None:
         req, seq = live.req, live.seq

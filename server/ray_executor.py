@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from gpu_model.loader import GGUF_BLOCKS_MAX_TOKENS
@@ -79,6 +80,8 @@ class RayBackend:
         self.model_cfg = cfg
         self.down: set[int] = set(range(cpu_actors))
         self.model_down = False
+        self._unsent_frees: tuple[int, ...] = ()
+        """Sequences freed while the model actor could not be told (it forwards frees to the CPU actors)."""
         self._probes: dict = {}
         self._connect_all()
         if self.down:
@@ -133,17 +136,21 @@ class RayBackend:
     def step(self, inp: StepInput) -> StepOutput:
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        inp = replace(inp, freed_seq_ids=self._unsent_frees + tuple(inp.freed_seq_ids))
+        self._unsent_frees = inp.freed_seq_ids  # until the model actor has taken them (freeing twice is harmless)
         if self.model_down:
             raise WorkerLost("the accelerator worker is restarting")
         try:
             sampled, timings = self.ray.get(self.model_actor.step.remote(inp), timeout=STEP_TIMEOUT_S)
-        except WorkerLost as exc:  # raised in the model actor; Ray hands it back wrapped
+        except WorkerLost as exc:  # raised in the model actor after it took the frees; Ray hands it back wrapped
+            self._unsent_frees = ()
             lost = getattr(exc, "cause", exc)
             self.down.add(lost.shard)
             raise WorkerLost(str(lost), lost.shard) from None
         except (RayActorError, GetTimeoutError) as exc:
             self.model_down = True
             raise WorkerLost(f"the accelerator worker died ({type(exc).__name__}); restarting it") from None
+        self._unsent_frees = ()
         return StepOutput(sampled=sampled, timings_s=timings)
 
     def close(self) -> None:
