@@ -99,9 +99,15 @@ def test_killed_model_actor_fails_requests_and_comes_back(server, ray_server):
         assert error is not None and "accelerator worker" in error, (text, error)
     r = httpx.get(ray_server.url + "/health", timeout=5)
     assert (r.status_code, r.json()["status"]) == (503, "down")
+    backend = ray_server.engine.backend
+    deadline = time.monotonic() + 10  # the failed sequences' frees wait for the restarted worker
+    while len(backend._unsent_frees) < 4 and backend.model_down:
+        assert time.monotonic() < deadline, backend._unsent_frees
+        time.sleep(0.05)
     deadline = time.monotonic() + 180
     while httpx.get(ray_server.url + "/health", timeout=5).json()["status"] != "ok":
         assert time.monotonic() < deadline, "the accelerator worker did not come back"
         time.sleep(0.5)
     assert complete(ray_server.url, 3) == complete(server.url, 3)
+    assert backend._unsent_frees == ()  # delivered with the first step after the restart
     assert all(b == 0 for b in ray_server.engine.blocks.shard_used_bytes())
