@@ -136,21 +136,22 @@ class RayBackend:
     def step(self, inp: StepInput) -> StepOutput:
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        # frees the model actor has not taken are kept for its next step (freeing twice is harmless)
         inp = replace(inp, freed_seq_ids=self._unsent_frees + tuple(inp.freed_seq_ids))
-        self._unsent_frees = inp.freed_seq_ids  # until the model actor has taken them (freeing twice is harmless)
+        self._unsent_frees = ()
         if self.model_down:
+            self._unsent_frees = inp.freed_seq_ids
             raise WorkerLost("the accelerator worker is restarting")
         try:
             sampled, timings = self.ray.get(self.model_actor.step.remote(inp), timeout=STEP_TIMEOUT_S)
-        except WorkerLost as exc:  # raised in the model actor after it took the frees; Ray hands it back wrapped
-            self._unsent_frees = ()
+        except WorkerLost as exc:  # raised in the model actor, after it took the frees; Ray hands it back wrapped
             lost = getattr(exc, "cause", exc)
             self.down.add(lost.shard)
             raise WorkerLost(str(lost), lost.shard) from None
         except (RayActorError, GetTimeoutError) as exc:
             self.model_down = True
+            self._unsent_frees = inp.freed_seq_ids
             raise WorkerLost(f"the accelerator worker died ({type(exc).__name__}); restarting it") from None
-        self._unsent_frees = ()
         return StepOutput(sampled=sampled, timings_s=timings)
 
     def close(self) -> None:
