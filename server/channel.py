@@ -26,10 +26,16 @@ class ChannelClosed(ConnectionError):
 def send(sock: socket.socket, header: dict, arrays=()) -> None:
     arrays = [np.ascontiguousarray(a) for a in arrays]
     head = json.dumps({**header, "arrays": [[a.dtype.str, a.shape] for a in arrays]}).encode()
-    sock.sendall(_LEN.pack(len(head)) + head)
-    for a in arrays:
-        if a.nbytes:
-            sock.sendall(memoryview(a).cast("B"))
+    # one system call for the whole frame where the socket takes it: every partial write would
+    # wake the receiver to read a piece and sleep again
+    parts = [_LEN.pack(len(head)) + head, *(memoryview(a).cast("B") for a in arrays if a.nbytes)]
+    sent = sock.sendmsg(parts)
+    for part in parts:
+        if sent >= len(part):
+            sent -= len(part)
+            continue
+        sock.sendall(part[sent:])
+        sent = 0
 
 
 def _read_exact(sock: socket.socket, buf: memoryview) -> None:

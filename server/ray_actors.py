@@ -175,13 +175,17 @@ class ModelActor:
         busy: dict[int, float] = {}
         last = self.model.cfg.num_layers - 1
 
+        # Between the first send and the last reply the CPU actors may hold every core: no torch op
+        # (an OpenMP parallel region waits for a thread with no core to run on) before all frames are
+        # out, and the shards' rows are gathered and scattered with NumPy, on this thread.
         def send(m, layer, q, k, v, codes):
-            parts = mbs[m][1]
-            for s, (rows, layout) in parts.items():
+            arrays = [t.numpy() for t in (q, k, v, *(codes or ()))]
+            frames = [(s, [a if rows is None else a[rows] for a in arrays]) for s, (rows, _) in mbs[m][1].items()]
+            for s, shard_arrays in frames:
                 h = {"op": "attend", "mb": m, "layer": layer, "last": layer == last}
                 if layer == 0:
-                    h["layout"] = layout
-                self._send(s, h, [(t if rows is None else t[rows]).numpy() for t in (q, k, v, *(codes or ()))])
+                    h["layout"] = mbs[m][1][s][1]
+                self._send(s, h, shard_arrays)
 
         def recv(m):
             b, parts = mbs[m]
@@ -191,13 +195,12 @@ class ModelActor:
                 if "error" in h:
                     raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
                 busy[s] = busy.get(s, 0.0) + h.get("busy_s", 0.0)
-                o = torch.from_numpy(arrays[0])
                 if rows is None:
-                    out = o
+                    out = arrays[0]
                 else:
-                    out = out if out is not None else torch.empty(len(b.token_ids), o.shape[1])
-                    out[rows] = o
-            return out
+                    out = out if out is not None else np.empty((len(b.token_ids), arrays[0].shape[1]), np.float32)
+                    out[rows] = arrays[0]
+            return torch.from_numpy(out)
 
         logits, accel_s = self.worker.forward_pipelined(
             [(b.token_ids, b.positions, b.sample_rows, b.chunks) for b, _ in mbs], send, recv)
@@ -226,7 +229,7 @@ class ModelActor:
             layout.append([lay.num_tokens, lay.start_pos, list(lay.block_table), lay.seq_id])
             row += len(c.token_ids)
         whole = len(parts) == 1
-        return b, {s: (None if whole else torch.tensor(rows), layout) for s, (rows, layout) in parts.items()}
+        return b, {s: (None if whole else np.array(rows), layout) for s, (rows, layout) in parts.items()}
 
     def _send(self, s: int, header: dict, arrays) -> None:
         try:
