@@ -4,7 +4,8 @@ exchange costs over each channel Ray offers.
     python -m benchmarks.bench_executor [--concurrency 1 8 32] [--prompt-tokens 256] [--output-tokens 32]
 
 Engines (in this process, no HTTP): `local`; `ray` with 2 CPU attention actors, 1 micro-batch;
-`ray-mb2` the same with the batch split into 2 pipelined micro-batches. Each concurrency level c
+`ray-mb2` the same with the batch split into 2 pipelined micro-batches; `ray-1actor` with one CPU
+attention actor holding all the KV with the machine's cores as its threads. Each concurrency level c
 sends c requests at once (prompts of --prompt-tokens, exactly --output-tokens out, fp32 KV) to
 each engine in turn, in --repeats rounds; the decode step time is the median over steps in which
 every chunk is one token, and `vs_local` the median over rounds of the ratio to the local engine
@@ -28,11 +29,11 @@ import numpy as np
 from benchmarks.common import machine, print_table, write_json
 
 
-def engine_for(executor: str, microbatches: int = 1):
+def engine_for(executor: str, microbatches: int = 1, cpu_actors: int = 2):
     from server.cli import build_engine, warm_up
     from server.config import ServeConfig
 
-    cfg = ServeConfig(executor=executor, ray_cpu_actors=2, ray_microbatches=microbatches, kv_format="fp32",
+    cfg = ServeConfig(executor=executor, ray_cpu_actors=cpu_actors, ray_microbatches=microbatches, kv_format="fp32",
                       kv_cache_bytes=1 << 30, max_num_seqs=64, max_num_batched_tokens=2048)
     engine = build_engine(cfg)[0]
     engine.start()
@@ -150,7 +151,8 @@ def main() -> None:
     import ray
 
     ray.init(num_cpus=16, resources={"kv_node": 8}, include_dashboard=False)  # room for both Ray engines' actors
-    engines = {"local": engine_for("local"), "ray": engine_for("ray", 1), "ray-mb2": engine_for("ray", 2)}
+    engines = {"local": engine_for("local"), "ray": engine_for("ray", 1), "ray-mb2": engine_for("ray", 2),
+               "ray-1actor": engine_for("ray", 1, cpu_actors=1)}
     samples: dict[tuple[str, int], list[dict]] = {}
     ratios: dict[tuple[str, int], list[float]] = {}
     for c in args.concurrency:
