@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
-from numba import get_num_threads
+import numba
 
 from cpu_attn import lsh, oaken
 from cpu_attn.calibrate import OakenThresholds, rotate_half, turn
@@ -174,7 +174,9 @@ class OakenKVStore:
         self.tail_len = np.zeros((num_layers, recent_blocks), np.int64)
         self.tail_stamp = np.zeros((num_layers, recent_blocks), np.int64)
         self._writes = 0
-        threads = get_num_threads()
+        # get_thread_id() in a kernel is below the pool's size, whatever thread count the calling thread
+        # set (Numba's count is per calling thread: the store may be built in one thread, used in another)
+        threads = numba.config.NUMBA_NUM_THREADS
         self._scratch = (np.empty((threads, c), np.float32), np.empty((threads, c), np.int8),
                          np.empty((threads, 3), np.float32), np.empty((threads, 3), np.float32))
 

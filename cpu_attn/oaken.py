@@ -30,7 +30,8 @@ Effective bits per value = 4 + 8 * sparse fraction + (3 * 16 + 8 * C / 64) / C.
 from __future__ import annotations
 
 import numpy as np
-from numba import get_num_threads, get_thread_id, njit, prange
+import numba
+from numba import get_thread_id, njit, prange
 
 from cpu_attn.kernels import _FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, fp16_to_f32
 
@@ -189,7 +190,7 @@ def quantize(x: np.ndarray, thr: np.ndarray):
     counts = np.empty((num_tokens, num // SEGMENT), np.uint8)
     scales = np.empty((num_tokens, 3), np.float32)
     num_sparse = np.empty(num_tokens, np.int64)
-    threads = get_num_threads()
+    threads = numba.config.NUMBA_NUM_THREADS  # scratch rows for every thread id of the pool
     quantize_rows(x, np.asarray(thr, np.float32), dense, sparse, counts, scales, num_sparse,
                   np.empty((threads, num), np.float32), np.empty((threads, num), np.int8),
                   np.empty((threads, 3), np.float32))

@@ -41,6 +41,7 @@ class AttentionActor:
         from server.hetero import attention_worker
 
         _set_threads(threads)
+        self.threads = threads
         self.worker = attention_worker(cfg, kv_format, num_blocks, block_size, cal, sparse_fraction, recent_blocks, lsh)
         # micro-batch 1 has its own step plan over the same store and tables
         self.workers = [self.worker, AttentionWorker(self.worker.store, cfg.head_dim, self.worker.sparse)]
@@ -56,6 +57,7 @@ class AttentionActor:
         return os.getpid()
 
     def _serve(self) -> None:
+        _set_threads(self.threads)  # Numba's thread count is per calling thread: this one runs the kernels
         while True:
             conn, _ = self._listener.accept()
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -53,6 +53,33 @@ def reference_roundtrip(x):
     return dequantize(THR, *quantize(flat, THR)[:4]).reshape(x.shape)
 
 
+def test_oaken_store_built_in_a_one_thread_context_serves_every_kernel_thread():
+    """Numba's thread count belongs to the calling thread: the Ray attention actor built its store
+    after set_num_threads(1) and wrote from its channel thread with the full pool, so kernels
+    indexed one row of per-thread scratch past its end (heap corruption, SIGBUS/SIGSEGV)."""
+    import threading
+
+    import numba
+
+    built = {}
+
+    def build():
+        numba.set_num_threads(1)
+        built["store"] = oaken_store(sparse_fraction=0.5)
+
+    t = threading.Thread(target=build)
+    t.start()
+    t.join()
+    store = built["store"]
+    assert all(len(scratch) >= numba.config.NUMBA_NUM_THREADS for scratch in store._scratch)
+    rng = np.random.default_rng(3)
+    tables, kv = write_sequences(store, rng, [33, 64, 70, 5], prefill=64)  # prefill runs go in parallel here
+    for table, (k, v), n in zip(tables, kv, [33, 64, 70, 5]):
+        kg, vg = store.gather(0, table, n)
+        np.testing.assert_array_equal(kg, reference_roundtrip(k))
+        np.testing.assert_array_equal(vg, reference_roundtrip(v))
+
+
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (2, 128)])
 def test_oaken_store_holds_the_quantizer_roundtrip(num_kv_heads, head_dim):
     rng = np.random.default_rng(0)
