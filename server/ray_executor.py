@@ -56,10 +56,13 @@ class RayBackend:
         self.ray = ray
         use_gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         # OpenMP threads that spin-wait after each op would steal the cores the other actors compute on
-        # (measured on 2 cores at concurrency 8: an ACTIVE model actor made decode steps 4x slower than local,
-        # a PASSIVE one 1.09x, or 0.78x with two micro-batches)
+        # (measured on 2 cores at concurrency 8: an ACTIVE model actor made decode steps 4x slower than local).
+        # The CPU actors' threads sleep at once; the model actor's spin ~2,000 turns first, enough to bridge
+        # the gaps between one layer's ops but not the wait for attention (c = 32 on 2 cores, two A/B runs:
+        # 1.14x and 1.22x local against 1.21x and 1.32x fully PASSIVE)
         env = {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}, "max_restarts": -1}
-        model_opts = {"num_gpus": 1, "num_cpus": 1, **env} if use_gpu else {"num_cpus": 1, **env}
+        model_env = {"runtime_env": {"env_vars": {"GOMP_SPINCOUNT": "2000"}}, "max_restarts": -1}
+        model_opts = {"num_gpus": 1, "num_cpus": 1, **model_env} if use_gpu else {"num_cpus": 1, **model_env}
         threads = 0 if ray_address else os.cpu_count() or 1
         microbatches = microbatches or (2 if use_gpu else 1)
         self.model_actor = ray.remote(ModelActor).options(**model_opts).remote(
