@@ -182,11 +182,12 @@ class ModelActor:
         # out, and the shards' rows are gathered and scattered with NumPy, on this thread.
         def send(m, layer, q, k, v, codes):
             arrays = [t.numpy() for t in (q, k, v, *(codes or ()))]
-            frames = [(s, [a if rows is None else a[rows] for a in arrays]) for s, (rows, _) in mbs[m][1].items()]
-            for s, shard_arrays in frames:
+            frames = [(s, layout, [a if rows is None else a[rows] for a in arrays])
+                      for s, (rows, layout) in mbs[m][1].items()]
+            for s, layout, shard_arrays in frames:
                 h = {"op": "attend", "mb": m, "layer": layer, "last": layer == last}
                 if layer == 0:
-                    h["layout"] = mbs[m][1][s][1]
+                    h["layout"] = layout
                 self._send(s, h, shard_arrays)
 
         def recv(m):
@@ -200,7 +201,7 @@ class ModelActor:
                 if rows is None:
                     out = arrays[0]
                 else:
-                    out = out if out is not None else np.empty((len(b.token_ids), arrays[0].shape[1]), np.float32)
+                    out = out if out is not None else np.empty((len(b.token_ids), arrays[0].shape[1]), arrays[0].dtype)
                     out[rows] = arrays[0]
             return torch.from_numpy(out)
 
