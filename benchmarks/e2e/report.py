@@ -15,9 +15,14 @@ def table(rows: list[dict]) -> None:
     print_table(rows, list(COLUMNS))
 
 
+def _invocation(row: dict) -> str:
+    """The e2e_peers invocation a row came from: its run directory's parent is named by the start time."""
+    return Path(row.get("run_dir", "")).parent.name
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     """Per (workload, concurrency) cell: output and decode throughput and median TPOT of each config (bars:
-    mean over repeats, dots: each run)."""
+    mean over the repeats of the newest invocation, dots: every run, older sessions and machines included)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,13 +38,14 @@ def plot(rows: list[dict], path: Path) -> Path:
         for j, cfg in enumerate(configs):
             xs, means = [], []
             for i, cell in enumerate(cells):
-                vals = [r[key] for r in rows if (r["workload"], r["concurrency"]) == cell and r["config"] == cfg
+                mine = [r for r in rows if (r["workload"], r["concurrency"]) == cell and r["config"] == cfg
                         and r.get(key) is not None]
-                if vals:
+                if mine:
                     x = i + (j - (len(configs) - 1) / 2) * width
                     xs.append(x)
-                    means.append(float(np.mean(vals)))
-                    ax.plot([x] * len(vals), vals, "k.", ms=3)
+                    newest = max(_invocation(r) for r in mine)
+                    means.append(float(np.mean([r[key] for r in mine if _invocation(r) == newest])))
+                    ax.plot([x] * len(mine), [r[key] for r in mine], "k.", ms=3)
             ax.bar(xs, means, width, label=cfg)
         ax.set_xticks(range(len(cells)), [f"{w}\nc={c}" for w, c in cells])
         ax.set_title(title)
