@@ -58,8 +58,8 @@ class RayBackend:
         # OpenMP threads that spin-wait after each op would steal the cores the other actors compute on
         # (measured on 2 cores at concurrency 8: an ACTIVE model actor made decode steps 4x slower than local).
         # The CPU actors' threads sleep at once; the model actor's spin ~2,000 turns first, enough to bridge
-        # the gaps between one layer's ops but not the wait for attention (c = 32 on 2 cores, two A/B runs:
-        # 1.14x and 1.22x local against 1.21x and 1.32x fully PASSIVE)
+        # the gaps between one layer's ops but not the wait for attention (2 cores, side by side: 1.15x local
+        # against 1.35x fully PASSIVE at concurrency 1, 1.15x against 1.21x at 8, even at 32)
         env = {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}, "max_restarts": -1}
         model_env = {"runtime_env": {"env_vars": {"GOMP_SPINCOUNT": "2000"}}, "max_restarts": -1}
         model_opts = {"num_gpus": 1, "num_cpus": 1, **model_env} if use_gpu else {"num_cpus": 1, **model_env}
