@@ -40,8 +40,7 @@ class AttentionActor:
         from cpu_attn.worker import AttentionWorker
         from server.hetero import attention_worker
 
-        _set_threads(threads)
-        self.threads = threads
+        self.threads = threads  # set by the channel thread, which runs the kernels (_serve)
         self.worker = attention_worker(cfg, kv_format, num_blocks, block_size, cal, sparse_fraction, recent_blocks, lsh)
         # micro-batch 1 has its own step plan over the same store and tables
         self.workers = [self.worker, AttentionWorker(self.worker.store, cfg.head_dim, self.worker.sparse)]

@@ -60,9 +60,10 @@ class RayBackend:
         # The CPU actors' threads sleep at once; the model actor's spin ~2,000 turns first, enough to bridge
         # the gaps between one layer's ops but not the wait for attention (2 cores, side by side: 1.15x local
         # against 1.35x fully PASSIVE at concurrency 1, 1.15x against 1.21x at 8, even at 32)
-        env = {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}, "max_restarts": -1}
-        model_env = {"runtime_env": {"env_vars": {"GOMP_SPINCOUNT": "2000"}}, "max_restarts": -1}
-        model_opts = {"num_gpus": 1, "num_cpus": 1, **model_env} if use_gpu else {"num_cpus": 1, **model_env}
+        def restartable(**env_vars) -> dict:
+            return {"runtime_env": {"env_vars": env_vars}, "max_restarts": -1}
+
+        model_opts = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu else {}), **restartable(GOMP_SPINCOUNT="2000")}
         threads = 0 if ray_address else os.cpu_count() or 1
         microbatches = microbatches or (2 if use_gpu else 1)
         self.model_actor = ray.remote(ModelActor).options(**model_opts).remote(
@@ -72,7 +73,7 @@ class RayBackend:
         num_blocks, per_block = kv_blocks(cfg, kv_format, kv_capacity_bytes // cpu_actors, block_size,
                                           oaken_sparse_fraction, oaken_recent_blocks)
         self.first_blocks = [i * num_blocks for i in range(cpu_actors)]
-        actor_opts = {"num_cpus": actor_cpus, **env}
+        actor_opts = {"num_cpus": actor_cpus, **restartable(OMP_WAIT_POLICY="PASSIVE")}
         if kv_resource:
             actor_opts["resources"] = {kv_resource: 1}
         self.cpu_actors = [ray.remote(AttentionActor).options(**actor_opts).remote(
