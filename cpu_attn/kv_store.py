@@ -328,7 +328,8 @@ class OakenKVStore:
                                  seq_lens: np.ndarray, scale: float, tables: tuple[np.ndarray, ...], mu: np.ndarray,
                                  log_u: np.ndarray, num_sinks: int, window: int
                                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """MagicPIG attention (cpu_attn/lsh.py): q [B, Hq, D], q_codes [B, Hq, L] int32; tables =
+        """MagicPIG attention (cpu_attn/lsh.py): q [B, Hq, D], q_codes int32 [B, Hq, L] (each head
+        hashed) or [B, Hkv, L] (each GQA group's mean query hashed, gpu_model.lsh); tables =
         (set_of [B, Hkv, 2] each item's range of sets, indexed [S], offsets [S, L, 2^K + 1],
         ids [S, L, cap], or typed Lists of the per-set 2-D arrays); mu [B, Hkv, D] the
         keys' centers; log_u from lsh.log_u_table; window >= 1 (the current token is always exact).
@@ -340,14 +341,19 @@ class OakenKVStore:
         set_of, indexed, offsets, ids = tables
         ends = np.concatenate([[0], np.cumsum(indexed, dtype=np.int64)])
         capacity = max(int((ends[set_of[..., 1]] - ends[set_of[..., 0]]).max(initial=0)), 1)  # keys of one item
-        q_norm = np.linalg.norm(q, axis=-1).astype(np.float32)
         key_scale = self.key_scales[layer]
+        if q_codes.shape[1] == num_heads:
+            r, r_store = q, self._store_queries(layer, q)
+        else:  # the hashed queries are the groups' means
+            r = np.asarray(q, np.float32).reshape(num_seqs, self.num_kv_heads, group, head_dim).mean(2)
+            r_store = np.ascontiguousarray(r * key_scale)
         mu = np.ascontiguousarray(mu / key_scale, np.float32)  # in the store's key space
         out = np.empty(q.shape, np.float32)
         lse = np.empty((num_seqs, num_heads), np.float32)
         touched = np.empty((num_seqs, num_heads), np.int64)
         lsh.sampled_decode_attention(
-            self._store_queries(layer, q), q_norm, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0),
+            self._store_queries(layer, q), r_store, np.linalg.norm(r, axis=-1).astype(np.float32),
+            np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0),
             self._read_parts(layer, 1), self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer),
             key_scale, mu, block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window,
             np.float32(scale), out, lse, touched,

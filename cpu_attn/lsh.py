@@ -223,14 +223,16 @@ def _prefetch_rows(k_parts, v_parts, table, positions, first_seg):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v, k_center, key_scale, mu, block_tables,
+def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr_v, k_center, key_scale, mu, block_tables,
                              seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, scale, out, lse,
                              touched, s, kb, vb, m, l, count, marks, cand):
     """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
     [max(indexed, n - window), n), importance-sampled attention over the rest.
 
-    q [B, Hq, D] float32 in the store's key space (already times key_scale); q_norm [B, Hq]
-    norms of the true queries; q_codes [B, Hq, L] int32; k_parts, v_parts, thr_k, thr_v as in
+    q [B, Hq, D] float32 in the store's key space (already times key_scale); r [B, Hkv * R, D] the
+    queries that were hashed, in the same space, R per kv-head: R = group (each head retrieves
+    its own keys; r is q) or R = 1 (the group's heads share one retrieval by their mean query);
+    r_norm [B, Hkv * R] norms of the true hashed queries; r_codes [B, Hkv * R, L] int32; k_parts, v_parts, thr_k, thr_v as in
     oaken_decode_attention (with tails, and the keys' centers k_center); key_scale [Hkv, D] (ones
     without key smoothing); mu [B, Hkv, D] the keys' centers for LSH in store space; set_of
     [B, Hkv, 2] the range [first, end) of each item's table sets, indexed [S] keys in each set,
@@ -239,14 +241,17 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
     Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
     count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, cap >= the keys an item indexes.
 
-    Each query head retrieves its own keys; the union of the group's keys is walked in position
+    Each hashed query retrieves its keys; the union of the group's keys is walked in position
     order, block_size rows at a time: rows decoded into kb/vb (the next chunk's lines prefetched
-    meanwhile), then one online-softmax step as in exact attention, where a head that did not
-    retrieve a key scores it -inf (weight 0)."""
+    meanwhile), then one online-softmax step as in exact attention, where a head whose query did
+    not retrieve a key scores it -inf (weight 0). u comes from the angle between the key and the
+    query that retrieved it (with R = 1 the group's mean query, for all its heads)."""
     num_seqs, num_heads, head_dim = q.shape
     bs = k_parts[0].shape[1]
     num_kv_heads = mu.shape[1]
     group = num_heads // num_kv_heads
+    per_head = r.shape[1] == num_heads  # else one shared query per kv-head
+    num_r = group if per_head else 1
     cap = count.shape[1]
     for item in prange(num_seqs * num_kv_heads):
         b, kvh = item // num_kv_heads, item % num_kv_heads
@@ -269,20 +274,22 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
         _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, tail, n, scale,
                       s[item], kb[item], vb[item], lut, acc, m[item], l[item])
         num, heads_of, union = 0, marks[item], cand[item, group * cap:]
-        for g in range(group):
-            h = kvh * group + g
+        for g in range(num_r):
+            h = kvh * num_r + g
             mine = cand[item, g * cap:(g + 1) * cap]
             found, base = 0, 0
             for st in range(first_set, end_set):
                 if base < tail:
-                    found += collect_candidates(q_codes[b, h], offsets[st], ids[st], indexed[st], max(sinks - base, 0),
+                    found += collect_candidates(r_codes[b, h], offsets[st], ids[st], indexed[st], max(sinks - base, 0),
                                                 tail - base, count[item], mine[found:], base)
                 base += indexed[st]
-            touched[b, h] = found
+            for gg in range(group):
+                if not per_head or gg == g:
+                    touched[b, kvh * group + gg] = found
             for c in range(found):
                 heads_of[mine[c]] |= 1 << g
             for d in range(head_dim):
-                q_mu[g] += q[b, h, d] * mu[b, kvh, d]
+                q_mu[g] += r[b, h, d] * mu[b, kvh, d]
         for pos in range(sinks, tail):  # the union in position order: a branch-free scan beats a sort
             union[num] = pos
             num += heads_of[pos] != 0
@@ -301,15 +308,24 @@ def sampled_decode_attention(q, q_norm, q_codes, k_parts, v_parts, thr_k, thr_v,
                 for d in range(head_dim):
                     norm_c += ((kb[item, t, d] - mu[b, kvh, d]) * key_scale[kvh, d]) ** 2
                 norm_c = max(np.sqrt(norm_c), np.float32(1e-30))
-                for g in range(group):  # a head that did not retrieve the row gives it weight 0, at no cost
+                shared_log_u = np.float32(0.0)
+                if not per_head:  # every head weighs the row by the shared query's u
+                    dot = np.float32(0.0)
+                    for d in range(head_dim):
+                        dot += r[b, kvh, d] * kb[item, t, d]
+                    shared_log_u = _log_u(log_u, (dot - q_mu[0]) / max(r_norm[b, kvh] * norm_c, np.float32(1e-30)))
+                for g in range(group):  # a head whose query did not retrieve the row gives it weight 0, at no cost
                     s[item, g, t] = -np.inf
-                    if heads_of[pos] & (1 << g):
+                    if heads_of[pos] & (1 << (g if per_head else 0)):
                         h = kvh * group + g
                         dot = np.float32(0.0)
                         for d in range(head_dim):
                             dot += q[b, h, d] * kb[item, t, d]
-                        cos = (dot - q_mu[g]) / max(q_norm[b, h] * norm_c, np.float32(1e-30))
-                        s[item, g, t] = dot * scale - _log_u(log_u, cos)
+                        if per_head:
+                            cos = (dot - q_mu[g]) / max(r_norm[b, h] * norm_c, np.float32(1e-30))
+                            s[item, g, t] = dot * scale - _log_u(log_u, cos)
+                        else:
+                            s[item, g, t] = dot * scale - shared_log_u
                 heads_of[pos] = 0
             attend_scores(s[item], vb[item], width, acc, m[item], l[item])
         attend_end(acc, m[item], l[item], lse[b, heads])

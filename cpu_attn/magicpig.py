@@ -26,6 +26,9 @@ from cpu_attn import lsh
 from gpu_model.lsh import LshCoder
 
 
+RETRIEVALS = ("head", "group")
+
+
 @dataclass(frozen=True)
 class LshConfig:
     k: int = 10
@@ -36,10 +39,13 @@ class LshConfig:
     min_context: int = 1024
     merge_every: int = 256
     seed: int = 0
+    retrieval: str = "head"  # "head": each query head retrieves its keys (MagicPIG); "group": one per GQA group
 
     def __post_init__(self) -> None:
         if not (1 <= self.k <= 15 and self.l >= 2 and self.sinks >= 0 and self.window >= 1 and self.merge_every >= 1):
             raise ValueError("LSH needs 1 <= k <= 15, l >= 2, sinks >= 0, window >= 1, merge_every >= 1")
+        if self.retrieval not in RETRIEVALS:
+            raise ValueError(f"LSH retrieval must be one of {', '.join(RETRIEVALS)}, not {self.retrieval!r}")
 
 
 @dataclass
@@ -70,7 +76,8 @@ class MagicPig:
     def coder(self, device: str | torch.device = "cpu") -> LshCoder:
         """The model worker's half: codes of this configuration, computed on `device`."""
         return LshCoder(self.head_dim, self.cfg.k, self.cfg.l, self.cfg.seed, device,
-                        [layer for layer, sampled in enumerate(self.sampled_layers) if sampled])
+                        [layer for layer, sampled in enumerate(self.sampled_layers) if sampled],
+                        shared=self.cfg.retrieval == "group")
 
     def free(self, seq_ids) -> None:
         freed = [s for s in seq_ids if self.seqs.pop(s, None) is not None]
@@ -122,8 +129,8 @@ class MagicPig:
     def decode_attention(self, store, layer: int, seq_ids: list[int], q: np.ndarray, q_codes: np.ndarray,
                          block_tables: np.ndarray, seq_lens: np.ndarray,
                          scale: float) -> tuple[np.ndarray, np.ndarray] | None:
-        """Sampled attention for one decode step of `layer` (q [B, Hq, D], q_codes [B, Hq, L]), or
-        None where it should be exact."""
+        """Sampled attention for one decode step of `layer` (q [B, Hq, D], q_codes [B, Hq, L], or
+        [B, Hkv, L] for group retrieval), or None where it should be exact."""
         if not self.sampled_layers[layer]:
             return None
         states = [self.seqs.get(s, [None] * (layer + 1))[layer] for s in seq_ids]

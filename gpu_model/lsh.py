@@ -59,11 +59,13 @@ class LshCoder:
     Keys are centered per (sequence, layer, kv-head) on the mean key of the sequence's first
     prefill chunk. (k - mu) . W = k . W - mu . W, so what is kept per sequence and layer is the
     projected center mu . W [Hkv, K * L], on the device; `free` drops a finished sequence's.
-    Only `layers` (default: all) get codes; the others (MagicPIG's dense layers) get None."""
+    Only `layers` (default: all) get codes; the others (MagicPIG's dense layers) get None.
+    With `shared`, a GQA group's heads share one retrieval: the query codes are those of the
+    group's mean query, [T, Hkv, L]."""
 
     def __init__(self, head_dim: int, k: int, l: int, seed: int = 0, device: str | torch.device = "cpu",
-                 layers: Collection[int] | None = None):
-        self.k = k
+                 layers: Collection[int] | None = None, shared: bool = False):
+        self.k, self.shared = k, shared
         self.w = simhash_matrix(head_dim, k, l, seed).to(device)
         self.layers = None if layers is None else frozenset(layers)
         self.centers: dict[int, dict[int, torch.Tensor]] = {}
@@ -71,8 +73,8 @@ class LshCoder:
     def codes(self, layer: int, q: torch.Tensor, k: torch.Tensor,
               chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """q [T, Hq, D], k [T, Hkv, D]; chunks [(seq_id, start_pos, num_tokens)] in row order ->
-        (query codes [T, Hq, L], centered key codes [T, Hkv, L]), int32 on the CPU; None for a
-        layer without codes."""
+        (query codes [T, Hq, L] or, shared, [T, Hkv, L], centered key codes [T, Hkv, L]), int32
+        on the CPU; None for a layer without codes."""
         if self.layers is not None and layer not in self.layers:
             return None
         proj = k.to(self.w.dtype) @ self.w
@@ -85,6 +87,8 @@ class LshCoder:
             row += n
         if rows:
             proj -= torch.cat(rows)
+        if self.shared:
+            q = q.unflatten(1, (k.shape[1], -1)).mean(2)
         return simhash(q, self.w, self.k).cpu(), pack_signs(proj, self.k).cpu()
 
     def free(self, seq_ids) -> None:

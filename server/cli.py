@@ -159,6 +159,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lsh-sinks", type=int, default=4, help="MagicPIG exact sink tokens (default: 4)")
     p.add_argument("--lsh-window", type=int, default=64, help="MagicPIG exact local window (default: 64)")
     p.add_argument("--lsh-min-context", type=int, default=1024, help="MagicPIG: shorter contexts stay exact (default: 1024)")
+    p.add_argument("--lsh-retrieval", choices=["head", "group"], default="head",
+                   help="MagicPIG: each query head retrieves its keys (head) or a GQA group shares its mean query's (group)")
     p.add_argument("--task", choices=["passkey", "niah", "cwe"],
                    help="score a long-context task instead of perplexity: passkey retrieval, multi-key needle in a "
                         "haystack, common-words extraction (server/tasks.py)")
@@ -214,7 +216,8 @@ def eval_command(args: argparse.Namespace) -> None:
     tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:
         lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
-                                                               min_context=args.lsh_min_context)
+                                                               min_context=args.lsh_min_context,
+                                                               retrieval=args.lsh_retrieval)
         if args.task:
             results = _task_command(args, model, tok, formats, cal, lsh)
             if args.json:

@@ -59,6 +59,8 @@ class ServeConfig:
     lsh_window: int = _opt(64, "MagicPIG: last tokens always attended exactly")
     lsh_dense_layers: str | None = _opt(None, "MagicPIG: comma-separated layers kept exact (default: 0 and the middle one)")
     lsh_min_context: int = _opt(1024, "MagicPIG: shorter sequences are attended exactly")
+    lsh_retrieval: str = _opt("head", "MagicPIG: head (each query head hashes its own query, as the paper) or group "
+                                      "(a GQA group's heads share the retrieval of their mean query: fewer rows read)")
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB (overrides --kv-cache-fraction)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity as a fraction of total RAM")
     block_size: int = _opt(16, "tokens per KV block")
@@ -111,6 +113,7 @@ class ServeConfig:
             (self.attention == "exact" or self.kv_format == "oaken", "attention magicpig needs kv_format oaken"),
             (re.fullmatch(r"\s*(\d+\s*(,\s*\d+\s*)*)?", self.lsh_dense_layers or ""),
              "lsh_dense_layers must be comma-separated layer numbers"),
+            (self.lsh_retrieval in ("head", "group"), f"lsh_retrieval must be head or group, not {self.lsh_retrieval!r}"),
             (self.executor in ("local", "ray"), f"executor must be local or ray, not {self.executor!r}"),
             (self.ray_cpu_actors >= 1 and self.ray_actor_cpus >= 0, "ray_cpu_actors must be >= 1, ray_actor_cpus >= 0"),
             (self.ray_microbatches in (0, 1, 2), "ray_microbatches must be 0 (auto), 1 or 2"),
@@ -151,7 +154,8 @@ class ServeConfig:
 
         dense = None if self.lsh_dense_layers is None else \
             tuple(int(x) for x in self.lsh_dense_layers.split(",") if x.strip())
-        return LshConfig(self.lsh_k, self.lsh_l, self.lsh_sinks, self.lsh_window, dense, self.lsh_min_context)
+        return LshConfig(self.lsh_k, self.lsh_l, self.lsh_sinks, self.lsh_window, dense, self.lsh_min_context,
+                         retrieval=self.lsh_retrieval)
 
     def api_key(self) -> str | None:
         """The key from the environment variable `api_key_env` names (never from a file or flag)."""

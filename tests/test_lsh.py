@@ -157,11 +157,13 @@ def test_every_key_sampled_with_u_one_is_exact_attention(key_smoothing):
         assert (touched[b] == max(min(n - 8, n - 8) - 4, 0)).all()
 
 
+@pytest.mark.parametrize("retrieval", ["head", "group"])
 @pytest.mark.parametrize("transforms", [False, True])
-def test_sampled_attention_follows_the_estimator(transforms):
+def test_sampled_attention_follows_the_estimator(transforms, retrieval):
     """Real codes: the kernel's output equals the estimator computed in NumPy from the same
     retrieved sets (exact sinks and window, e^s / u weights for the retrieved keys, u from the
-    angle between q and k - mu), with and without the store's per-channel transforms."""
+    angle between the hashed query and k - mu), with and without the store's per-channel
+    transforms; the hashed query is each head's own or its GQA group's mean query."""
     rng = np.random.default_rng(3)
     tf = channel_transforms(np.random.default_rng(4), 3, 64, ("smooth", "bias") if transforms else ())
     store = oaken_store(num_blocks=80, **tf)
@@ -178,7 +180,8 @@ def test_sampled_attention_follows_the_estimator(transforms):
         kg, vg = store.gather(0, block_tables[b], n)
         keys.append((kg, vg))
         codes.append([simhash(torch.from_numpy(kg[:n - window, h] - mu[b, h]), w, k).numpy() for h in range(3)])
-    q_codes = simhash(torch.from_numpy(q), w, k).numpy()
+    hashed = q if retrieval == "head" else q.reshape(2, 3, 3, 64).mean(2)  # [B, Hq or Hkv, D]
+    q_codes = simhash(torch.from_numpy(hashed), w, k).numpy()
     log_u = lsh.log_u_table(k, num_tables)
     out, lse, touched = sampled(store, q, q_codes, codes, seq_lens, block_tables, mu, log_u, sinks, window, k)
     grid = np.linspace(-1, 1, lsh.LOG_U_POINTS)
@@ -186,19 +189,21 @@ def test_sampled_attention_follows_the_estimator(transforms):
         kg, vg = keys[b]
         for h in range(9):
             kvh = h // 3
-            hits = (codes[b][kvh] == q_codes[b, h]).sum(1)
+            r = h if retrieval == "head" else kvh
+            hits = (codes[b][kvh] == q_codes[b, r]).sum(1)
             sampled_pos = np.flatnonzero(hits >= 2)
             sampled_pos = sampled_pos[sampled_pos >= sinks]
             assert touched[b, h] == len(sampled_pos)
             exact_pos = np.r_[0:sinks, n - window:n]
             s = kg[:, kvh].astype(np.float64) @ q[b, h] / 8
             centered = kg[sampled_pos, kvh] - mu[b, kvh]
-            cos = centered @ q[b, h] / np.linalg.norm(centered, axis=1) / np.linalg.norm(q[b, h])
+            cos = centered @ hashed[b, r] / np.linalg.norm(centered, axis=1) / np.linalg.norm(hashed[b, r])
             logits = np.r_[s[exact_pos], s[sampled_pos] - np.interp(cos, grid, log_u)]
             p = np.exp(logits - logits.max())
             ref = p @ vg[np.r_[exact_pos, sampled_pos], kvh] / p.sum()
             np.testing.assert_allclose(out[b, h], ref, atol=2e-5, rtol=1e-4)
             np.testing.assert_allclose(lse[b, h], logits.max() + np.log(p.sum()), atol=2e-5, rtol=1e-5)
+    assert (touched > 0).mean() > 0.5  # the sets are not empty: the estimator is really tested
 
 
 def test_coder_centers_keys_on_their_first_chunk():
@@ -226,6 +231,19 @@ def test_coder_centers_keys_on_their_first_chunk():
     np.testing.assert_allclose(coder.centers[5][1].numpy(), (k[:10] + 5).mean(0).numpy() @ w, rtol=1e-4, atol=1e-3)
     coder.free([5, 6])
     assert coder.centers == {}
+
+
+def test_shared_coder_hashes_each_groups_mean_query():
+    from gpu_model.lsh import LshCoder
+
+    coder = LshCoder(64, 8, 20, seed=3, shared=True)
+    q, k = torch.randn(5, 9, 64), torch.randn(5, 3, 64)
+    q_codes, k_codes = coder.codes(0, q, k, [(1, 0, 5)])
+    assert q_codes.shape == (5, 3, 20) and k_codes.shape == (5, 3, 20)
+    mean = q.numpy().reshape(5, 3, 3, 64).mean(2)
+    proj = mean.astype(np.float64) @ coder.w.numpy()
+    clear = (np.abs(proj) > 1e-4).reshape(5, 3, 20, 8).all(-1)
+    np.testing.assert_array_equal(q_codes.numpy()[clear], reference_codes(mean, coder.w.numpy(), 8)[clear])
 
 
 def test_magicpig_state_indexes_centered_keys_in_batches():
