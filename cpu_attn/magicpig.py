@@ -32,14 +32,14 @@ RETRIEVALS = ("head", "group")
 @dataclass(frozen=True)
 class LshConfig:
     k: int = 10
-    l: int = 150
+    l: int = 200  # with "group" retrieval; the paper's per-head retrieval: 150
     sinks: int = 4
     window: int = 64
     dense_layers: tuple[int, ...] | None = None  # None: layer 0 and the middle layer, as MagicPIG
     min_context: int = 1024
     merge_every: int = 256
     seed: int = 0
-    retrieval: str = "head"  # "head": each query head retrieves its keys (MagicPIG); "group": one per GQA group
+    retrieval: str = "group"  # one retrieval per GQA group (its mean query); "head": each query head's own (MagicPIG)
 
     def __post_init__(self) -> None:
         if not (1 <= self.k <= 15 and self.l >= 2 and self.sinks >= 0 and self.window >= 1 and self.merge_every >= 1):

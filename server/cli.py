@@ -136,6 +136,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the linear layers' dtype, for every variant and the reference (default: float32)")
     p.add_argument("--kv-format", default="oaken",
                    help="KV format(s) to score, comma-separated, from oaken, fp16, fp32, int4, kivi (default: oaken)")
     p.add_argument("--text", default=str(DEFAULT_TEXT.with_name("test.txt")), help="text file (default: WikiText-2 test)")
@@ -155,12 +157,13 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk-frac", type=float, default=0.03,
                    help="TopK: share of the keys outside sinks and window kept (default: 0.03)")
     p.add_argument("--lsh-k", type=int, default=10, help="MagicPIG bits per table (default: 10)")
-    p.add_argument("--lsh-l", type=int, default=150, help="MagicPIG tables (default: 150)")
+    p.add_argument("--lsh-l", type=int, default=200, help="MagicPIG tables (default: 200; the paper's 150 with --lsh-retrieval head)")
     p.add_argument("--lsh-sinks", type=int, default=4, help="MagicPIG exact sink tokens (default: 4)")
     p.add_argument("--lsh-window", type=int, default=64, help="MagicPIG exact local window (default: 64)")
     p.add_argument("--lsh-min-context", type=int, default=1024, help="MagicPIG: shorter contexts stay exact (default: 1024)")
-    p.add_argument("--lsh-retrieval", choices=["head", "group"], default="head",
-                   help="MagicPIG: each query head retrieves its keys (head) or a GQA group shares its mean query's (group)")
+    p.add_argument("--lsh-retrieval", choices=["head", "group"], default="group",
+                   help="MagicPIG: a GQA group shares its mean query's retrieval (group, default) or each query head "
+                        "retrieves its keys (head)")
     p.add_argument("--task", choices=["passkey", "niah", "cwe"],
                    help="score a long-context task instead of perplexity: passkey retrieval, multi-key needle in a "
                         "haystack, common-words extraction (server/tasks.py)")
@@ -195,6 +198,8 @@ def _task_command(args, model, tok, formats, cal, lsh) -> list[dict]:
 def eval_command(args: argparse.Namespace) -> None:
     import json
 
+    import torch
+
     from cpu_attn.calibrate import text_windows
     from cpu_attn.kv_store import KV_FORMATS
     from gpu_model.loader import load_model, resolve_model_dir
@@ -211,7 +216,7 @@ def eval_command(args: argparse.Namespace) -> None:
     if not text.is_file():
         raise SystemExit(f"hetserve eval: text file {text} not found; pass one with --text")
     model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype=getattr(torch, args.dtype))
     cal = oaken_thresholds(model, model_dir, args.oaken_thresholds) if "oaken" in formats else None
     tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:

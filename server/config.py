@@ -54,13 +54,13 @@ class ServeConfig:
                                                  "each sequence's newest tokens are exact (default: max_num_seqs; 0 = off)")
     attention: str = _opt("exact", "decode attention: exact, or magicpig (LSH-sampled; needs kv_format oaken)")
     lsh_k: int = _opt(10, "MagicPIG: bits per hash table")
-    lsh_l: int = _opt(150, "MagicPIG: hash tables")
+    lsh_l: int = _opt(200, "MagicPIG: hash tables (the paper's 150 with lsh_retrieval head)")
     lsh_sinks: int = _opt(4, "MagicPIG: first tokens always attended exactly")
     lsh_window: int = _opt(64, "MagicPIG: last tokens always attended exactly")
     lsh_dense_layers: str | None = _opt(None, "MagicPIG: comma-separated layers kept exact (default: 0 and the middle one)")
     lsh_min_context: int = _opt(1024, "MagicPIG: shorter sequences are attended exactly")
-    lsh_retrieval: str = _opt("head", "MagicPIG: head (each query head hashes its own query, as the paper) or group "
-                                      "(a GQA group's heads share the retrieval of their mean query: fewer rows read)")
+    lsh_retrieval: str = _opt("group", "MagicPIG: group (a GQA group's heads share the retrieval of their mean query: "
+                                       "fewer rows read) or head (each query head retrieves its own keys, as the paper)")
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB (overrides --kv-cache-fraction)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity as a fraction of total RAM")
     block_size: int = _opt(16, "tokens per KV block")

@@ -367,14 +367,14 @@ def test_sampled_attention_over_several_table_sets_equals_one_set():
         np.testing.assert_array_equal(a, b)
 
 
-def test_magicpig_worker_is_exact_below_min_context_and_samples_above():
+@pytest.mark.parametrize("retrieval", ["head", "group"])
+def test_magicpig_worker_is_exact_below_min_context_and_samples_above(retrieval):
     """Through the attention worker: short sequences and dense layers get exact attention (the
     same output as a worker without MagicPIG); a long one samples a few percent of its keys."""
     from cpu_attn.magicpig import LshConfig, MagicPig
     from cpu_attn.worker import AttentionWorker, ChunkLayout
 
-    rng = np.random.default_rng(6)
-    cfg = LshConfig(min_context=256, dense_layers=(1,))
+    cfg = LshConfig(min_context=256, dense_layers=(1,), retrieval=retrieval)
     stores = [oaken_store(num_blocks=64) for _ in range(2)]
     workers = [AttentionWorker(stores[0], 64), AttentionWorker(stores[1], 64, MagicPig(cfg, 2, 3, 64))]
     coder = workers[1].sparse.coder()
