@@ -8,8 +8,9 @@ Gaussian, written through the store; SimHash codes (K bits, L tables) of the cen
 the queries from gpu_model.lsh; 4 sink tokens and a 64-token exact window. Queries are drawn
 near a few stored keys (as real attention is peaked), so retrieval finds what it should.
 Reports ms, the share of keys sampled beyond the exact part, and sampled / exact-Oaken time, for
-each query head retrieving its keys (MagicPIG's "head" retrieval) and, with `group` in
---retrieval, for a GQA group sharing the retrieval of its mean query (`--lsh-retrieval group`).
+each query head retrieving its keys (MagicPIG's "head" retrieval, L = --lsh-l) and, with `group` in
+--retrieval, for a GQA group sharing the retrieval of its mean query (`--lsh-retrieval group`,
+L = --group-lsh-l): the serving defaults of each mode.
 """
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--context", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--lsh-k", type=int, default=10)
-    ap.add_argument("--lsh-l", type=int, default=150)
+    ap.add_argument("--lsh-l", type=int, default=150, help="tables with head retrieval")
+    ap.add_argument("--group-lsh-l", type=int, default=200, help="tables with group retrieval")
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--retrieval", nargs="+", choices=["head", "group"], default=["head", "group"])
     ap.add_argument("--out", default="sampled_attn.json")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    w = simhash_matrix(HEAD_DIM, args.lsh_k, args.lsh_l)
-    log_u = lsh.log_u_table(args.lsh_k, args.lsh_l)
+    tables_of = {"head": args.lsh_l, "group": args.group_lsh_l}
     scale = HEAD_DIM**-0.5
     rows = []
     for context in args.context:
@@ -54,17 +55,18 @@ def main() -> None:
             q = np.stack([[keys[b][0][picks[b, h], h // 3] * 0.6 + rng.standard_normal(HEAD_DIM) * 0.3
                            for h in range(HEADS)] for b in range(batch)]).astype(np.float32)
             indexed = context - args.window
-            sets = [lsh.table_set(simhash(torch.from_numpy(keys[b][0][:indexed, h] - mu[b, h]), w, args.lsh_k).numpy(),
-                                  args.lsh_k) for b in range(batch) for h in range(KV_HEADS)]
             first = np.arange(batch * KV_HEADS, dtype=np.int32).reshape(batch, KV_HEADS)
-            table_sets = (np.stack([first, first + 1], -1),
-                          np.full(batch * KV_HEADS, indexed, np.int32), np.stack([s[0] for s in sets]),
-                          np.stack([s[1] for s in sets]))
             hashed = {"head": q, "group": q.reshape(batch, KV_HEADS, -1, HEAD_DIM).mean(2)}
-            del sets
             row = {"context": context, "batch": batch}
             eligible = context - args.sinks - args.window
             for mode in args.retrieval:
+                w = simhash_matrix(HEAD_DIM, args.lsh_k, tables_of[mode])
+                log_u = lsh.log_u_table(args.lsh_k, tables_of[mode])
+                sets = [lsh.table_set(simhash(torch.from_numpy(keys[b][0][:indexed, h] - mu[b, h]), w,
+                                              args.lsh_k).numpy(), args.lsh_k) for b in range(batch) for h in range(KV_HEADS)]
+                table_sets = (np.stack([first, first + 1], -1), np.full(batch * KV_HEADS, indexed, np.int32),
+                              np.stack([s[0] for s in sets]), np.stack([s[1] for s in sets]))
+                del sets
                 q_codes = simhash(torch.from_numpy(hashed[mode]), w, args.lsh_k).numpy()
 
                 def sampled():
@@ -74,14 +76,14 @@ def main() -> None:
                 suffix = "" if mode == "head" else "_group"
                 row["sampled" + suffix + "_ms"] = best_of(sampled, budget_s=3.0, most=30) * 1e3  # latency-bound
                 row["keys_sampled" + suffix + "_frac"] = float(sampled()[2].mean() / eligible)
+                row["table_bytes_per_key" + suffix] = float(table_sets[3][0].nbytes + table_sets[2][0].nbytes) / indexed
             t_exact = best_of(lambda: store.decode_attention(0, q, tables, lens, scale))
             k, v = (torch.from_numpy(np.stack([kv[i] for kv in keys]).transpose(0, 2, 1, 3).copy()) for i in (0, 1))
             with torch.inference_mode():
                 t_sdpa = best_of(lambda: F.scaled_dot_product_attention(torch.from_numpy(q)[:, :, None], k, v,
                                                                          enable_gqa=True))
             del k, v, keys
-            row.update(exact_oaken_ms=t_exact * 1e3, sdpa_fp32_ms=t_sdpa * 1e3,
-                       table_bytes_per_key=float(table_sets[3][0].nbytes + table_sets[2][0].nbytes) / indexed)
+            row.update(exact_oaken_ms=t_exact * 1e3, sdpa_fp32_ms=t_sdpa * 1e3)
             for suffix in ("", "_group"):
                 if "sampled" + suffix + "_ms" in row:
                     row["sampled" + suffix + "_vs_exact"] = row["sampled" + suffix + "_ms"] / row["exact_oaken_ms"]
@@ -89,8 +91,8 @@ def main() -> None:
             print(f"context {context} batch {batch}: " + ", ".join(f"{key} {val:.4g}" for key, val in row.items()
                                                                   if key not in ("context", "batch")), flush=True)
     print(f"\none layer of SmolLM2-135M (heads {HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}); K={args.lsh_k}, "
-          f"L={args.lsh_l}, {args.sinks} sinks, {args.window}-token window")
-    print_table(rows, [key for key in rows[0] if key != "table_bytes_per_key"] + ["table_bytes_per_key"])
+          f"L={args.lsh_l} (head) / {args.group_lsh_l} (group), {args.sinks} sinks, {args.window}-token window")
+    print_table(rows, list(rows[0]))
     print(f"wrote {write_json(args.out, {'machine': machine(), 'args': vars(args), 'rows': rows})}")
 
 
