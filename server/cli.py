@@ -104,11 +104,16 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
                    help="alpha of the per-channel value smoothing, 0 (off) to 1 (default: 0.5)")
     p.add_argument("--context-tokens", type=int,
                    help="spread the windows over positions up to this context (default: the model's maximum)")
-    p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the linear layers' dtype while profiling: the one the server will run (default: float32)")
+    p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory; "
+                                 "oaken_thresholds_bfloat16.json with --dtype bfloat16)")
 
 
 def calibrate_command(args: argparse.Namespace) -> None:
-    from cpu_attn.calibrate import THRESHOLDS_FILE, calibrate, text_windows
+    import torch
+
+    from cpu_attn.calibrate import calibrate, text_windows, thresholds_file
     from gpu_model.loader import load_model, resolve_model_dir
     from gpu_model.tokenizer import Tokenizer
 
@@ -116,12 +121,12 @@ def calibrate_command(args: argparse.Namespace) -> None:
     if not text.is_file():
         raise SystemExit(f"hetserve calibrate: text file {text} not found; pass one with --text")
     model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
-    model = load_model(model_dir)
+    model = load_model(model_dir, dtype=getattr(torch, args.dtype))
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text())
     windows = text_windows(ids, args.num_windows, args.window_tokens)
     result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing, args.key_centering,
                        args.value_smoothing, args.context_tokens)
-    out = Path(args.out) if args.out else model_dir / THRESHOLDS_FILE
+    out = Path(args.out) if args.out else model_dir / thresholds_file(model.dtype)
     result.save(out)
     v = result.values
     print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name} at positions up to "

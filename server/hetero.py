@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from cpu_attn.calibrate import (CALIBRATION_VERSION, DEFAULT_TEXT, THRESHOLDS_FILE, OakenThresholds, calibrate,
-                                text_windows)
+from cpu_attn.calibrate import (CALIBRATION_VERSION, DEFAULT_TEXT, OakenThresholds, calibrate, text_windows,
+                                thresholds_file)
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.worker import AttentionWorker, ChunkLayout
@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThresholds:
-    """The thresholds at `path`, or the model cache's; calibrated there on first use when missing."""
+    """The thresholds at `path`, or the model cache's for the model's dtype; calibrated there on
+    first use when missing."""
     if path:
         return OakenThresholds.load(Path(path))
-    cached = model_dir / THRESHOLDS_FILE
+    cached = model_dir / thresholds_file(model.dtype)
     found = OakenThresholds.load(cached) if cached.is_file() else None
     if found is not None and found.version >= CALIBRATION_VERSION:
         return found

@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from cpu_attn.calibrate import (CALIBRATION_VERSION, OakenThresholds, calibrate, collect_kv, text_windows,
                                window_starts, window_thresholds)
@@ -109,7 +110,7 @@ def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monke
     text = tmp_path / "valid.txt"
     text.write_text("some text")
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
-    model = types.SimpleNamespace(cfg=types.SimpleNamespace(eos_token_ids=[0]))
+    model = types.SimpleNamespace(cfg=types.SimpleNamespace(eos_token_ids=[0]), dtype=torch.float32)
     cached = tmp_path / "oaken_thresholds.json"
     fresh.save(cached)
     assert hetero.oaken_thresholds(model, tmp_path, None).values.shape == (2, 2, 4) and calls == []
@@ -122,3 +123,8 @@ def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monke
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
     assert (hetero.oaken_thresholds(model, tmp_path, None).values == 0).all() and calls == [32]
     assert OakenThresholds.load(cached).version == CALIBRATION_VERSION
+    # a bf16 model gets its own calibration, beside the fp32 one
+    bf16 = types.SimpleNamespace(cfg=model.cfg, dtype=torch.bfloat16)
+    assert (hetero.oaken_thresholds(bf16, tmp_path, None).values == 0).all() and calls == [32, 32]
+    assert (tmp_path / "oaken_thresholds_bfloat16.json").is_file()
+    assert hetero.oaken_thresholds(bf16, tmp_path, None) is not None and calls == [32, 32]
