@@ -26,15 +26,6 @@ from pathlib import Path
 import numpy as np
 
 THRESHOLDS_FILE = "oaken_thresholds.json"
-
-
-def thresholds_file(dtype) -> str:
-    """The model cache's thresholds file for a model whose linears run in `dtype` (a torch dtype):
-    keys and values from bf16 linears fall outside thresholds calibrated in fp32 (SmolLM2 at 8k:
-    5.8 % outer values instead of 4 %, Oaken +6.3 % perplexity instead of +1.4 % with thresholds
-    calibrated in bf16), so each dtype gets its own calibration."""
-    name = str(dtype).removeprefix("torch.")
-    return THRESHOLDS_FILE if name == "float32" else f"oaken_thresholds_{name}.json"
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "valid.txt"
 """Calibration text when none is given: WikiText-2 valid (the test split is kept for scoring)."""
 
@@ -45,6 +36,15 @@ CALIBRATION_VERSION = 4
 4: the key center is the pre-RoPE mean, turned to each key's position (2 and 3: one post-RoPE
 mean for every position; such files still load, as a center that does not turn)."""
 _CHANNEL_ARRAYS = ("key_scales", "key_bias", "value_scales")
+
+
+def thresholds_file(dtype) -> str:
+    """The model cache's thresholds file for a model whose linears run in `dtype` (a torch dtype):
+    keys and values from bf16 linears fall outside thresholds calibrated in fp32 (SmolLM2 at 8k:
+    5.8 % outer values instead of 4 %, Oaken +6.3 % perplexity instead of +1.4 % with thresholds
+    calibrated in bf16), so each dtype gets its own calibration."""
+    name = str(dtype).removeprefix("torch.")
+    return THRESHOLDS_FILE if name == "float32" else f"oaken_thresholds_{name}.json"
 
 
 @dataclass(frozen=True)
