@@ -169,6 +169,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lsh-retrieval", choices=["head", "group"], default="group",
                    help="MagicPIG: a GQA group shares its mean query's retrieval (group, default) or each query head "
                         "retrieves its keys (head)")
+    p.add_argument("--lsh-dense-layers", help="MagicPIG: comma-separated layers kept exact (default: 0 and the middle one)")
     p.add_argument("--task", choices=["passkey", "niah", "cwe"],
                    help="score a long-context task instead of perplexity: passkey retrieval, multi-key needle in a "
                         "haystack, common-words extraction (server/tasks.py)")
@@ -200,6 +201,16 @@ def _task_command(args, model, tok, formats, cal, lsh) -> list[dict]:
     return rows
 
 
+def _layers(text: str | None) -> tuple[int, ...] | None:
+    """"0, 15" -> (0, 15); None -> None (the default layers)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--lsh-dense-layers must be comma-separated layer numbers, not {text!r}") from None
+
+
 def eval_command(args: argparse.Namespace) -> None:
     import json
 
@@ -226,6 +237,7 @@ def eval_command(args: argparse.Namespace) -> None:
     tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:
         lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
+                                                               dense_layers=_layers(args.lsh_dense_layers),
                                                                min_context=args.lsh_min_context,
                                                                retrieval=args.lsh_retrieval)
         if args.task:
