@@ -7,7 +7,7 @@ import sys
 import threading
 from pathlib import Path
 
-from server.config import ServeConfig, add_arguments, from_args
+from server.config import ServeConfig, add_arguments, from_args, parse_layers
 
 log = logging.getLogger("hetserve")
 
@@ -201,16 +201,6 @@ def _task_command(args, model, tok, formats, cal, lsh) -> list[dict]:
     return rows
 
 
-def _layers(text: str | None) -> tuple[int, ...] | None:
-    """"0, 15" -> (0, 15); None -> None (the default layers)."""
-    if text is None:
-        return None
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--lsh-dense-layers must be comma-separated layer numbers, not {text!r}") from None
-
-
 def eval_command(args: argparse.Namespace) -> None:
     import json
 
@@ -231,15 +221,17 @@ def eval_command(args: argparse.Namespace) -> None:
     text = Path(args.text)
     if not text.is_file():
         raise SystemExit(f"hetserve eval: text file {text} not found; pass one with --text")
+    try:
+        dense = parse_layers(args.lsh_dense_layers, "--lsh-dense-layers")
+    except ValueError as exc:
+        raise SystemExit(f"hetserve eval: {exc}")
     model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
     model = load_model(model_dir, dtype=getattr(torch, args.dtype))
     cal = oaken_thresholds(model, model_dir, args.oaken_thresholds) if "oaken" in formats else None
     tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:
         lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
-                                                               dense_layers=_layers(args.lsh_dense_layers),
-                                                               min_context=args.lsh_min_context,
-                                                               retrieval=args.lsh_retrieval)
+                                                               dense, args.lsh_min_context, retrieval=args.lsh_retrieval)
         if args.task:
             results = _task_command(args, model, tok, formats, cal, lsh)
             if args.json:

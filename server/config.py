@@ -34,6 +34,16 @@ def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+def parse_layers(text: str | None, name: str) -> tuple[int, ...] | None:
+    """"0, 15" -> (0, 15); None -> None (the default layers)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated layer numbers, not {text!r}") from None
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str | None = _opt(None, "GGUF file or safetensors directory of a Llama-architecture model (default: bundled SmolLM2-135M-Instruct)")
@@ -152,8 +162,7 @@ class ServeConfig:
             return None
         from cpu_attn.magicpig import LshConfig
 
-        dense = None if self.lsh_dense_layers is None else \
-            tuple(int(x) for x in self.lsh_dense_layers.split(",") if x.strip())
+        dense = parse_layers(self.lsh_dense_layers, "lsh_dense_layers")
         return LshConfig(self.lsh_k, self.lsh_l, self.lsh_sinks, self.lsh_window, dense, self.lsh_min_context,
                          retrieval=self.lsh_retrieval)
 
