@@ -30,9 +30,9 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.path.expanduser("~/.cache/hetserve/models"))
 QUANT_FILE = "gguf_blocks.safetensors"
 
-GGUF_BLOCKS_MAX_TOKENS = 2
-"""Steps of at most this many tokens multiply by the GGUF's own blocks: the block kernel
-dequantizes per token, so beyond ~2-4 tokens fp32 BLAS is faster (measured 2026-11-23)."""
+GGUF_BLOCKS_MAX_TOKENS = 64
+"""Steps of at most this many tokens (decode batches) multiply by the GGUF's own blocks, decoded
+once per step (gpu_model/quant.py); prefill chunks use the fp32 copy with BLAS (README: Usage)."""
 
 
 class ModelLoadError(Exception):

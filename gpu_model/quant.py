@@ -128,10 +128,11 @@ def load_quant(path: Path) -> dict[str, QuantWeight]:
     return out
 
 
-# Both kernels keep 32 partial sums (one per position in a block) and add them up once per
-# output: a horizontal sum per block would cost more than the block's arithmetic.
+# One or two rows of x: one pass over the blocks, weights decoded in registers, 32 partial sums
+# (one per position in a block) added up once per output: a horizontal sum per block would cost
+# more than the block's arithmetic.
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def q4_1_matmul(x, scales, mins, qs, out, lanes):
+def q4_1_matvec(x, scales, mins, qs, out, lanes):
     """x: [M, K]; scales, mins: [N, K/32]; qs: [N, K/32, 16] uint8 -> out: [M, N]
     lanes: [num_threads, 32] float32 scratch."""
     num_rows, num_blocks = scales.shape
@@ -149,7 +150,7 @@ def q4_1_matmul(x, scales, mins, qs, out, lanes):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def q8_0_matmul(x, scales, qs, out, lanes):
+def q8_0_matvec(x, scales, qs, out, lanes):
     """x: [M, K]; scales: [N, K/32]; qs: [N, K/32, 32] int8 -> out: [M, N]
     lanes: [num_threads, 32] float32 scratch."""
     num_rows, num_blocks = scales.shape
@@ -164,13 +165,79 @@ def q8_0_matmul(x, scales, qs, out, lanes):
             out[i, n] = acc.sum()
 
 
+TILE = 4  # output rows decoded at a time by the matmul kernels
+MATVEC_MAX_ROWS = 2  # up to this many rows of x the matvec kernels are faster (decoding a weight costs ~ one FMA)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_tile(x, w, out, n0, width):
+    """out[i, n0 + r] = x[i] . w[r] for every row i of x and r < width (<= TILE): each value of x
+    is loaded once for the tile's four weight rows (four vector accumulators)."""
+    for i in range(x.shape[0]):
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for c in range(x.shape[1]):
+            xv = x[i, c]
+            a0 += xv * w[0, c]
+            a1 += xv * w[1, c]
+            a2 += xv * w[2, c]
+            a3 += xv * w[3, c]
+        for r, a in enumerate((a0, a1, a2, a3)):
+            if r < width:
+                out[i, n0 + r] = a
+
+
+# More rows of x: TILE output rows of weights are decoded into float32 scratch once (L1-sized: 4 x K)
+# and dotted with every row of x: at M rows of x each weight is decoded once, not M times.
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def q4_1_matmul(x, scales, mins, qs, out, tiles):
+    """x: [M, K]; scales, mins: [N, K/32]; qs: [N, K/32, 16] uint8 -> out: [M, N]
+    tiles: [num_threads, TILE, K] float32 scratch."""
+    num_rows, num_blocks = scales.shape
+    for tile in prange((num_rows + TILE - 1) // TILE):
+        w = tiles[get_thread_id()]
+        n0 = tile * TILE
+        width = min(TILE, num_rows - n0)
+        for r in range(width):
+            for b in range(num_blocks):
+                d, m, base = scales[n0 + r, b], mins[n0 + r, b], b * BLOCK
+                for j in range(16):
+                    q = qs[n0 + r, b, j]
+                    w[r, base + j] = d * np.float32(q & 15) + m
+                    w[r, base + 16 + j] = d * np.float32(q >> 4) + m
+        _dot_tile(x, w, out, n0, width)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def q8_0_matmul(x, scales, qs, out, tiles):
+    """x: [M, K]; scales: [N, K/32]; qs: [N, K/32, 32] int8 -> out: [M, N]
+    tiles: [num_threads, TILE, K] float32 scratch."""
+    num_rows, num_blocks = scales.shape
+    for tile in prange((num_rows + TILE - 1) // TILE):
+        w = tiles[get_thread_id()]
+        n0 = tile * TILE
+        width = min(TILE, num_rows - n0)
+        for r in range(width):
+            for b in range(num_blocks):
+                d, base = scales[n0 + r, b], b * BLOCK
+                for j in range(BLOCK):
+                    w[r, base + j] = d * np.float32(qs[n0 + r, b, j])
+        _dot_tile(x, w, out, n0, width)
+
+
 def quant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x: [M, K] float32 on the CPU -> x @ W.T: [M, N]"""
     xn = np.ascontiguousarray(x.numpy())
     out = np.empty((xn.shape[0], w.shape[0]), dtype=np.float32)
-    lanes = np.empty((get_num_threads(), BLOCK), dtype=np.float32)
+    if xn.shape[0] <= MATVEC_MAX_ROWS:
+        lanes = np.empty((get_num_threads(), BLOCK), dtype=np.float32)
+        if w.kind == "q4_1":
+            q4_1_matvec(xn, w.scales, w.mins, w.qs, out, lanes)
+        else:
+            q8_0_matvec(xn, w.scales, w.qs, out, lanes)
+        return torch.from_numpy(out)
+    tiles = np.zeros((get_num_threads(), TILE, w.shape[1]), dtype=np.float32)
     if w.kind == "q4_1":
-        q4_1_matmul(xn, w.scales, w.mins, w.qs, out, lanes)
+        q4_1_matmul(xn, w.scales, w.mins, w.qs, out, tiles)
     else:
-        q8_0_matmul(xn, w.scales, w.qs, out, lanes)
+        q8_0_matmul(xn, w.scales, w.qs, out, tiles)
     return torch.from_numpy(out)

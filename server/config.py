@@ -53,7 +53,7 @@ class ServeConfig:
     port: int = _opt(8000, "TCP port")
     device: str = _opt("auto", "where the linear layers run: auto (cuda if present), cuda or cpu")
     dtype: str = _opt("auto", "model dtype: auto (float32 on cpu, bfloat16 on cuda), float32, float16, bfloat16")
-    gguf_blocks_max_tokens: int = _opt(2, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
+    gguf_blocks_max_tokens: int = _opt(64, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
                                            "own Q4_1/Q8_0 blocks instead of the fp32 copy (0 = never)")
     kv_format: str = _opt("fp16", "KV cache format in the CPU store: oaken (about 5 bits, calibrated), fp16, fp32, "
                                   "or the 4-bit baselines int4 and kivi (simulated on fp32 memory, for comparison)")
