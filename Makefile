@@ -21,8 +21,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# the Ray executor on a local Ray cluster: a model actor and one CPU attention actor (README: Ray executor);
+# ARGS="--executor local" serves from one process
 serve: install
-	$(VENV)/bin/hetserve serve $(ARGS)
+	$(VENV)/bin/hetserve serve --executor ray $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

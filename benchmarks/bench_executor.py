@@ -1,7 +1,7 @@
 """Decode step time of the Ray executor against the local one, in one run, plus what one layer's
 exchange costs over each channel Ray offers.
 
-    python -m benchmarks.bench_executor [--concurrency 1 8 32] [--prompt-tokens 256] [--output-tokens 32]
+    python -m benchmarks.bench_executor [--concurrency 1 8 32] [--prompt-tokens 256] [--output-tokens 32] [--out F]
 
 Engines (in this process, no HTTP): `local`; `ray` with 2 CPU attention actors, 1 micro-batch;
 `ray-mb2` the same with the batch split into 2 pipelined micro-batches; `ray-1actor` with one CPU
@@ -146,6 +146,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="executor.json", help="file name under benchmarks/results/")
     args = p.parse_args()
 
     import ray
@@ -186,7 +187,7 @@ def main() -> None:
     ex = exchange()
     ray.shutdown()
     print_table(ex, ["channel", "layer_exchange_us"])
-    path = write_json("executor.json", {"machine": machine(), "args": vars(args), "decode": rows, "exchange": ex})
+    path = write_json(args.out, {"machine": machine(), "args": vars(args), "decode": rows, "exchange": ex})
     print(f"wrote {path}")
 
 

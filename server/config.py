@@ -81,7 +81,8 @@ class ServeConfig:
                                   "actors; a local Ray cluster unless ray_address is given)")
     ray_address: str | None = _opt(None, "ray executor: address of an existing Ray cluster to join, e.g. auto or "
                                          "HEAD_IP:6379 (default: start a local one)")
-    ray_cpu_actors: int = _opt(2, "ray executor: CPU attention actors; the KV capacity is split among them")
+    ray_cpu_actors: int = _opt(1, "ray executor: CPU attention actors (one per KV node); the KV capacity is split "
+                                     "among them")
     ray_actor_cpus: int = _opt(0, "ray executor: CPUs (and kernel threads) per CPU attention actor (0: the "
                                   "machine's cores divided by ray_cpu_actors)")
     ray_microbatches: int = _opt(0, "ray executor: split each step's batch into this many micro-batches (1 or 2) "
