@@ -189,38 +189,27 @@ def _dot_tile(x, w, out, n0, width):
 # More rows of x: TILE output rows of weights are decoded into float32 scratch once (L1-sized: 4 x K)
 # and dotted with every row of x: at M rows of x each weight is decoded once, not M times.
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def q4_1_matmul(x, scales, mins, qs, out, tiles):
-    """x: [M, K]; scales, mins: [N, K/32]; qs: [N, K/32, 16] uint8 -> out: [M, N]
-    tiles: [num_threads, TILE, K] float32 scratch."""
+def block_matmul(x, scales, mins, qs, out, tiles):
+    """x: [M, K]; scales: [N, K/32]; Q4_1: mins [N, K/32], qs [N, K/32, 16] uint8, or Q8_0: mins
+    unused, qs [N, K/32, 32] int8 -> out: [M, N]. tiles: [num_threads, TILE, K] float32 scratch."""
     num_rows, num_blocks = scales.shape
+    is_q4_1 = qs.shape[2] == 16
     for tile in prange((num_rows + TILE - 1) // TILE):
         w = tiles[get_thread_id()]
         n0 = tile * TILE
         width = min(TILE, num_rows - n0)
-        for r in range(width):
+        for n in range(n0, n0 + width):
             for b in range(num_blocks):
-                d, m, base = scales[n0 + r, b], mins[n0 + r, b], b * BLOCK
-                for j in range(16):
-                    q = qs[n0 + r, b, j]
-                    w[r, base + j] = d * np.float32(q & 15) + m
-                    w[r, base + 16 + j] = d * np.float32(q >> 4) + m
-        _dot_tile(x, w, out, n0, width)
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def q8_0_matmul(x, scales, qs, out, tiles):
-    """x: [M, K]; scales: [N, K/32]; qs: [N, K/32, 32] int8 -> out: [M, N]
-    tiles: [num_threads, TILE, K] float32 scratch."""
-    num_rows, num_blocks = scales.shape
-    for tile in prange((num_rows + TILE - 1) // TILE):
-        w = tiles[get_thread_id()]
-        n0 = tile * TILE
-        width = min(TILE, num_rows - n0)
-        for r in range(width):
-            for b in range(num_blocks):
-                d, base = scales[n0 + r, b], b * BLOCK
-                for j in range(BLOCK):
-                    w[r, base + j] = d * np.float32(qs[n0 + r, b, j])
+                d, base, row = scales[n, b], b * BLOCK, w[n - n0]
+                if is_q4_1:
+                    m = mins[n, b]
+                    for j in range(16):
+                        q = qs[n, b, j]
+                        row[base + j] = d * np.float32(q & 15) + m
+                        row[base + 16 + j] = d * np.float32(q >> 4) + m
+                else:
+                    for j in range(BLOCK):
+                        row[base + j] = d * np.float32(qs[n, b, j])
         _dot_tile(x, w, out, n0, width)
 
 
@@ -236,8 +225,5 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
             q8_0_matvec(xn, w.scales, w.qs, out, lanes)
         return torch.from_numpy(out)
     tiles = np.zeros((get_num_threads(), TILE, w.shape[1]), dtype=np.float32)
-    if w.kind == "q4_1":
-        q4_1_matmul(xn, w.scales, w.mins, w.qs, out, tiles)
-    else:
-        q8_0_matmul(xn, w.scales, w.qs, out, tiles)
+    block_matmul(xn, w.scales, w.scales if w.mins is None else w.mins, w.qs, out, tiles)
     return torch.from_numpy(out)
