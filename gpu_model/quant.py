@@ -132,36 +132,26 @@ def load_quant(path: Path) -> dict[str, QuantWeight]:
 # (one per position in a block) added up once per output: a horizontal sum per block would cost
 # more than the block's arithmetic.
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def q4_1_matvec(x, scales, mins, qs, out, lanes):
-    """x: [M, K]; scales, mins: [N, K/32]; qs: [N, K/32, 16] uint8 -> out: [M, N]
+def block_matvec(x, scales, mins, qs, out, lanes):
+    """x: [M, K]; scales, mins, qs as in block_matmul -> out: [M, N]
     lanes: [num_threads, 32] float32 scratch."""
     num_rows, num_blocks = scales.shape
-    for n in prange(num_rows):
-        acc = lanes[get_thread_id()]
-        for i in range(x.shape[0]):
-            acc[:] = 0.0
-            for b in range(num_blocks):
-                d, m, base = scales[n, b], mins[n, b], b * BLOCK
-                for j in range(16):
-                    q = qs[n, b, j]
-                    acc[j] += (d * np.float32(q & 15) + m) * x[i, base + j]
-                    acc[j + 16] += (d * np.float32(q >> 4) + m) * x[i, base + 16 + j]
-            out[i, n] = acc.sum()
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def q8_0_matvec(x, scales, qs, out, lanes):
-    """x: [M, K]; scales: [N, K/32]; qs: [N, K/32, 32] int8 -> out: [M, N]
-    lanes: [num_threads, 32] float32 scratch."""
-    num_rows, num_blocks = scales.shape
+    is_q4_1 = qs.shape[2] == 16
     for n in prange(num_rows):
         acc = lanes[get_thread_id()]
         for i in range(x.shape[0]):
             acc[:] = 0.0
             for b in range(num_blocks):
                 d, base = scales[n, b], b * BLOCK
-                for j in range(BLOCK):
-                    acc[j] += d * np.float32(qs[n, b, j]) * x[i, base + j]
+                if is_q4_1:
+                    m = mins[n, b]
+                    for j in range(16):
+                        q = qs[n, b, j]
+                        acc[j] += (d * np.float32(q & 15) + m) * x[i, base + j]
+                        acc[j + 16] += (d * np.float32(q >> 4) + m) * x[i, base + 16 + j]
+                else:
+                    for j in range(BLOCK):
+                        acc[j] += d * np.float32(qs[n, b, j]) * x[i, base + j]
             out[i, n] = acc.sum()
 
 
@@ -217,13 +207,9 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x: [M, K] float32 on the CPU -> x @ W.T: [M, N]"""
     xn = np.ascontiguousarray(x.numpy())
     out = np.empty((xn.shape[0], w.shape[0]), dtype=np.float32)
+    mins = w.scales if w.mins is None else w.mins  # Q8_0 has none: any [N, K/32] array
     if xn.shape[0] <= MATVEC_MAX_ROWS:
-        lanes = np.empty((get_num_threads(), BLOCK), dtype=np.float32)
-        if w.kind == "q4_1":
-            q4_1_matvec(xn, w.scales, w.mins, w.qs, out, lanes)
-        else:
-            q8_0_matvec(xn, w.scales, w.qs, out, lanes)
-        return torch.from_numpy(out)
-    tiles = np.zeros((get_num_threads(), TILE, w.shape[1]), dtype=np.float32)
-    block_matmul(xn, w.scales, w.scales if w.mins is None else w.mins, w.qs, out, tiles)
+        block_matvec(xn, w.scales, mins, w.qs, out, np.empty((get_num_threads(), BLOCK), dtype=np.float32))
+    else:
+        block_matmul(xn, w.scales, mins, w.qs, out, np.zeros((get_num_threads(), TILE, w.shape[1]), dtype=np.float32))
     return torch.from_numpy(out)
