@@ -227,7 +227,9 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
                              seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, scale, out, lse,
                              touched, s, kb, vb, m, l, count, marks, cand):
     """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
-    [max(indexed, n - window), n), importance-sampled attention over the rest.
+    [max(indexed, n - window), n), importance-sampled attention over the rest. The tail also
+    takes in the last block (with window < block_size): a block still filling lives in full
+    precision, and sampled rows are read by load_row, which only decodes quantized blocks.
 
     q [B, Hq, D] float32 in the store's key space (already times key_scale); r [B, Hkv * R, D] the
     queries that were hashed, in the same space, R per kv-head: R = group (each head retrieves
@@ -268,7 +270,7 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
         num_indexed = 0
         for st in range(first_set, end_set):
             num_indexed += indexed[st]
-        tail = max(min(num_indexed, n - window), sinks)
+        tail = max(min(num_indexed, n - window, (n - 1) // bs * bs), sinks)  # the last block may still be filling
         _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, 0, sinks, scale,
                       s[item], kb[item], vb[item], lut, acc, m[item], l[item])
         _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, tail, n, scale,

@@ -144,7 +144,8 @@ class MagicPig:
                 mu[b], indexed[b] = state.mu, state.indexed
         out, lse, touched = store.sampled_decode_attention(layer, q, q_codes, block_tables, seq_lens, scale, tables,
                                                            mu, self.log_u, self.cfg.sinks, self.cfg.window)
-        tails = np.maximum(np.minimum(indexed, seq_lens[:, None] - self.cfg.window),
+        last_block = (seq_lens[:, None] - 1) // store.block_size * store.block_size
+        tails = np.maximum(np.minimum(np.minimum(indexed, seq_lens[:, None] - self.cfg.window), last_block),
                            np.minimum(self.cfg.sinks, seq_lens)[:, None])
         self.touched += int(touched.sum())
         self.eligible += int(q.shape[1] * (tails - np.minimum(self.cfg.sinks, seq_lens)[:, None]).sum())

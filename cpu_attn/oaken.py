@@ -335,13 +335,11 @@ def load_block(parts, block, thr, first_seg, width, out, lut):
 
 @njit(cache=True, nogil=True, inline="always")
 def load_row(parts, block, thr, first_seg, offset, out, lut):
-    """Row `offset` of `block` for one kv-head -> out [D] float32 (see load_block)."""
-    dense, scales, counts, sparse, tail, tail_of = parts
-    slot = tail_of[block]
-    if slot >= 0:
-        out[:] = tail[slot, offset, first_seg * SEGMENT:first_seg * SEGMENT + out.shape[0]]
-    else:
-        dequantize_row(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, offset, out, lut)
+    """Row `offset` of `block` for one kv-head -> out [D] float32, for a block that is not still
+    filling (its rows are quantized; see load_block). No tail check here: with it (a branch
+    around the decoder) LLVM compiles the decoder ~2.5x slower, 100 vs 40 ns per sampled row."""
+    dense, scales, counts, sparse = parts[0], parts[1], parts[2], parts[3]
+    dequantize_row(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, offset, out, lut)
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -12,7 +12,8 @@ sequence therefore reads a full-length context every step: the work of the decod
 `concurrency` distinct contexts; only the bytes are shared (cache effects: see the README). The
 counterpart for llama.cpp is `llama-batched-bench -pps` (shared prompt), which does the same.
 
-KV block layout per group of sequences (block_size 16, prompt of P = 496 blocks):
+KV block layout of each concurrency's group of sequences (the next group reuses the blocks; block_size
+16, prompt of P = 496 blocks):
 
     prefix blocks   [0 .. P)                      shared by every sequence
     seq j's own     [P + j*D .. P + (j+1)*D)      D = ceil(steps / 16) + 1 blocks for decoded tokens
@@ -43,6 +44,10 @@ def _copy_blocks(store, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
     """Physically copy KV blocks src -> dst (Oaken: dense codes, scales, counts, sparse entries; else k, v)."""
     s, d = np.asarray(src), np.asarray(dst)
     if hasattr(store, "dense"):  # [layers, 2, num_blocks, ...]; the prompt's blocks are full, so no tail slot
+        stale = store.tail_of[:, d]  # a freed sequence's block that was still filling: drop its tail slot
+        for layer, j in zip(*np.nonzero(stale >= 0)):
+            store.tail_block[layer, stale[layer, j]] = -1
+        store.tail_of[:, d] = -1
         for arr in (store.dense, store.scales, store.counts, store.sparse):
             arr[:, :, d] = arr[:, :, s]
     else:  # [layers, num_blocks, ...]
@@ -50,8 +55,17 @@ def _copy_blocks(store, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
             arr[:, d] = arr[:, s]
 
 
+def prefill_one(backend, prompt: list[int], blocks: tuple[int, ...]) -> int:
+    """The backend's own prefill of `prompt` as sequence 0 -> the first token it samples."""
+    from server.backend import SamplingParams, SeqChunk, StepInput
+
+    return backend.step(StepInput((SeqChunk(0, tuple(prompt), 0, blocks, SamplingParams(temperature=0.0)),))).sampled[0]
+
+
 def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, warmup_steps: int = 2,
-        is_distinct: bool = False) -> list[dict]:
+        is_distinct: bool = False, prefill=prefill_one) -> list[dict]:
+    """`prefill(backend, prompt, blocks)` fills sequence 0's KV (and MagicPIG state) and returns its
+    first token (default: prefill_one)."""
     from server.backend import SamplingParams, SeqChunk, StepInput
 
     bs = backend.kv_spec.block_size
@@ -60,12 +74,12 @@ def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, wa
     assert len(prompt) % bs == 0, "a prompt of whole blocks keeps the decoded tokens out of the shared blocks"
     prefix = tuple(range(num_prefix))
     t0 = time.perf_counter()
-    out = backend.step(StepInput((SeqChunk(0, tuple(prompt), 0, prefix, greedy),)))
+    first = prefill(backend, prompt, prefix)
     prefill_s = time.perf_counter() - t0
-    first = out.sampled[0]
     per_seq = math.ceil((num_steps + 1) / bs) + 1
-    next_block, next_seq, rows = num_prefix, 1, []
+    next_seq, rows = 1, []
     for c in concurrencies:
+        next_block = num_prefix  # the blocks of the previous concurrency's sequences, freed, are reused
         seqs = list(range(next_seq, next_seq + c))
         next_seq += c
         own = {}
@@ -124,7 +138,7 @@ def main() -> None:
     serve = argparse.ArgumentParser()
     add_arguments(serve)
     serve_args = [a for a in args.serve_args if a != "--"]
-    total = sum(args.concurrency) * (args.steps + 2 * 16 + args.distinct * args.context_tokens) + args.context_tokens
+    total = max(args.concurrency) * (args.steps + 2 * 16 + args.distinct * args.context_tokens) + args.context_tokens
     cfg = from_args(serve.parse_args(["--max-num-seqs", str(max(args.concurrency)),
                                       "--kv-cache-bytes", str(total * 2 * 30 * 3 * 64 * 4), *serve_args]))
     engine, _, _ = build_engine(cfg)  # the engine thread is not started: the backend is driven directly

@@ -1,0 +1,285 @@
+"""Long-context decode with the linears on a GPU and Oaken KV + MagicPIG on the host CPUs
+(hetserve's split) against GPU-only attention: bf16 KV on the GPU, torch SDPA, at the largest
+batch that fits (issue #10's GPU benchmark; needs a CUDA device, never runs in CI).
+
+    python -m benchmarks.bench_gpu_offload --context 32768 65536 98304 --batch 4 8 16 --steps 16
+
+The model is Llama-3.1-8B-shaped with random weights (`--shape tiny` is a small shape for a CPU
+smoke run). GPU-only decode costs the same whatever the weights and KV hold (dense attention reads
+every key), so its cache is filled with random values. hetserve's does depend on the data: the
+share of keys MagicPIG samples follows the keys' geometry, so it is reported (`keys_touched_frac`;
+SmolLM2 on real text: ~6.4 % at 8k, README) and random weights are not a claim about a trained
+model's sampling rate.
+
+Per context: the Oaken thresholds are calibrated on the random model, one prompt of random tokens
+is prefilled on the GPU (SDPA, causal) and its K, V and key codes go to hetserve's CPU store and
+tables, then every batch size decodes from per-sequence copies of them
+(`benchmarks.e2e.decode_only.run --distinct`). A batch size whose KV and tables would not fit in
+host memory is skipped, with a note. The GPU-only side then takes the largest batch whose bf16
+KV fits beside the weights (`--gpu-reserve-gb` kept free for activations).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import RESULTS, machine, print_table
+from benchmarks.e2e.decode_only import run as decode_run
+from cpu_attn.calibrate import calibrate
+from cpu_attn.kv_store import OakenKVStore, bytes_per_block
+from cpu_attn.magicpig import LshConfig
+from cpu_attn.worker import ChunkLayout
+from gpu_model.config import ModelConfig
+from gpu_model.model import LlamaModel, rope_inv_freq
+
+SHAPES = {
+    "llama-3.1-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                                rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                                              ("original_max_position_embeddings", 8192), ("rope_type", "llama3")),
+                                max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+                                eos_token_ids=(128001, 128008, 128009)),
+    "tiny": ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
+                        num_kv_heads=2, head_dim=64, max_position_embeddings=131072),
+}
+BLOCK_SIZE = 16
+
+
+def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0) -> LlamaModel:
+    """A LlamaModel of shape `cfg` with N(0, 0.02) weights and unit norms, made on `device` in `dtype`."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        model.inv_freq.copy_(rope_inv_freq(cfg))
+    return model.eval().requires_grad_(False)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """q [B, Hq, T, D], k, v [B, Hkv, S, D] -> [B, T, Hq * D] with SDPA. Decode (not causal) reads
+    the cache as it is (enable_gqa: FlashAttention on CUDA); the causal prefill repeats the kv-heads
+    once per prompt instead, which every fused backend takes (one that does not take GQA would fall
+    back to materializing the S x S scores)."""
+    if is_causal:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return o.transpose(1, 2).flatten(2)
+
+
+@torch.inference_mode()
+def gpu_prefill(backend, prompt: list[int], blocks: tuple[int, ...]) -> int:
+    """decode_only's `prefill`: sequence 0's prompt through the model on its device with SDPA; each
+    layer's K, V and key codes are appended to the backend's CPU store and MagicPIG tables (no
+    attention on the CPU: a 64k-token causal prefill there would take tens of minutes)."""
+    model, coder, attn = backend.model, backend.model_worker.lsh, backend.attn_worker
+    dev, n = model.device, len(prompt)
+    attn.begin_step([ChunkLayout(n, 0, blocks, 0)])
+    x = model.embed(torch.tensor(prompt, device=dev))
+    cos, sin = model.rope(torch.arange(n, device=dev))
+    for i in range(model.cfg.num_layers):
+        q, k, v = model.pre_attention(i, x, cos, sin)
+        codes = None if coder is None else coder.codes(i, q[-1:], k, [(0, 0, n)])
+        attn.append(i, k.float().cpu(), v.float().cpu(), None if codes is None else codes[1])
+        o = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], True)[0]
+        x = model.post_attention(i, x, o)
+    return int(model.logits(x[-1:]).argmax(-1).item())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def gpu_only_decode(model: LlamaModel, batch: int, context: int, steps: int, warmup: int = 2) -> dict:
+    """`batch` sequences decoding at `context` tokens with the whole KV in the model's dtype on its
+    device ([layers, batch, Hkv, context + steps, D], random values) and SDPA -> tok/s."""
+    cfg, dev = model.cfg, model.device
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, context + steps + warmup, cfg.head_dim)
+    cache_k = torch.empty(shape, dtype=model.dtype, device=dev).normal_()
+    cache_v = torch.empty(shape, dtype=model.dtype, device=dev).normal_()
+    tokens = torch.randint(0, cfg.vocab_size, (batch,), device=dev)
+    times = []
+    for step in range(steps + warmup):
+        pos = context + step
+        _sync(dev)
+        t0 = time.perf_counter()
+        x = model.embed(tokens)
+        cos, sin = model.rope(torch.full((batch,), pos, device=dev))
+        for i in range(cfg.num_layers):
+            q, k, v = model.pre_attention(i, x, cos, sin)
+            cache_k[i, :, :, pos], cache_v[i, :, :, pos] = k, v
+            o = _attention(q[:, :, None], cache_k[i, :, :, :pos + 1], cache_v[i, :, :, :pos + 1], False)
+            x = model.post_attention(i, x, o[:, 0])
+        tokens = model.logits(x).argmax(-1)
+        _sync(dev)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    del cache_k, cache_v
+    step_s = float(np.mean(times))
+    return {"batch": batch, "decode_tok_s": batch / step_s, "mean_step_ms": 1e3 * step_s}
+
+
+def gpu_only_max_batch(cfg: ModelConfig, context: int, steps: int, dtype: torch.dtype, device: torch.device,
+                       reserve_bytes: float, limit: int) -> int:
+    """Largest batch whose KV cache fits in the device's free memory less `reserve_bytes`."""
+    per_seq = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (context + steps + 2) * dtype.itemsize
+    if device.type != "cuda":
+        return limit
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(limit, int((free - reserve_bytes) // per_seq))
+
+
+def host_bytes_per_seq(cfg: ModelConfig, lsh: LshConfig, context: int) -> int:
+    """Oaken KV plus MagicPIG tables (~2L bytes per key, per sampled layer and kv-head) of one sequence."""
+    blocks = math.ceil(context / BLOCK_SIZE) + 2
+    kv = blocks * bytes_per_block("oaken", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, 0.125)
+    dense = lsh.dense_layers if lsh.dense_layers is not None else (0, cfg.num_layers // 2)
+    tables = (cfg.num_layers - len(set(dense))) * cfg.num_kv_heads * context * (2 * lsh.l + 4)
+    return kv + tables
+
+
+def hetserve_backend(model: LlamaModel, thresholds: Path, context: int, steps: int, max_batch: int, lsh: LshConfig):
+    from server.hetero import HeteroBackend
+
+    cfg = model.cfg
+    per_block = bytes_per_block("oaken", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, 0.125)
+    geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
+    blocks = (max_batch + 1) * (math.ceil(context / BLOCK_SIZE) + math.ceil((steps + 3) / BLOCK_SIZE) + 2)
+    capacity = blocks * per_block + OakenKVStore.tail_bytes(*geometry, max_batch + 1)
+    return HeteroBackend(None, model=model, device=model.device.type, dtype=str(model.dtype).removeprefix("torch."),
+                         kv_format="oaken", kv_capacity_bytes=capacity, block_size=BLOCK_SIZE, max_model_len=None,
+                         oaken_thresholds_path=str(thresholds), oaken_recent_blocks=max_batch + 1, lsh=lsh)
+
+
+def run_context(model: LlamaModel, thresholds: Path, context: int, batches: list[int], steps: int, lsh: LshConfig,
+                reserve_bytes: float, max_gpu_batch: int) -> dict:
+    import psutil
+
+    cfg, rng = model.cfg, np.random.default_rng(context)
+    per_seq = host_bytes_per_seq(cfg, lsh, context)
+    room = int(0.85 * psutil.virtual_memory().available // per_seq) - 1  # the prompt's own copy too
+    fit = [b for b in batches if b <= room]
+    row = {"context": context, "host_bytes_per_seq": per_seq, "skipped_batches": [b for b in batches if b > room],
+           "hetserve": []}
+    if fit:
+        backend = hetserve_backend(model, thresholds, context, steps, max(fit), lsh)
+        prompt = rng.integers(0, cfg.vocab_size, context // BLOCK_SIZE * BLOCK_SIZE).tolist()
+        row["hetserve"] = decode_run(backend, prompt, fit, steps + 2, is_distinct=True, prefill=gpu_prefill)
+        touched, eligible = backend.attn_worker.sparse.take_stats()
+        row["keys_touched_frac"] = touched / max(eligible, 1)
+        del backend
+        gc.collect()
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
+    gpu_batch = gpu_only_max_batch(cfg, context, steps, model.dtype, model.device, reserve_bytes, max_gpu_batch)
+    row["gpu_only"] = gpu_only_decode(model, gpu_batch, context, steps) if gpu_batch >= 1 else None
+    best = max((r["decode_tok_s"] for r in row["hetserve"]), default=None)
+    if best is not None and row["gpu_only"]:
+        row["ratio"] = best / row["gpu_only"]["decode_tok_s"]
+    return row
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        gpu = r["gpu_only"] or {}
+        for h in r["hetserve"] or [{}]:
+            out.append({"context": r["context"], "hetserve_batch": h.get("concurrency"),
+                        "hetserve_tok_s": h.get("decode_tok_s"), "hetserve_step_ms": h.get("mean_step_ms"),
+                        "cpu_attn_ms": h.get("parts_ms", {}).get("cpu_attn"),
+                        "keys_touched": r.get("keys_touched_frac"), "gpu_only_batch": gpu.get("batch"),
+                        "gpu_only_tok_s": gpu.get("decode_tok_s"),
+                        "ratio": h["decode_tok_s"] / gpu["decode_tok_s"] if h and gpu else None})
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    xs = np.arange(len(rows))
+    batches = sorted({h["concurrency"] for r in rows for h in r["hetserve"]})
+    width = 0.8 / (len(batches) + 1)
+    for j, b in enumerate(batches):
+        ys = [next((h["decode_tok_s"] for h in r["hetserve"] if h["concurrency"] == b), 0) for r in rows]
+        ax.bar(xs + j * width, ys, width, label=f"hetserve, batch {b}")
+    ys = [(r["gpu_only"] or {}).get("decode_tok_s", 0) for r in rows]
+    labels = [(r["gpu_only"] or {}).get("batch", 0) for r in rows]
+    bars = ax.bar(xs + len(batches) * width, ys, width, label="GPU-only SDPA, largest batch", color="k")
+    for bar, b in zip(bars, labels):
+        ax.annotate(f"b={b}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=8)
+    ax.set_xticks(xs + len(batches) * width / 2, [f"{r['context'] // 1024}k" for r in rows])
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("decode tokens/s")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    ap.add_argument("--context", type=int, nargs="+", default=[32768, 65536, 98304])
+    ap.add_argument("--batch", type=int, nargs="+", default=[4, 8, 16], help="hetserve batch sizes")
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps (2 more warm up)")
+    ap.add_argument("--device", default="cuda", help="where the linears (and GPU-only attention) run")
+    ap.add_argument("--gpu-reserve-gb", type=float, default=4.0, help="device memory left for activations")
+    ap.add_argument("--max-gpu-batch", type=int, default=256)
+    ap.add_argument("--calibration-windows", type=int, default=8)
+    ap.add_argument("--lsh-l", type=int, default=LshConfig.l)
+    ap.add_argument("--out", default=str(RESULTS / "gpu_offload.json"))
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu_offload needs a CUDA device (--device cpu --shape tiny is a smoke run)")
+    cfg = SHAPES[args.shape]
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = random_model(cfg, args.device, dtype)
+    lsh = LshConfig(l=args.lsh_l)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    thresholds = out.with_name(out.stem + "_thresholds.json")
+    windows = np.random.default_rng(1).integers(0, cfg.vocab_size, (args.calibration_windows, 512)).tolist()
+    calibrate(model, windows, context_tokens=max(args.context)).save(thresholds)
+    rows = []
+    for context in args.context:
+        print(f"context {context}: prefill on {args.device}, then hetserve batches {args.batch}, then GPU-only", flush=True)
+        rows.append(run_context(model, thresholds, context, args.batch, args.steps, lsh, args.gpu_reserve_gb * 2**30,
+                                args.max_gpu_batch))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "hetserve"}), flush=True)
+    print_table(table_rows(rows), ["context", "hetserve_batch", "hetserve_tok_s", "hetserve_step_ms", "cpu_attn_ms",
+                                   "keys_touched", "gpu_only_batch", "gpu_only_tok_s", "ratio"])
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    result = {"shape": args.shape, "device": device, "machine": machine(), "torch": torch.__version__,
+              "steps": args.steps, "lsh_l": args.lsh_l, "rows": rows}
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out} and {plot(rows, out.with_suffix('.png'))}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
