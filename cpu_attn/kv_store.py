@@ -377,53 +377,56 @@ class OakenKVStore:
         return {"values": values, "sparse": entries, "outer": outer}
 
 
-def _int4_roundtrip(x: np.ndarray, axis: int) -> np.ndarray:
-    """Asymmetric 4-bit quantize-dequantize along `axis`, min and scale kept as float16."""
+def _int_roundtrip(x: np.ndarray, axis: int, bits: int = 4) -> np.ndarray:
+    """Asymmetric `bits`-bit quantize-dequantize along `axis`, min and scale kept as float16."""
+    top = 2**bits - 1
     lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
-    scale = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+    scale = ((hi - lo) / top).astype(np.float16).astype(np.float32)
     lo = lo.astype(np.float16).astype(np.float32)
     safe = np.where(scale > 0, scale, 1)
-    return (np.clip(np.rint((x - lo) / safe), 0, 15) * scale + lo).astype(np.float32)
+    return (np.clip(np.rint((x - lo) / safe), 0, top) * scale + lo).astype(np.float32)
 
 
 class SimQuantKVStore(PagedKVStore):
-    """The two 4-bit baselines of the accuracy table, simulated on an fp32 store: values are
+    """The integer baselines of the accuracy table, simulated on an fp32 store: values are
     quantized and dequantized as they are appended, so attention sees exactly what the format
     would give, but memory is fp32 (they are for comparison, not for serving).
 
     int4: per token, one min/scale over all KV heads of a layer (the same unit as Oaken's scales),
           no outlier handling.
+    int5: the same with 5 bits: 5.17 bits per value at SmolLM2's shape, Oaken's own realized
+          bits, so the two compare at equal bits.
     kivi: KIVI-style; keys per channel and values per token (per head) over each full block, the
           block being filled (the most recent < block_size tokens) kept in full precision.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  kind: str):
-        if kind not in ("int4", "kivi"):
+        if kind not in ("int4", "int5", "kivi"):
             raise ValueError(f"unknown simulated KV format {kind!r}")
         super().__init__(num_layers, num_kv_heads, head_dim, block_size, num_blocks, "float32")
         self.kind = kind
 
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
               positions: np.ndarray | None = None) -> None:
-        if self.kind == "int4":
-            c = self.num_kv_heads * self.head_dim
-            k, v = (_int4_roundtrip(x.reshape(-1, c), 1).reshape(x.shape) for x in (k, v))
+        if self.kind in ("int4", "int5"):
+            c, bits = self.num_kv_heads * self.head_dim, int(self.kind[3])
+            k, v = (_int_roundtrip(x.reshape(-1, c), 1, bits).reshape(x.shape) for x in (k, v))
         super().write(layer, slot_mapping, k, v)
         if self.kind == "kivi":
             for block in slot_mapping[slot_mapping % self.block_size == self.block_size - 1] // self.block_size:
                 kb, vb = self.k[layer, block], self.v[layer, block]  # [Hkv, block_size, D]
-                kb[:] = _int4_roundtrip(kb, 1)  # per channel, over the block's tokens
-                vb[:] = _int4_roundtrip(vb, 2)  # per token and head
+                kb[:] = _int_roundtrip(kb, 1)  # per channel, over the block's tokens
+                vb[:] = _int_roundtrip(vb, 2)  # per token and head
 
     def effective_bits(self) -> float:
         c = self.num_kv_heads * self.head_dim
-        if self.kind == "int4":
-            return 4 + 32 / c
+        if self.kind in ("int4", "int5"):
+            return int(self.kind[3]) + 32 / c
         return 4 + (32 / self.block_size + 32 / self.head_dim) / 2
 
 
-KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "kivi")
+KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "int5", "kivi")
 
 
 def bytes_per_block(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -444,7 +447,7 @@ def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int
             raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
         return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales, recent_blocks,
                             oaken_cal.key_bias, oaken_cal.value_scales, oaken_cal.rope_inv_freq)
-    if kv_format in ("int4", "kivi"):
+    if kv_format in ("int4", "int5", "kivi"):
         return SimQuantKVStore(*geometry, kv_format)
     if kv_format in ("fp16", "fp32"):
         return PagedKVStore(*geometry, "float16" if kv_format == "fp16" else "float32")

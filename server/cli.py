@@ -88,12 +88,14 @@ def serve(cfg: ServeConfig) -> None:
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
-    from cpu_attn.calibrate import DEFAULT_TEXT
+    from cpu_attn.calibrate import CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT
 
     p.add_argument("--text", default=str(DEFAULT_TEXT),
                    help="text file to calibrate on (default: WikiText-2 valid; never the test split used for scoring)")
-    p.add_argument("--num-windows", type=int, default=100, help="windows of text to run (default: 100)")
-    p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
+    p.add_argument("--num-windows", type=int, default=CALIBRATION_WINDOWS,
+                   help=f"windows of text to run (default: {CALIBRATION_WINDOWS})")
+    p.add_argument("--window-tokens", type=int, default=CALIBRATION_WINDOW_TOKENS,
+                   help=f"tokens per window (default: {CALIBRATION_WINDOW_TOKENS})")
     p.add_argument("--outer-ratio", type=float, default=0.04, help="share of values in the outer group (default: 0.04)")
     p.add_argument("--inner-ratio", type=float, default=0.06, help="share of values in the inner group (default: 0.06)")
     p.add_argument("--key-smoothing", type=float, default=0.75,
@@ -137,14 +139,14 @@ def calibrate_command(args: argparse.Namespace) -> None:
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    from cpu_attn.calibrate import DEFAULT_TEXT
+    from cpu_attn.calibrate import CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT
 
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the linear layers' dtype, for every variant and the reference (default: float32)")
     p.add_argument("--kv-format", default="oaken",
-                   help="KV format(s) to score, comma-separated, from oaken, fp16, fp32, int4, kivi (default: oaken)")
+                   help="KV format(s) to score, comma-separated, from oaken, fp16, fp32, int4, int5, kivi (default: oaken)")
     p.add_argument("--text", default=str(DEFAULT_TEXT.with_name("test.txt")), help="text file (default: WikiText-2 test)")
     p.add_argument("--num-windows", type=int, default=20, help="windows of text (default: 20)")
     p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")

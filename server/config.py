@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "kivi")  # the same tuple as cpu_attn.kv_store's, without numba
+KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "int5", "kivi")  # the same tuple as cpu_attn.kv_store's, without numba
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -56,7 +56,7 @@ class ServeConfig:
     gguf_blocks_max_tokens: int = _opt(64, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
                                            "own Q4_1/Q8_0 blocks instead of the fp32 copy (0 = never)")
     kv_format: str = _opt("fp16", "KV cache format in the CPU store: oaken (about 5 bits, calibrated), fp16, fp32, "
-                                  "or the 4-bit baselines int4 and kivi (simulated on fp32 memory, for comparison)")
+                                  "or the integer baselines int4, int5 and kivi (simulated on fp32 memory, for comparison)")
     oaken_thresholds: str | None = _opt(None, "Oaken thresholds JSON from `hetserve calibrate` (default: the model "
                                               "cache's, calibrated on first use when missing)")
     oaken_sparse_fraction: float = _opt(0.125, "Oaken sparse entries a KV block has room for, as a share of its values")

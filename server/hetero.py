@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from cpu_attn.calibrate import (CALIBRATION_VERSION, DEFAULT_TEXT, OakenThresholds, calibrate, text_windows,
-                                thresholds_file)
+from cpu_attn.calibrate import (CALIBRATION_VERSION, CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT,
+                                OakenThresholds, calibrate, text_windows, thresholds_file)
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.worker import AttentionWorker, ChunkLayout
@@ -42,11 +42,11 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
                            "run `hetserve calibrate --text FILE` first, or pass --oaken-thresholds")
     from gpu_model.tokenizer import Tokenizer
 
-    log.warning("%s: calibrating Oaken thresholds on 32 windows of %s (once, about a minute)",
+    log.warning("%s: calibrating Oaken thresholds on %d windows of %s (once, 1-2 minutes)",
                 "no Oaken thresholds for this model yet" if found is None
-                else f"older calibration (version {found.version})", DEFAULT_TEXT)
+                else f"older calibration (version {found.version})", CALIBRATION_WINDOWS, DEFAULT_TEXT)
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(DEFAULT_TEXT.read_text())
-    result = calibrate(model, text_windows(ids, 32, 512))
+    result = calibrate(model, text_windows(ids, CALIBRATION_WINDOWS, CALIBRATION_WINDOW_TOKENS))
     result.save(cached)
     log.info("Oaken thresholds saved to %s", cached)
     return result

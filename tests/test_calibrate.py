@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_attn.calibrate import (CALIBRATION_VERSION, OakenThresholds, calibrate, collect_kv, text_windows,
+from cpu_attn.calibrate import (CALIBRATION_VERSION, CALIBRATION_WINDOWS, OakenThresholds, calibrate, collect_kv, text_windows,
                                window_starts, window_thresholds)
 from tests.test_model import tiny_model_dir
 
@@ -106,7 +106,7 @@ def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monke
     calls = []
     monkeypatch.setattr(hetero, "calibrate", lambda model, windows: calls.append(len(windows)) or fresh)
     monkeypatch.setattr(gpu_model.tokenizer, "Tokenizer",
-                        lambda *a: types.SimpleNamespace(encode=lambda text: list(range(600 * 32))))
+                        lambda *a: types.SimpleNamespace(encode=lambda text: list(range(512 * CALIBRATION_WINDOWS))))
     text = tmp_path / "valid.txt"
     text.write_text("some text")
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
@@ -121,10 +121,10 @@ def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monke
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", tmp_path / "missing.txt")
     assert (hetero.oaken_thresholds(model, tmp_path, None).values == 1).all() and calls == []
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
-    assert (hetero.oaken_thresholds(model, tmp_path, None).values == 0).all() and calls == [32]
+    assert (hetero.oaken_thresholds(model, tmp_path, None).values == 0).all() and calls == [CALIBRATION_WINDOWS]
     assert OakenThresholds.load(cached).version == CALIBRATION_VERSION
     # a bf16 model gets its own calibration, beside the fp32 one
     bf16 = types.SimpleNamespace(cfg=model.cfg, dtype=torch.bfloat16)
-    assert (hetero.oaken_thresholds(bf16, tmp_path, None).values == 0).all() and calls == [32, 32]
+    assert (hetero.oaken_thresholds(bf16, tmp_path, None).values == 0).all() and calls == [CALIBRATION_WINDOWS] * 2
     assert (tmp_path / "oaken_thresholds_bfloat16.json").is_file()
-    assert hetero.oaken_thresholds(bf16, tmp_path, None) is not None and calls == [32, 32]
+    assert hetero.oaken_thresholds(bf16, tmp_path, None) is not None and calls == [CALIBRATION_WINDOWS] * 2

@@ -268,7 +268,13 @@ def test_simulated_baselines():
     assert all(len(np.unique(v[t, 0])) <= 16 for t in range(32))  # values per token and head
     assert np.abs(k[:32] - x[:32]).max() < 0.5 and not np.array_equal(k[:32], x[:32])
     assert int4.effective_bits() == 4 + 32 / 128 and kivi.effective_bits() == 4 + (2 + 0.5) / 2
-    assert set(KV_FORMATS) == {"oaken", "fp16", "fp32", "int4", "kivi"}
+    int5 = SimQuantKVStore(1, 2, 64, 16, 4, "int5")
+    int5.write(0, slots, x, x)
+    k5 = int5.gather(0, [0, 1, 2], 40)[0].reshape(40, -1)
+    assert (np.abs(k5 - flat).max(1) <= step * 15 / 31 / 2 * 1.01 + 2e-3).all() and len(np.unique(k5[0])) <= 32
+    assert np.abs(k5 - flat).mean() < 0.6 * np.abs(kflat - flat).mean()  # one more bit: about half the error
+    assert int5.effective_bits() == 5 + 32 / 128
+    assert set(KV_FORMATS) == {"oaken", "fp16", "fp32", "int4", "int5", "kivi"}
 
 
 def test_eval_exact_format_agrees_and_oaken_is_close(tmp_path):
