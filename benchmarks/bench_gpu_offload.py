@@ -190,7 +190,13 @@ def run_context(model: LlamaModel, thresholds: Path, context: int, batches: list
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
     gpu_batch = gpu_only_max_batch(cfg, context, steps, model.dtype, model.device, reserve_bytes, max_gpu_batch)
-    row["gpu_only"] = gpu_only_decode(model, gpu_batch, context, steps) if gpu_batch >= 1 else None
+    row["gpu_only"] = None
+    while gpu_batch >= 1 and row["gpu_only"] is None:
+        try:
+            row["gpu_only"] = gpu_only_decode(model, gpu_batch, context, steps)
+        except torch.cuda.OutOfMemoryError:  # activations took more than the reserve: one sequence fewer
+            gpu_batch -= 1
+            torch.cuda.empty_cache()
     best = max((r["decode_tok_s"] for r in row["hetserve"]), default=None)
     if best is not None and row["gpu_only"]:
         row["ratio"] = best / row["gpu_only"]["decode_tok_s"]

@@ -326,13 +326,13 @@ class OakenKVStore:
 
     def sampled_decode_attention(self, layer: int, q: np.ndarray, q_codes: np.ndarray, block_tables: np.ndarray,
                                  seq_lens: np.ndarray, scale: float, tables: tuple[np.ndarray, ...], mu: np.ndarray,
-                                 log_u: np.ndarray, num_sinks: int, window: int
+                                 log_u: np.ndarray, num_sinks: int, window: int, min_hits: int = 2
                                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """MagicPIG attention (cpu_attn/lsh.py): q [B, Hq, D], q_codes int32 [B, Hq, L] (each head
         hashed) or [B, Hkv, L] (each GQA group's mean query hashed, gpu_model.lsh); tables =
         (set_of [B, Hkv, 2] each item's range of sets, indexed [S], offsets [S, L, 2^K + 1],
         ids [S, L, cap], or typed Lists of the per-set 2-D arrays); mu [B, Hkv, D] the
-        keys' centers; log_u from lsh.log_u_table; window >= 1 (the current token is always exact).
+        keys' centers; log_u from lsh.log_u_table (same min_hits); window >= 1 (the current token is always exact).
         -> out [B, Hq, D], lse [B, Hq], touched [B, Hq] (keys sampled per query head)."""
         if window < 1:
             raise ValueError("the exact local window must hold at least the current token")
@@ -355,7 +355,7 @@ class OakenKVStore:
             self._store_queries(layer, q), r_store, np.linalg.norm(r, axis=-1).astype(np.float32),
             np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0),
             self._read_parts(layer, 1), self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer),
-            key_scale, mu, block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window,
+            key_scale, mu, block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, min_hits,
             np.float32(scale), out, lse, touched,
             *lsh.sampled_scratch(num_seqs * self.num_kv_heads, group, self.block_size, head_dim, capacity))
         return self._true_output(layer, out), lse, touched

@@ -1,5 +1,5 @@
 """MagicPIG sampled attention over the Oaken store (issue #4): LSH hash tables, retrieval of the
-keys that collide with a query in at least 2 of L tables, and the importance-sampled estimator
+keys that collide with a query in at least m (2) of L tables, and the importance-sampled estimator
 merged with exact attention over the sinks and the local window.
 
 Codes come from gpu_model/lsh.py (keys centered on their mean prefill key, queries as they are).
@@ -14,13 +14,17 @@ per set). A (sequence, layer, kv-head) indexes its first keys in consecutive set
 the last: positions 0 .. MAX_KEYS - 1 in the first, MAX_KEYS .. in the second, and so on.
 
 A key collides with the query in one table with probability p^K, p = 1 - angle / pi, so it is
-retrieved (>= 2 of L tables) with probability
-    u = 1 - (1 - p^K)^L - L p^K (1 - p^K)^(L - 1).
+retrieved (>= m of L tables; MagicPIG's m = 2) with probability
+    u = P(Binomial(L, p^K) >= m)    (m = 2: 1 - (1 - p^K)^L - L p^K (1 - p^K)^(L - 1)).
+A larger m with more tables keeps the likely keys (u near 1 at high similarity) and drops more of
+the many dissimilar ones, whose weights e^s are small.
 A retrieved key enters the softmax with weight e^s / u, i.e. with logit s - ln u, which is the
 self-normalized importance-sampling estimator; sinks and the local window enter with weight
 e^s. Both go through the same online softmax, so merging them is exact log-sum-exp arithmetic.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import njit, prange
@@ -33,16 +37,19 @@ LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
 _LOG_U_FLOOR = -80.0
 
 
-def inclusion_probability(cos: np.ndarray, k: int, l: int) -> np.ndarray:
+def inclusion_probability(cos: np.ndarray, k: int, l: int, m: int = 2) -> np.ndarray:
     """u for cos(angle(q, k)) (float64, exact formula; the kernel interpolates log_u_table)."""
     p = 1 - np.arccos(np.clip(cos, -1, 1)) / np.pi
-    pk = p**k
-    return 1 - (1 - pk) ** l - l * pk * (1 - pk) ** (l - 1)
+    pk = np.asarray(p**k, np.float64)
+    miss = np.zeros_like(pk)  # P(fewer than m collisions) = sum over j < m of C(L, j) pk^j (1 - pk)^(L - j)
+    for j in range(m):
+        miss += math.comb(l, j) * pk**j * (1 - pk) ** (l - j)
+    return 1 - miss
 
 
-def log_u_table(k: int, l: int) -> np.ndarray:
+def log_u_table(k: int, l: int, m: int = 2) -> np.ndarray:
     """ln u on LOG_U_POINTS evenly spaced cos values from -1 to 1, float32, floored at -80."""
-    u = inclusion_probability(np.linspace(-1, 1, LOG_U_POINTS), k, l)
+    u = inclusion_probability(np.linspace(-1, 1, LOG_U_POINTS), k, l, m)
     return np.maximum(np.log(np.maximum(u, 1e-300)), _LOG_U_FLOOR).astype(np.float32)
 
 
@@ -163,9 +170,9 @@ def merge_tables(offsets, ids, num_old, codes, new_offsets, new_ids):
 
 
 @njit(cache=True, nogil=True)
-def collect_candidates(q_codes, offsets, ids, num_keys, lo, hi, count, cand, base):
+def collect_candidates(q_codes, offsets, ids, num_keys, lo, hi, count, cand, base, m=2):
     """Keys in [lo, hi) of one table set (offsets, ids, num_keys) that share the query's bucket in
-    >= 2 tables -> their positions (base + key) in cand[:n]; returns n.
+    >= m tables -> their positions (base + key) in cand[:n]; returns n.
     count: [>= hi] uint8 scratch, all zero on entry and on return.
 
     Each table costs two dependent misses (bucket offset, then its ids) when the tables are
@@ -183,8 +190,8 @@ def collect_candidates(q_codes, offsets, ids, num_keys, lo, hi, count, cand, bas
             key = get_id(ids[t], i, bits)
             if lo <= key < hi:
                 c = count[key] + 1
-                count[key] = min(c, 2)
-                if c == 2:
+                count[key] = min(c, m)
+                if c == m:
                     cand[n] = base + key
                     n += 1
     count[lo:max(lo, hi)] = 0  # a memset: cheaper than walking the buckets again (0.15 n ids at K 10, L 150)
@@ -224,8 +231,8 @@ def _prefetch_rows(k_parts, v_parts, table, positions, first_seg):
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr_v, k_center, key_scale, mu, block_tables,
-                             seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, scale, out, lse,
-                             touched, s, kb, vb, m, l, count, marks, cand):
+                             seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, min_hits, scale, out,
+                             lse, touched, s, kb, vb, m, l, count, marks, cand):
     """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
     [max(indexed, n - window), n), importance-sampled attention over the rest. The tail also
     takes in the last block (with window < block_size): a block still filling lives in full
@@ -238,7 +245,8 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
     oaken_decode_attention (with tails, and the keys' centers k_center); key_scale [Hkv, D] (ones
     without key smoothing); mu [B, Hkv, D] the keys' centers for LSH in store space; set_of
     [B, Hkv, 2] the range [first, end) of each item's table sets, indexed [S] keys in each set,
-    offsets [S, L, 2^K + 1], ids [S, L, >= bytes] (packed for indexed[S] keys); log_u [LOG_U_POINTS].
+    offsets [S, L, 2^K + 1], ids [S, L, >= bytes] (packed for indexed[S] keys); log_u [LOG_U_POINTS]
+    (log_u_table of the same K, L and min_hits, the collisions a key needs to be retrieved).
     Writes out [B, Hq, D], lse [B, Hq] and touched [B, Hq] (keys sampled per query head).
     Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
     count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, cap >= the keys an item indexes.
@@ -283,7 +291,7 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
             for st in range(first_set, end_set):
                 if base < tail:
                     found += collect_candidates(r_codes[b, h], offsets[st], ids[st], indexed[st], max(sinks - base, 0),
-                                                tail - base, count[item], mine[found:], base)
+                                                tail - base, count[item], mine[found:], base, min_hits)
                 base += indexed[st]
             for gg in range(group):
                 if not per_head or gg == g:

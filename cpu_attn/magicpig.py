@@ -40,10 +40,13 @@ class LshConfig:
     merge_every: int = 256
     seed: int = 0
     retrieval: str = "group"  # one retrieval per GQA group (its mean query); "head": each query head's own (MagicPIG)
+    min_collisions: int = 2  # tables a key must share with the query to be retrieved (MagicPIG: 2)
 
     def __post_init__(self) -> None:
         if not (1 <= self.k <= 15 and self.l >= 2 and self.sinks >= 0 and self.window >= 1 and self.merge_every >= 1):
             raise ValueError("LSH needs 1 <= k <= 15, l >= 2, sinks >= 0, window >= 1, merge_every >= 1")
+        if not 1 <= self.min_collisions <= min(self.l, 255):
+            raise ValueError(f"LSH min_collisions must be in 1 .. min(l, 255), not {self.min_collisions}")
         if self.retrieval not in RETRIEVALS:
             raise ValueError(f"LSH retrieval must be one of {', '.join(RETRIEVALS)}, not {self.retrieval!r}")
 
@@ -64,7 +67,7 @@ class MagicPig:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         dense = cfg.dense_layers if cfg.dense_layers is not None else (0, num_layers // 2)
         self.sampled_layers = [layer not in dense for layer in range(num_layers)]
-        self.log_u = lsh.log_u_table(cfg.k, cfg.l)
+        self.log_u = lsh.log_u_table(cfg.k, cfg.l, cfg.min_collisions)
         self.seqs: dict[int, list[_Layer | None]] = {}
         self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.uint16), lsh.empty_ids(cfg.l, 0))
         self._lists: dict[int, tuple] = {}  # per layer: the last batch's states, versions and typed Lists
@@ -143,7 +146,8 @@ class MagicPig:
             if state is not None:
                 mu[b], indexed[b] = state.mu, state.indexed
         out, lse, touched = store.sampled_decode_attention(layer, q, q_codes, block_tables, seq_lens, scale, tables,
-                                                           mu, self.log_u, self.cfg.sinks, self.cfg.window)
+                                                           mu, self.log_u, self.cfg.sinks, self.cfg.window,
+                                                           self.cfg.min_collisions)
         last_block = (seq_lens[:, None] - 1) // store.block_size * store.block_size
         tails = np.maximum(np.minimum(np.minimum(indexed, seq_lens[:, None] - self.cfg.window), last_block),
                            np.minimum(self.cfg.sinks, seq_lens)[:, None])

@@ -165,6 +165,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="TopK: share of the keys outside sinks and window kept (default: 0.03)")
     p.add_argument("--lsh-k", type=int, default=10, help="MagicPIG bits per table (default: 10)")
     p.add_argument("--lsh-l", type=int, default=200, help="MagicPIG tables (default: 200; the paper's 150 with --lsh-retrieval head)")
+    p.add_argument("--lsh-min-collisions", type=int, default=2,
+                   help="MagicPIG: tables a key must share with the query to be sampled (default: 2)")
     p.add_argument("--lsh-sinks", type=int, default=4, help="MagicPIG exact sink tokens (default: 4)")
     p.add_argument("--lsh-window", type=int, default=64, help="MagicPIG exact local window (default: 64)")
     p.add_argument("--lsh-min-context", type=int, default=1024, help="MagicPIG: shorter contexts stay exact (default: 1024)")
@@ -233,7 +235,8 @@ def eval_command(args: argparse.Namespace) -> None:
     tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:
         lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
-                                                               dense, args.lsh_min_context, retrieval=args.lsh_retrieval)
+                                                               dense, args.lsh_min_context, retrieval=args.lsh_retrieval,
+                                                               min_collisions=args.lsh_min_collisions)
         if args.task:
             results = _task_command(args, model, tok, formats, cal, lsh)
             if args.json:

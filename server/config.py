@@ -65,6 +65,7 @@ class ServeConfig:
     attention: str = _opt("exact", "decode attention: exact, or magicpig (LSH-sampled; needs kv_format oaken)")
     lsh_k: int = _opt(10, "MagicPIG: bits per hash table")
     lsh_l: int = _opt(200, "MagicPIG: hash tables (the paper's 150 with lsh_retrieval head)")
+    lsh_min_collisions: int = _opt(2, "MagicPIG: tables a key must share with the query to be sampled (the paper's 2)")
     lsh_sinks: int = _opt(4, "MagicPIG: first tokens always attended exactly")
     lsh_window: int = _opt(64, "MagicPIG: last tokens always attended exactly")
     lsh_dense_layers: str | None = _opt(None, "MagicPIG: comma-separated layers kept exact (default: 0 and the middle one)")
@@ -125,6 +126,7 @@ class ServeConfig:
             (re.fullmatch(r"\s*(\d+\s*(,\s*\d+\s*)*)?", self.lsh_dense_layers or ""),
              "lsh_dense_layers must be comma-separated layer numbers"),
             (self.lsh_retrieval in ("head", "group"), f"lsh_retrieval must be head or group, not {self.lsh_retrieval!r}"),
+            (1 <= self.lsh_min_collisions <= min(self.lsh_l, 255), "lsh_min_collisions must be in 1 .. min(lsh_l, 255)"),
             (self.executor in ("local", "ray"), f"executor must be local or ray, not {self.executor!r}"),
             (self.ray_cpu_actors >= 1 and self.ray_actor_cpus >= 0, "ray_cpu_actors must be >= 1, ray_actor_cpus >= 0"),
             (self.ray_microbatches in (0, 1, 2), "ray_microbatches must be 0 (auto), 1 or 2"),
@@ -165,7 +167,7 @@ class ServeConfig:
 
         dense = parse_layers(self.lsh_dense_layers, "lsh_dense_layers")
         return LshConfig(self.lsh_k, self.lsh_l, self.lsh_sinks, self.lsh_window, dense, self.lsh_min_context,
-                         retrieval=self.lsh_retrieval)
+                         retrieval=self.lsh_retrieval, min_collisions=self.lsh_min_collisions)
 
     def api_key(self) -> str | None:
         """The key from the environment variable `api_key_env` names (never from a file or flag)."""

@@ -81,8 +81,8 @@ def test_merging_new_keys_equals_building_from_scratch():
     np.testing.assert_array_equal(new_ids, ref_ids)
 
 
-@pytest.mark.parametrize("lo,hi", [(0, 500), (4, 437), (100, 101), (50, 50)])
-def test_candidates_are_the_keys_colliding_in_two_tables(lo, hi):
+@pytest.mark.parametrize("lo,hi,m", [(0, 500, 2), (4, 437, 2), (100, 101, 2), (50, 50, 2), (0, 500, 3), (4, 437, 1)])
+def test_candidates_are_the_keys_colliding_in_m_tables(lo, hi, m):
     rng = np.random.default_rng(1)
     k, num_tables = 3, 8
     codes = rng.integers(0, 2**k, (500, num_tables)).astype(np.int32)
@@ -90,27 +90,27 @@ def test_candidates_are_the_keys_colliding_in_two_tables(lo, hi):
     count, cand = np.zeros(500, np.uint8), np.empty(500, np.int64)
     for _ in range(20):
         q = rng.integers(0, 2**k, num_tables).astype(np.int32)
-        n = lsh.collect_candidates(q, offsets, ids, 500, lo, hi, count, cand, 0)
+        n = lsh.collect_candidates(q, offsets, ids, 500, lo, hi, count, cand, 0, m)
         hits = (codes == q).sum(1)
-        expect = np.flatnonzero(hits >= 2)
+        expect = np.flatnonzero(hits >= m)
         expect = expect[(expect >= lo) & (expect < hi)]
         np.testing.assert_array_equal(np.sort(cand[:n]), expect)
         assert not count.any()
 
 
-@pytest.mark.parametrize("cos", [0.95, 0.8, 0.5, 0.2])
-def test_inclusion_probability_matches_monte_carlo(cos):
-    """Draw many independent SimHash matrices; the share of draws where q and k collide in >= 2 of
+@pytest.mark.parametrize("cos,m", [(0.95, 2), (0.8, 2), (0.5, 2), (0.2, 2), (0.8, 3), (0.5, 3), (0.5, 1)])
+def test_inclusion_probability_matches_monte_carlo(cos, m):
+    """Draw many independent SimHash matrices; the share of draws where q and k collide in >= m of
     L tables must match u within 4 standard errors, and the kernel's table must match the formula."""
     k, num_tables, draws = 4, 10, 4000
     q = np.array([1.0, 0.0, 0.0])
     key = np.array([cos, np.sqrt(1 - cos**2), 0.0])
     w = torch.randn(draws, 3, k * num_tables, generator=torch.Generator().manual_seed(0))
     cq, ck = (simhash(torch.tensor(x, dtype=torch.float32).expand(draws, 1, 3), w, k) for x in (q, key))
-    hit = ((cq == ck).sum(-1) >= 2).float().mean().item()
-    u = lsh.inclusion_probability(np.array(cos), k, num_tables)
+    hit = ((cq == ck).sum(-1) >= m).float().mean().item()
+    u = lsh.inclusion_probability(np.array(cos), k, num_tables, m)
     assert abs(hit - u) < 4 * np.sqrt(u * (1 - u) / draws) + 1e-3
-    table = lsh.log_u_table(k, num_tables)
+    table = lsh.log_u_table(k, num_tables, m)
     grid = np.linspace(-1, 1, lsh.LOG_U_POINTS)
     assert abs(np.interp(cos, grid, table) - np.log(u)) < 1e-3
 
@@ -122,7 +122,7 @@ def stacked(sets):
             np.stack([np.pad(ids, ((0, 0), (0, width - ids.shape[1]))) for _, ids in sets]))
 
 
-def sampled(store, q, q_codes, tables_per_seq, seq_lens, block_tables, mu, log_u, sinks, window, k):
+def sampled(store, q, q_codes, tables_per_seq, seq_lens, block_tables, mu, log_u, sinks, window, k, m=2):
     """Run the store's sampled attention with per-(sequence, kv-head) code arrays."""
     num_seqs, hkv = len(seq_lens), store.num_kv_heads
     sets = [lsh.table_set(c, k) for row in tables_per_seq for c in row]
@@ -131,7 +131,7 @@ def sampled(store, q, q_codes, tables_per_seq, seq_lens, block_tables, mu, log_u
     indexed = np.array([len(c) for row in tables_per_seq for c in row], np.int32)
     tables = (set_of, indexed, *stacked(sets))
     return store.sampled_decode_attention(0, q, q_codes, block_tables, np.asarray(seq_lens, np.int32),
-                                          q.shape[-1]**-0.5, tables, mu, log_u, sinks, window)
+                                          q.shape[-1]**-0.5, tables, mu, log_u, sinks, window, m)
 
 
 @pytest.mark.parametrize("key_smoothing", [False, True])
@@ -157,13 +157,13 @@ def test_every_key_sampled_with_u_one_is_exact_attention(key_smoothing):
         assert (touched[b] == max(min(n - 8, n - 8) - 4, 0)).all()
 
 
-@pytest.mark.parametrize("retrieval", ["head", "group"])
+@pytest.mark.parametrize("retrieval,m", [("head", 2), ("group", 2), ("group", 3)])
 @pytest.mark.parametrize("transforms", [False, True])
-def test_sampled_attention_follows_the_estimator(transforms, retrieval):
+def test_sampled_attention_follows_the_estimator(transforms, retrieval, m):
     """Real codes: the kernel's output equals the estimator computed in NumPy from the same
-    retrieved sets (exact sinks and window, e^s / u weights for the retrieved keys, u from the
-    angle between the hashed query and k - mu), with and without the store's per-channel
-    transforms; the hashed query is each head's own or its GQA group's mean query."""
+    retrieved sets (exact sinks and window, e^s / u weights for the keys colliding in >= m tables,
+    u from the angle between the hashed query and k - mu), with and without the store's
+    per-channel transforms; the hashed query is each head's own or its GQA group's mean query."""
     rng = np.random.default_rng(3)
     tf = channel_transforms(np.random.default_rng(4), 3, 64, ("smooth", "bias") if transforms else ())
     store = oaken_store(num_blocks=80, **tf)
@@ -182,8 +182,8 @@ def test_sampled_attention_follows_the_estimator(transforms, retrieval):
         codes.append([simhash(torch.from_numpy(kg[:n - window, h] - mu[b, h]), w, k).numpy() for h in range(3)])
     hashed = q if retrieval == "head" else q.reshape(2, 3, 3, 64).mean(2)  # [B, Hq or Hkv, D]
     q_codes = simhash(torch.from_numpy(hashed), w, k).numpy()
-    log_u = lsh.log_u_table(k, num_tables)
-    out, lse, touched = sampled(store, q, q_codes, codes, seq_lens, block_tables, mu, log_u, sinks, window, k)
+    log_u = lsh.log_u_table(k, num_tables, m)
+    out, lse, touched = sampled(store, q, q_codes, codes, seq_lens, block_tables, mu, log_u, sinks, window, k, m)
     grid = np.linspace(-1, 1, lsh.LOG_U_POINTS)
     for b, n in enumerate(seq_lens):
         kg, vg = keys[b]
@@ -191,7 +191,7 @@ def test_sampled_attention_follows_the_estimator(transforms, retrieval):
             kvh = h // 3
             r = h if retrieval == "head" else kvh
             hits = (codes[b][kvh] == q_codes[b, r]).sum(1)
-            sampled_pos = np.flatnonzero(hits >= 2)
+            sampled_pos = np.flatnonzero(hits >= m)
             sampled_pos = sampled_pos[sampled_pos >= sinks]
             assert touched[b, h] == len(sampled_pos)
             exact_pos = np.r_[0:sinks, n - window:n]
