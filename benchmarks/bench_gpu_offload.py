@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-gpu-batch", type=int, default=256)
     ap.add_argument("--calibration-windows", type=int, default=8)
     ap.add_argument("--lsh-l", type=int, default=LshConfig.l)
+    ap.add_argument("--lsh-min-collisions", type=int, default=LshConfig.min_collisions)
     ap.add_argument("--out", default=str(RESULTS / "gpu_offload.json"))
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = SHAPES[args.shape]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = random_model(cfg, args.device, dtype)
-    lsh = LshConfig(l=args.lsh_l)
+    lsh = LshConfig(l=args.lsh_l, min_collisions=args.lsh_min_collisions)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     thresholds = out.with_name(out.stem + "_thresholds.json")
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    "keys_touched", "gpu_only_batch", "gpu_only_tok_s", "ratio"])
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"shape": args.shape, "device": device, "machine": machine(), "torch": torch.__version__,
-              "steps": args.steps, "lsh_l": args.lsh_l, "rows": rows}
+              "steps": args.steps, "lsh_l": args.lsh_l, "lsh_min_collisions": args.lsh_min_collisions, "rows": rows}
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out} and {plot(rows, out.with_suffix('.png'))}")
     return result
