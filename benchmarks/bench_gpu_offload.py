@@ -147,10 +147,13 @@ def gpu_only_max_batch(cfg: ModelConfig, context: int, steps: int, dtype: torch.
     return min(limit, int((free - reserve_bytes) // per_seq))
 
 
+def oaken_block_bytes(cfg: ModelConfig) -> int:
+    return bytes_per_block("oaken", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
+
+
 def host_bytes_per_seq(cfg: ModelConfig, lsh: LshConfig, context: int) -> int:
     """Oaken KV plus MagicPIG tables (~2L bytes per key, per sampled layer and kv-head) of one sequence."""
-    blocks = math.ceil(context / BLOCK_SIZE) + 2
-    kv = blocks * bytes_per_block("oaken", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, 0.125)
+    kv = (math.ceil(context / BLOCK_SIZE) + 2) * oaken_block_bytes(cfg)
     dense = lsh.dense_layers if lsh.dense_layers is not None else (0, cfg.num_layers // 2)
     tables = (cfg.num_layers - len(set(dense))) * cfg.num_kv_heads * context * (2 * lsh.l + 4)
     return kv + tables
@@ -160,10 +163,9 @@ def hetserve_backend(model: LlamaModel, thresholds: Path, context: int, steps: i
     from server.hetero import HeteroBackend
 
     cfg = model.cfg
-    per_block = bytes_per_block("oaken", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, 0.125)
     geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
     blocks = (max_batch + 1) * (math.ceil(context / BLOCK_SIZE) + math.ceil((steps + 3) / BLOCK_SIZE) + 2)
-    capacity = blocks * per_block + OakenKVStore.tail_bytes(*geometry, max_batch + 1)
+    capacity = blocks * oaken_block_bytes(cfg) + OakenKVStore.tail_bytes(*geometry, max_batch + 1)
     return HeteroBackend(None, model=model, device=model.device.type, dtype=str(model.dtype).removeprefix("torch."),
                          kv_format="oaken", kv_capacity_bytes=capacity, block_size=BLOCK_SIZE, max_model_len=None,
                          oaken_thresholds_path=str(thresholds), oaken_recent_blocks=max_batch + 1, lsh=lsh)

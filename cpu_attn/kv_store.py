@@ -387,6 +387,9 @@ def _int_roundtrip(x: np.ndarray, axis: int, bits: int = 4) -> np.ndarray:
     return (np.clip(np.rint((x - lo) / safe), 0, top) * scale + lo).astype(np.float32)
 
 
+_INT_BITS = {"int4": 4, "int5": 5}  # the per-token integer baselines
+
+
 class SimQuantKVStore(PagedKVStore):
     """The integer baselines of the accuracy table, simulated on an fp32 store: values are
     quantized and dequantized as they are appended, so attention sees exactly what the format
@@ -402,16 +405,16 @@ class SimQuantKVStore(PagedKVStore):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  kind: str):
-        if kind not in ("int4", "int5", "kivi"):
+        if kind not in (*_INT_BITS, "kivi"):
             raise ValueError(f"unknown simulated KV format {kind!r}")
         super().__init__(num_layers, num_kv_heads, head_dim, block_size, num_blocks, "float32")
         self.kind = kind
 
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
               positions: np.ndarray | None = None) -> None:
-        if self.kind in ("int4", "int5"):
-            c, bits = self.num_kv_heads * self.head_dim, int(self.kind[3])
-            k, v = (_int_roundtrip(x.reshape(-1, c), 1, bits).reshape(x.shape) for x in (k, v))
+        if self.kind in _INT_BITS:
+            c = self.num_kv_heads * self.head_dim
+            k, v = (_int_roundtrip(x.reshape(-1, c), 1, _INT_BITS[self.kind]).reshape(x.shape) for x in (k, v))
         super().write(layer, slot_mapping, k, v)
         if self.kind == "kivi":
             for block in slot_mapping[slot_mapping % self.block_size == self.block_size - 1] // self.block_size:
@@ -421,8 +424,8 @@ class SimQuantKVStore(PagedKVStore):
 
     def effective_bits(self) -> float:
         c = self.num_kv_heads * self.head_dim
-        if self.kind in ("int4", "int5"):
-            return int(self.kind[3]) + 32 / c
+        if self.kind in _INT_BITS:
+            return _INT_BITS[self.kind] + 32 / c
         return 4 + (32 / self.block_size + 32 / self.head_dim) / 2
 
 
@@ -447,7 +450,7 @@ def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int
             raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
         return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales, recent_blocks,
                             oaken_cal.key_bias, oaken_cal.value_scales, oaken_cal.rope_inv_freq)
-    if kv_format in ("int4", "int5", "kivi"):
+    if kv_format in (*_INT_BITS, "kivi"):
         return SimQuantKVStore(*geometry, kv_format)
     if kv_format in ("fp16", "fp32"):
         return PagedKVStore(*geometry, "float16" if kv_format == "fp16" else "float32")

@@ -139,7 +139,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    from cpu_attn.calibrate import CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT
+    from cpu_attn.calibrate import DEFAULT_TEXT
 
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
