@@ -215,12 +215,17 @@ def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prefetch_rows(k_parts, v_parts, table, positions, first_seg):
-    """Start loading the lines load_row will read for the K and V rows at `positions` (the
-    sparse line is a guess: the row's share of its block's budget)."""
+def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg):
+    """Start loading the lines load_row and add_key_center will read for the K and V rows at
+    `positions` (the sparse line is a guess: the row's share of its block's budget)."""
     bs = k_parts[0].shape[1]
+    cos, sin = k_center[1], k_center[2]
     for pos in positions:
         block, offset = table[pos // bs], pos % bs
+        if cos.shape[0]:  # a key's turned center: its position's rows of the cos and sin tables
+            for d in range(0, cos.shape[1], 16):
+                prefetch(cos, (pos, d))
+                prefetch(sin, (pos, d))
         for parts in (k_parts, v_parts):
             dense, sparse = parts[0], parts[3]
             prefetch(dense, (block, offset, first_seg * (SEGMENT // 2)))
@@ -303,10 +308,10 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
         for pos in range(sinks, tail):  # the union in position order: a branch-free scan beats a sort
             union[num] = pos
             num += heads_of[pos] != 0
-        _prefetch_rows(k_parts, v_parts, table, union[:min(bs, num)], first_seg)
+        _prefetch_rows(k_parts, v_parts, k_center, table, union[:min(bs, num)], first_seg)
         for c0 in range(0, num, bs):
             width = min(bs, num - c0)
-            _prefetch_rows(k_parts, v_parts, table, union[c0 + bs:min(c0 + 2 * bs, num)], first_seg)
+            _prefetch_rows(k_parts, v_parts, k_center, table, union[c0 + bs:min(c0 + 2 * bs, num)], first_seg)
             for t in range(width):
                 pos = union[c0 + t]
                 load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, kb[item, t], lut)
