@@ -32,8 +32,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--lsh-k", type=int, default=10)
     ap.add_argument("--lsh-l", type=int, default=150, help="tables with head retrieval")
-    ap.add_argument("--group-lsh-l", type=int, default=200, help="tables with group retrieval")
-    ap.add_argument("--min-collisions", type=int, default=2, help="tables a key must share with the query (both modes)")
+    ap.add_argument("--group-lsh-l", type=int, default=300, help="tables with group retrieval")
+    ap.add_argument("--min-collisions", type=int, default=2, help="tables a key must share with the query, head retrieval")
+    ap.add_argument("--group-min-collisions", type=int, default=3, help="the same, group retrieval")
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--retrieval", nargs="+", choices=["head", "group"], default=["head", "group"])
@@ -41,6 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     tables_of = {"head": args.lsh_l, "group": args.group_lsh_l}
+    hits_of = {"head": args.min_collisions, "group": args.group_min_collisions}
     scale = HEAD_DIM**-0.5
     rows = []
     for context in args.context:
@@ -62,7 +64,7 @@ def main() -> None:
             eligible = context - args.sinks - args.window
             for mode in args.retrieval:
                 w = simhash_matrix(HEAD_DIM, args.lsh_k, tables_of[mode])
-                log_u = lsh.log_u_table(args.lsh_k, tables_of[mode], args.min_collisions)
+                log_u = lsh.log_u_table(args.lsh_k, tables_of[mode], hits_of[mode])
                 sets = [lsh.table_set(simhash(torch.from_numpy(keys[b][0][:indexed, h] - mu[b, h]), w,
                                               args.lsh_k).numpy(), args.lsh_k) for b in range(batch) for h in range(KV_HEADS)]
                 table_sets = (np.stack([first, first + 1], -1), np.full(batch * KV_HEADS, indexed, np.int32),
@@ -72,7 +74,7 @@ def main() -> None:
 
                 def sampled():
                     return store.sampled_decode_attention(0, q, q_codes, tables, lens, scale, table_sets, mu, log_u,
-                                                          args.sinks, args.window, args.min_collisions)
+                                                          args.sinks, args.window, hits_of[mode])
 
                 suffix = "" if mode == "head" else "_group"
                 row["sampled" + suffix + "_ms"] = best_of(sampled, budget_s=3.0, most=30) * 1e3  # latency-bound
@@ -92,7 +94,8 @@ def main() -> None:
             print(f"context {context} batch {batch}: " + ", ".join(f"{key} {val:.4g}" for key, val in row.items()
                                                                   if key not in ("context", "batch")), flush=True)
     print(f"\none layer of SmolLM2-135M (heads {HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}); K={args.lsh_k}, "
-          f"L={args.lsh_l} (head) / {args.group_lsh_l} (group), >= {args.min_collisions} collisions, {args.sinks} sinks, "
+          f"L={args.lsh_l} (head) / {args.group_lsh_l} (group), >= {args.min_collisions} / {args.group_min_collisions} "
+          f"collisions, {args.sinks} sinks, "
           f"{args.window}-token window")
     print_table(rows, list(rows[0]))
     print(f"wrote {write_json(args.out, {'machine': machine(), 'args': vars(args), 'rows': rows})}")

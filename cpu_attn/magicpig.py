@@ -32,7 +32,7 @@ RETRIEVALS = ("head", "group")
 @dataclass(frozen=True)
 class LshConfig:
     k: int = 10
-    l: int = 200  # with "group" retrieval; the paper's per-head retrieval: 150
+    l: int = 300  # with "group" retrieval and min_collisions 3; the paper's per-head retrieval: 150 with 2
     sinks: int = 4
     window: int = 64
     dense_layers: tuple[int, ...] | None = None  # None: layer 0 and the middle layer, as MagicPIG
@@ -40,7 +40,7 @@ class LshConfig:
     merge_every: int = 256
     seed: int = 0
     retrieval: str = "group"  # one retrieval per GQA group (its mean query); "head": each query head's own (MagicPIG)
-    min_collisions: int = 2  # tables a key must share with the query to be retrieved (MagicPIG: 2)
+    min_collisions: int = 3  # tables a key must share with the query to be retrieved (MagicPIG: 2)
 
     def __post_init__(self) -> None:
         if not (1 <= self.k <= 15 and self.l >= 2 and self.sinks >= 0 and self.window >= 1 and self.merge_every >= 1):

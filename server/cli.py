@@ -164,9 +164,10 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk-frac", type=float, default=0.03,
                    help="TopK: share of the keys outside sinks and window kept (default: 0.03)")
     p.add_argument("--lsh-k", type=int, default=10, help="MagicPIG bits per table (default: 10)")
-    p.add_argument("--lsh-l", type=int, default=200, help="MagicPIG tables (default: 200; the paper's 150 with --lsh-retrieval head)")
-    p.add_argument("--lsh-min-collisions", type=int, default=2,
-                   help="MagicPIG: tables a key must share with the query to be sampled (default: 2)")
+    p.add_argument("--lsh-l", type=int, default=300,
+                   help="MagicPIG tables (default: 300; the paper's 150, with --lsh-retrieval head --lsh-min-collisions 2)")
+    p.add_argument("--lsh-min-collisions", type=int, default=3,
+                   help="MagicPIG: tables a key must share with the query to be sampled (default: 3; the paper's 2)")
     p.add_argument("--lsh-sinks", type=int, default=4, help="MagicPIG exact sink tokens (default: 4)")
     p.add_argument("--lsh-window", type=int, default=64, help="MagicPIG exact local window (default: 64)")
     p.add_argument("--lsh-min-context", type=int, default=1024, help="MagicPIG: shorter contexts stay exact (default: 1024)")
