@@ -8,9 +8,9 @@ Gaussian, written through the store; SimHash codes (K bits, L tables) of the cen
 the queries from gpu_model.lsh; 4 sink tokens and a 64-token exact window. Queries are drawn
 near a few stored keys (as real attention is peaked), so retrieval finds what it should.
 Reports ms, the share of keys sampled beyond the exact part, and sampled / exact-Oaken time, for
-each query head retrieving its keys (MagicPIG's "head" retrieval, L = --lsh-l) and, with `group` in
---retrieval, for a GQA group sharing the retrieval of its mean query (`--lsh-retrieval group`,
-L = --group-lsh-l): the serving defaults of each mode.
+each query head retrieving its keys (MagicPIG's "head" retrieval as the paper: L = --lsh-l 150, >= 2
+collisions) and, with `group` in --retrieval, for a GQA group sharing the retrieval of its mean query
+(`--lsh-retrieval group`, L = --group-lsh-l 300, >= --group-min-collisions 3: the serving default).
 """
 from __future__ import annotations
 
