@@ -50,3 +50,18 @@ def test_every_option_is_documented_in_help(capsys):
 
     for f in dataclasses.fields(ServeConfig):
         assert "--" + f.name.replace("_", "-") in out
+
+
+def test_magicpig_defaults_agree_with_lsh_config():
+    """serve's options and eval's repeat LshConfig's defaults (parsing options does not import torch)."""
+    from cpu_attn.magicpig import LshConfig
+    from server.cli import add_eval_arguments
+
+    default = LshConfig()
+    assert parse(["--kv-format", "oaken", "--attention", "magicpig"]).lsh_config() == default
+    p = argparse.ArgumentParser()
+    add_eval_arguments(p)
+    ev = p.parse_args([])
+    assert (ev.lsh_k, ev.lsh_l, ev.lsh_min_collisions, ev.lsh_sinks, ev.lsh_window, ev.lsh_min_context,
+            ev.lsh_retrieval) == (default.k, default.l, default.min_collisions, default.sinks, default.window,
+                                  default.min_context, default.retrieval)
