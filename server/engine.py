@@ -93,6 +93,13 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
+    def run_here(self, on_started: Callable[[], None] = lambda: None) -> None:
+        """Run the loop on the calling thread instead of start()'s own (server.cli.start_engine);
+        on_started() is called once this thread is the engine's."""
+        self._thread = threading.current_thread()
+        on_started()
+        self._loop()
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 

@@ -26,10 +26,9 @@ class RunningServer:
         import uvicorn
 
         from server.api import ServerState, create_app
-        from server.cli import build_engine, warm_up
+        from server.cli import start_engine, warm_up
 
-        self.engine, self.model_name, max_model_len = build_engine(cfg)
-        self.engine.start()
+        self.engine, self.model_name, max_model_len = start_engine(cfg)
         warm_up(self.engine)
         self.port = free_port()
         self.state = ServerState(self.engine, self.model_name, max_model_len, cfg=cfg)

@@ -65,3 +65,13 @@ def test_magicpig_defaults_agree_with_lsh_config():
     assert (ev.lsh_k, ev.lsh_l, ev.lsh_min_collisions, ev.lsh_sinks, ev.lsh_window, ev.lsh_min_context,
             ev.lsh_retrieval) == (default.k, default.l, default.min_collisions, default.sinks, default.window,
                                   default.min_context, default.retrieval)
+
+
+@pytest.mark.parametrize("command", ["serve", "eval", "calibrate"])
+def test_a_missing_model_is_an_error_message_not_a_traceback(command, tmp_path, capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--model", str(tmp_path / "none.gguf")])
+    assert exc.value.code == 1
+    assert capsys.readouterr().err == f"hetserve {command}: error: model path {tmp_path / 'none.gguf'} does not exist\n"
