@@ -30,13 +30,12 @@ from benchmarks.common import machine, print_table, write_json
 
 
 def engine_for(executor: str, microbatches: int = 1, cpu_actors: int = 2):
-    from server.cli import build_engine, warm_up
+    from server.cli import start_engine, warm_up
     from server.config import ServeConfig
 
     cfg = ServeConfig(executor=executor, ray_cpu_actors=cpu_actors, ray_microbatches=microbatches, kv_format="fp32",
                       kv_cache_bytes=1 << 30, max_num_seqs=64, max_num_batched_tokens=2048)
-    engine = build_engine(cfg)[0]
-    engine.start()
+    engine = start_engine(cfg)[0]  # built on its own thread, as `hetserve serve` does
     warm_up(engine)
     return engine
 
