@@ -9,6 +9,9 @@ and without the format:
     ppl             exp(mean NLL of the true next token), decoded positions only
     kl_mean         mean KL(exact || format) in nats
     top1_agreement  share of positions where both put the same token first
+    top1_agreement_clear  the same over the positions whose exact top two tokens are at least
+                    CLEAR_GAP nats apart (`clear_positions_frac` of them): disagreements at near-ties
+                    are what a small model's flat distributions give any perturbation
     effective_bits  stored bits per K/V value, every scale, count and sparse entry included
 """
 from __future__ import annotations
@@ -22,6 +25,9 @@ from cpu_attn.calibrate import OakenThresholds
 from cpu_attn.kv_store import OakenKVStore, SimQuantKVStore, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.topk import AnnTopK, TopK
+
+CLEAR_GAP = 0.2
+"""nats between the exact run's first and second token for top1_agreement_clear."""
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.worker import ModelWorker
 
@@ -32,6 +38,8 @@ class _Score:
     kl: float = 0.0
     top1: int = 0
     count: int = 0
+    top1_clear: int = 0
+    clear: int = 0
     groups: dict[str, int] = field(default_factory=lambda: {"values": 0, "sparse": 0, "outer": 0})
     touched: int = 0
     eligible: int = 0
@@ -39,7 +47,12 @@ class _Score:
     def add(self, ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> None:
         self.nll -= float(logp.gather(1, targets[:, None]).sum())
         self.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
-        self.top1 += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+        same = ref_logp.argmax(-1) == logp.argmax(-1)
+        top2 = ref_logp.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] >= CLEAR_GAP
+        self.top1 += int(same.sum())
+        self.top1_clear += int((same & clear).sum())
+        self.clear += int(clear.sum())
         self.count += len(targets)
 
 
@@ -140,6 +153,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
         row = {"kv_format": name.split("+")[0], "attention": name.split("+")[1] if "+" in name else "exact",
                "ppl": float(np.exp(sc.nll / sc.count)), "ppl_ref": ppl_ref,
                "kl_mean": sc.kl / sc.count, "top1_agreement": sc.top1 / sc.count,
+               "top1_agreement_clear": sc.top1_clear / max(sc.clear, 1), "clear_positions_frac": sc.clear / sc.count,
                "effective_bits": _effective_bits(name, stores[name], sc.groups),
                "num_windows": len(windows), "window_tokens": window_tokens, "prefill_tokens": prefill_tokens,
                "scored_positions": sc.count}

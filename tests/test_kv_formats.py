@@ -293,6 +293,7 @@ def test_eval_exact_format_agrees_and_oaken_is_close(tmp_path):
                        oaken_cal=cal, progress=False)
     exact, oaken, int4 = results
     assert exact["kl_mean"] == pytest.approx(0, abs=1e-9) and exact["top1_agreement"] == 1
+    assert exact["top1_agreement_clear"] == 1 and 0 < exact["clear_positions_frac"] <= 1
     assert exact["ppl"] == pytest.approx(exact["ppl_ref"], rel=1e-6) and exact["effective_bits"] == 32
     assert exact["scored_positions"] == 3 * (40 - 8)
     assert 0 < oaken["kl_mean"] < int4["kl_mean"] and oaken["top1_agreement"] >= 0.9
@@ -321,3 +322,17 @@ def test_eval_cli_writes_json(tmp_path, capsys):
     assert "int4" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown --kv-format"):
         main(["eval", "--kv-format", "int3"])
+
+
+def test_eval_scores_top1_at_clear_and_near_tie_positions():
+    import torch
+
+    from server.evaluate import CLEAR_GAP, _Score
+
+    # exact top-2 gaps: 1.0 (clear), 0.05 (a near-tie), 0.5 (clear); the format flips the near-tie and the last
+    ref = torch.log_softmax(torch.tensor([[2.0, 1.0, -3.0], [1.0, 0.95, -3.0], [0.0, -3.0, -0.5]]), -1)
+    fmt = torch.log_softmax(torch.tensor([[2.0, 1.0, -3.0], [0.9, 1.0, -3.0], [0.0, -3.0, 0.5]]), -1)
+    assert CLEAR_GAP == 0.2
+    sc = _Score()
+    sc.add(ref, fmt, torch.tensor([0, 1, 2]))
+    assert (sc.count, sc.top1, sc.clear, sc.top1_clear) == (3, 1, 2, 1)
