@@ -25,11 +25,11 @@ from cpu_attn.calibrate import OakenThresholds
 from cpu_attn.kv_store import OakenKVStore, SimQuantKVStore, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.topk import AnnTopK, TopK
+from cpu_attn.worker import AttentionWorker, ChunkLayout
+from gpu_model.worker import ModelWorker
 
 CLEAR_GAP = 0.2
 """nats between the exact run's first and second token for top1_agreement_clear."""
-from cpu_attn.worker import AttentionWorker, ChunkLayout
-from gpu_model.worker import ModelWorker
 
 
 @dataclass
