@@ -5,6 +5,8 @@ import argparse
 import logging
 import sys
 import threading
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 from server.config import ServeConfig, add_arguments, from_args, parse_layers
@@ -52,23 +54,18 @@ def start_engine(cfg: ServeConfig):
     start-up's (model load, calibration): started from a second thread each region paid ~35 us
     more (the first thread's idle OpenMP pools make the second's workers sleep instead of spin),
     and a decode step at 4k x 1 took ~40 instead of ~30 ms."""
-    built: list = []
-    ready = threading.Event()
+    built: Future = Future()
 
     def run() -> None:
         try:
-            built.append(build_engine(cfg))
-        except BaseException as exc:  # handed to the caller, which reports it
-            built.append(exc)
-            ready.set()
+            engine = build_engine(cfg)
+        except BaseException as exc:  # raised again by built.result() in the caller
+            built.set_exception(exc)
             return
-        built[0][0].run_here(on_started=ready.set)
+        engine[0].run(on_started=lambda: built.set_result(engine))
 
     threading.Thread(target=run, name="hetserve-engine", daemon=True).start()
-    ready.wait()
-    if isinstance(built[0], BaseException):
-        raise built[0]
-    return built[0]
+    return built.result()
 
 
 def warm_up(engine) -> None:
@@ -316,18 +313,17 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     from gpu_model.loader import ModelLoadError
 
-    try:
-        if args.command in ("calibrate", "eval"):
-            logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            (calibrate_command if args.command == "calibrate" else eval_command)(args)
-            return 0
+    if args.command in ("calibrate", "eval"):
+        level, command = "INFO", partial(calibrate_command if args.command == "calibrate" else eval_command, args)
+    else:
         try:
             cfg = from_args(args)
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
-        logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if args.command == "serve":
-            serve(cfg)
+        level, command = cfg.log_level.upper(), partial(serve, cfg)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        command()
     except ModelLoadError as exc:  # a wrong --model path: say so, without a traceback
         parser.exit(1, f"hetserve {args.command}: error: {exc}\n")
     return 0

@@ -78,7 +78,8 @@ class Engine:
         self._by_request_id: dict[str, int] = {}
         self._seq_ids = count()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="hetserve-engine", daemon=True)
+        self._thread: threading.Thread | None = None
+        """The thread running the loop (run())."""
         self.last_step_timings_s: dict[str, float] = {}
         self.sim_clock_s = 0.0
         """Simulated seconds of backend steps so far (backends reporting `sim_clock_s`), with the counters below."""
@@ -90,18 +91,15 @@ class Engine:
         self._adds_lock = threading.Lock()
 
     # ---- called from any thread
-    def start(self) -> None:
-        self._thread.start()
-
-    def run_here(self, on_started: Callable[[], None] = lambda: None) -> None:
-        """Run the loop on the calling thread instead of start()'s own (server.cli.start_engine);
-        on_started() is called once this thread is the engine's."""
+    def run(self, on_started: Callable[[], None] = lambda: None) -> None:
+        """Run the loop on the calling thread until stop(): the thread that built the backend
+        (server.cli.start_engine). on_started() is called once this thread is the engine's."""
         self._thread = threading.current_thread()
         on_started()
         self._loop()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def submit(self, req: EngineRequest) -> None:
         with self._adds_lock:
@@ -118,7 +116,8 @@ class Engine:
     def stop(self) -> None:
         self._stopping.set()
         self._inbox.put(("stop", None))
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
         self.backend.close()
 
     def health(self) -> str:
