@@ -96,10 +96,30 @@ def resolve_model_dir(model_path: str | Path | None, cache_dir: str | Path | Non
     return out
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), from /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_linear_dtype(name: str) -> torch.dtype:
+    """cpu_linear_dtype "auto" -> bfloat16 where the CPU has native bf16, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
 def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               gguf_blocks_max_tokens: int = GGUF_BLOCKS_MAX_TOKENS) -> LlamaModel:
-    """Load weights; on the CPU in float32, a GGUF's own blocks also serve steps of at most
-    `gguf_blocks_max_tokens` tokens (bandwidth-bound decode), see gpu_model/quant.py."""
+               gguf_blocks_max_tokens: int | None = None, cpu_linear_dtype: str = "auto") -> LlamaModel:
+    """Load weights. On the CPU in float32 the linear layers run in `cpu_linear_dtype`, and a
+    GGUF's own blocks serve steps of at most `gguf_blocks_max_tokens` tokens (bandwidth-bound
+    decode, gpu_model/quant.py; default GGUF_BLOCKS_MAX_TOKENS with float32 linears, whose exact
+    values the blocks hold, and 1 with bf16 linears, which they beat only where a step reads
+    each weight for a single token). With fp32 linears a sequence's greedy tokens
+    do not depend on what it is batched with; with bf16 ones they may, as on GPUs."""
     cfg = ModelConfig.from_dir(model_dir)
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -112,7 +132,14 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     model.inv_freq.copy_(rope_inv_freq(cfg))
     model.load_hf_state_dict(sd)
     model = model.to(dtype).eval().requires_grad_(False)
-    if (model_dir / QUANT_FILE).exists() and device == "cpu" and dtype == torch.float32 and gguf_blocks_max_tokens > 0:
+    if device != "cpu" or dtype != torch.float32:
+        return model
+    bf16 = resolve_linear_dtype(cpu_linear_dtype) == torch.bfloat16
+    if bf16:
+        model.cast_linears(torch.bfloat16)
+    if gguf_blocks_max_tokens is None:
+        gguf_blocks_max_tokens = 1 if bf16 else GGUF_BLOCKS_MAX_TOKENS
+    if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:
         model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens)
     return model
 

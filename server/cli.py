@@ -26,6 +26,7 @@ def build_engine(cfg: ServeConfig):
     common = dict(device=cfg.device, dtype=cfg.dtype, kv_format=cfg.kv_format,
                   kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
                   max_model_len=cfg.max_model_len, gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens,
+                  cpu_linear_dtype=cfg.cpu_linear_dtype,
                   oaken_thresholds_path=cfg.oaken_thresholds, oaken_sparse_fraction=cfg.oaken_sparse_fraction,
                   oaken_recent_blocks=cfg.max_num_seqs if cfg.oaken_recent_blocks is None else cfg.oaken_recent_blocks,
                   lsh=cfg.lsh_config())
@@ -130,8 +131,15 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
                    help="spread the windows over positions up to this context (default: the model's maximum)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the linear layers' dtype while profiling: the one the server will run (default: float32)")
+    add_cpu_linear_dtype(p)
     p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory; "
                                  "oaken_thresholds_bfloat16.json with --dtype bfloat16)")
+
+
+def add_cpu_linear_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpu-linear-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="with --dtype float32, the linear layers' weights and matmuls, as `hetserve serve` runs them "
+                        "(default: auto, bfloat16 where the CPU has AVX512-BF16 or AMX)")
 
 
 def calibrate_command(args: argparse.Namespace) -> None:
@@ -145,7 +153,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
     if not text.is_file():
         raise SystemExit(f"hetserve calibrate: text file {text} not found; pass one with --text")
     model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
-    model = load_model(model_dir, dtype=getattr(torch, args.dtype))
+    model = load_model(model_dir, dtype=getattr(torch, args.dtype), cpu_linear_dtype=args.cpu_linear_dtype)
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text())
     windows = text_windows(ids, args.num_windows, args.window_tokens)
     result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing, args.key_centering,
@@ -167,6 +175,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the linear layers' dtype, for every variant and the reference (default: float32)")
+    add_cpu_linear_dtype(p)
     p.add_argument("--kv-format", default="oaken",
                    help="KV format(s) to score, comma-separated, from oaken, fp16, fp32, int4, int5, kivi (default: oaken)")
     p.add_argument("--text", default=str(DEFAULT_TEXT.with_name("test.txt")), help="text file (default: WikiText-2 test)")
@@ -253,7 +262,7 @@ def eval_command(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(f"hetserve eval: {exc}")
     model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
-    model = load_model(model_dir, dtype=getattr(torch, args.dtype))
+    model = load_model(model_dir, dtype=getattr(torch, args.dtype), cpu_linear_dtype=args.cpu_linear_dtype)
     cal = oaken_thresholds(model, model_dir, args.oaken_thresholds) if "oaken" in formats else None
     tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:

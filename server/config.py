@@ -53,8 +53,14 @@ class ServeConfig:
     port: int = _opt(8000, "TCP port")
     device: str = _opt("auto", "where the linear layers run: auto (cuda if present), cuda or cpu")
     dtype: str = _opt("auto", "model dtype: auto (float32 on cpu, bfloat16 on cuda), float32, float16, bfloat16")
-    gguf_blocks_max_tokens: int = _opt(64, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
-                                           "own Q4_1/Q8_0 blocks instead of the fp32 copy (0 = never)")
+    cpu_linear_dtype: str = _opt("auto", "on the CPU (dtype float32), the linear layers' weights and matmuls: auto "
+                                         "(bfloat16 where the CPU has AVX512-BF16 or AMX, else float32), float32, "
+                                         "bfloat16; activations, norms and embeddings stay float32. With float32 a "
+                                         "sequence's greedy tokens do not depend on what it is batched with; with "
+                                         "bfloat16 they may, as on GPUs")
+    gguf_blocks_max_tokens: int | None = _opt(None, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
+                                                    "own Q4_1/Q8_0 blocks (0 = never; default: 64 with float32 linears, 1 "
+                                                    "with bfloat16 ones)")
     kv_format: str = _opt("fp16", "KV cache format in the CPU store: oaken (about 5 bits, calibrated), fp16, fp32, "
                                   "or the integer baselines int4, int5 and kivi (simulated on fp32 memory, for comparison)")
     oaken_thresholds: str | None = _opt(None, "Oaken thresholds JSON from `hetserve calibrate` (default: the model "
@@ -134,7 +140,9 @@ class ServeConfig:
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
-            (self.gguf_blocks_max_tokens >= 0, "gguf_blocks_max_tokens must be >= 0"),
+            (self.gguf_blocks_max_tokens is None or self.gguf_blocks_max_tokens >= 0, "gguf_blocks_max_tokens must be >= 0"),
+            (self.cpu_linear_dtype in ("auto", "float32", "bfloat16"),
+             f"cpu_linear_dtype must be auto, float32 or bfloat16, not {self.cpu_linear_dtype!r}"),
             (self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1"),
             (0 < self.port < 65536, f"port {self.port} out of range"),
             (self.log_level in ("debug", "info", "warning", "error"), f"unknown log_level {self.log_level!r}"),

@@ -14,7 +14,7 @@ from cpu_attn.calibrate import (CALIBRATION_VERSION, CALIBRATION_WINDOW_TOKENS, 
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.worker import AttentionWorker, ChunkLayout
-from gpu_model.loader import GGUF_BLOCKS_MAX_TOKENS, load_model
+from gpu_model.loader import load_model
 from gpu_model.model import LlamaModel
 from gpu_model.worker import ModelWorker
 from server.backend import KVSpec, StepInput, StepOutput
@@ -128,14 +128,16 @@ def model_worker(model, lsh: LshConfig | None, device: str) -> ModelWorker:
 class HeteroBackend:
     def __init__(self, model_dir: Path | None, *, device: str, dtype: str, kv_format: str,
                  kv_capacity_bytes: int, block_size: int, max_model_len: int | None,
-                 gguf_blocks_max_tokens: int = GGUF_BLOCKS_MAX_TOKENS, oaken_thresholds_path: str | None = None,
+                 gguf_blocks_max_tokens: int | None = None, cpu_linear_dtype: str = "auto",
+                 oaken_thresholds_path: str | None = None,
                  oaken_sparse_fraction: float = 0.125, oaken_recent_blocks: int = 0, lsh: LshConfig | None = None,
                  model: LlamaModel | None = None):
         """The model comes from `model_dir`, or is `model` already built (benchmarks on random
         weights: then model_dir is None and Oaken needs `oaken_thresholds_path`)."""
         device = pick_device(device)
         self.model_dir = model_dir
-        self.model = model if model is not None else load_model(model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens)
+        self.model = model if model is not None else load_model(model_dir, device, pick_dtype(dtype, device),
+                                                                       gguf_blocks_max_tokens, cpu_linear_dtype)
         cfg = self.model_cfg = self.model.cfg
         num_blocks, per_block = kv_blocks(cfg, kv_format, kv_capacity_bytes, block_size, oaken_sparse_fraction,
                                           oaken_recent_blocks)

@@ -104,8 +104,8 @@ def split(chunks, n: int) -> list[list]:
 class ModelActor:
     """The accelerator side: the model worker, and one channel per attention shard."""
 
-    def __init__(self, model_dir: str, device: str, dtype: str, gguf_blocks_max_tokens: int, lsh, threads: int,
-                 microbatches: int):
+    def __init__(self, model_dir: str, device: str, dtype: str, gguf_blocks_max_tokens: int | None, cpu_linear_dtype: str,
+                 lsh, threads: int, microbatches: int):
         from gpu_model.loader import load_model
         from server.hetero import model_worker, pick_device, pick_dtype
 
@@ -113,7 +113,8 @@ class ModelActor:
             _set_threads(threads)
         device = pick_device(device)
         self.model_dir = Path(model_dir)
-        self.model = load_model(self.model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens)
+        self.model = load_model(self.model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens,
+                                cpu_linear_dtype)
         self.worker = model_worker(self.model, lsh, device)
         self.addresses: list[tuple[str, int] | None] = []
         self.first_blocks: list[int] = []

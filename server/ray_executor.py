@@ -26,7 +26,6 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from gpu_model.loader import GGUF_BLOCKS_MAX_TOKENS
 from server.backend import KVSpec, StepInput, StepOutput, WorkerLost
 from server.ray_actors import STEP_TIMEOUT_S, AttentionActor, ModelActor
 
@@ -37,8 +36,8 @@ class RayBackend:
     """Backend protocol over the actors; lives in the server process (the Ray driver)."""
 
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str, kv_capacity_bytes: int,
-                 block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int = GGUF_BLOCKS_MAX_TOKENS,
-                 oaken_thresholds_path: str | None = None, oaken_sparse_fraction: float = 0.125,
+                 block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int | None = None,
+                 cpu_linear_dtype: str = "auto", oaken_thresholds_path: str | None = None, oaken_sparse_fraction: float = 0.125,
                  oaken_recent_blocks: int = 0, lsh=None, ray_address: str | None = None, cpu_actors: int = 2,
                  actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
         import ray
@@ -67,7 +66,7 @@ class RayBackend:
         threads = 0 if ray_address else os.cpu_count() or 1
         microbatches = microbatches or (2 if use_gpu else 1)
         self.model_actor = ray.remote(ModelActor).options(**model_opts).remote(
-            str(model_dir), device, dtype, gguf_blocks_max_tokens, lsh, threads, microbatches)
+            str(model_dir), device, dtype, gguf_blocks_max_tokens, cpu_linear_dtype, lsh, threads, microbatches)
         cfg = ray.get(self.model_actor.config.remote())
         cal = ray.get(self.model_actor.thresholds.remote(oaken_thresholds_path)) if kv_format == "oaken" else None
         num_blocks, per_block = kv_blocks(cfg, kv_format, kv_capacity_bytes // cpu_actors, block_size,

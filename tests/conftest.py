@@ -53,7 +53,9 @@ class RunningServer:
 
 @pytest.fixture(scope="session")
 def server():
-    """Default model, exact fp32 KV (so greedy output can be compared with HF transformers)."""
-    srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=512 * 2**20, max_num_seqs=64))
+    """Default model, exact fp32 KV and fp32 linears (so greedy output can be compared with HF
+    transformers; the bf16 linears of `cpu_linear_dtype` auto are tested in test_model.py)."""
+    srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=512 * 2**20, max_num_seqs=64,
+                                    cpu_linear_dtype="float32"))
     yield srv
     srv.close()

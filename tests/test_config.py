@@ -34,6 +34,8 @@ def test_bad_values_are_refused_with_a_message(tmp_path):
     assert ServeConfig().lsh_config() is None
     with pytest.raises(ValueError, match="kv_format"):
         ServeConfig(kv_format="int3")
+    with pytest.raises(ValueError, match="cpu_linear_dtype"):
+        ServeConfig(cpu_linear_dtype="float16")
     f = tmp_path / "c.yaml"
     f.write_text("colour: blue\n")
     with pytest.raises(ValueError, match="unknown option"):

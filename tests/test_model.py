@@ -23,12 +23,12 @@ def tiny_model_dir(tmp_path, **overrides):
     return tmp_path, hf
 
 
-def greedy_through_backend(model_dir, prompts, num_new, chunk=5, device="cpu", dtype="float32"):
+def greedy_through_backend(model_dir, prompts, num_new, chunk=5, device="cpu", dtype="float32", linears="float32"):
     """Prefill in chunks of `chunk` tokens, then decode all sequences in one batch per step."""
     from server.hetero import HeteroBackend
 
     backend = HeteroBackend(model_dir, device=device, dtype=dtype, kv_format="fp32", kv_capacity_bytes=2**22,
-                            block_size=4, max_model_len=None)
+                            block_size=4, max_model_len=None, cpu_linear_dtype=linears)
     blocks = BlockManager(backend.kv_spec)
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
@@ -68,6 +68,29 @@ def test_batched_chunked_decode_matches_hf(tmp_path, overrides):
     model_dir, hf = tiny_model_dir(tmp_path, **overrides)
     ours = greedy_through_backend(model_dir, PROMPTS_TINY, num_new=10)
     assert ours == [hf_greedy(hf, p, 10) for p in PROMPTS_TINY]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_linears_stay_close_to_fp32_and_batch_invariant(tmp_path, tied):
+    """cpu_linear_dtype bfloat16 (the default on CPUs with native bf16): each projection within
+    bf16's rounding of the fp32 one, activations in fp32; with every step on the bf16 path (no GGUF
+    blocks here), a sequence's greedy tokens are the same alone as in a batch on this tiny model
+    (on the real one a near-tie may flip: test_preemption.py runs fp32 linears)."""
+    from gpu_model.loader import load_model
+
+    model_dir, _ = tiny_model_dir(tmp_path, tie_word_embeddings=tied)
+    ref, bf = load_model(model_dir, cpu_linear_dtype="float32"), load_model(model_dir, cpu_linear_dtype="bfloat16")
+    assert bf.layers[0].gate_up.weight.dtype == torch.bfloat16 and bf.embed_tokens.weight.dtype == torch.float32
+    x = torch.randn(7, 64)
+    cos, sin = ref.rope(torch.arange(7))
+    pairs = [*zip(ref.pre_attention(0, x, cos, sin), bf.pre_attention(0, x, cos, sin)),
+             (ref.post_attention(1, x, x), bf.post_attention(1, x, x)), (ref.logits(x), bf.logits(x))]
+    for a, b in pairs:
+        assert b.dtype == torch.float32
+        assert ((a - b).norm() / a.norm()).item() < 1e-2  # bf16 keeps 8 bits of mantissa: ~0.4 % per value
+    batched = greedy_through_backend(model_dir, PROMPTS_TINY, num_new=10, linears="bfloat16")
+    assert batched == greedy_through_backend(model_dir, PROMPTS_TINY, num_new=10, linears="float32")
+    assert batched == [greedy_through_backend(model_dir, [p], num_new=10, linears="bfloat16")[0] for p in PROMPTS_TINY]
 
 
 def test_loader_rejects_what_it_cannot_load(tmp_path):

@@ -45,7 +45,8 @@ def stream(url: str, i: int, max_tokens: int, first_token: threading.Event) -> t
 @pytest.fixture(scope="module")
 def ray_server():
     srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=512 * 2**20, max_num_seqs=64, executor="ray",
-                                    ray_cpu_actors=2, ray_microbatches=2))  # the pipelined path, the harder one
+                                    ray_cpu_actors=2, ray_microbatches=2,  # the pipelined path, the harder one
+                                    cpu_linear_dtype="float32"))  # as the local `server` it is compared with
     yield srv
     srv.close()
 
