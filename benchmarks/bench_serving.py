@@ -6,8 +6,8 @@ HF transformers `generate` on the same machine, model and prompts, in one run.
 Each concurrency level c sends max(c, 4) requests, c at a time, with prompts of 128-1024
 tokens of WikiText-2 and exactly --output-tokens output tokens (ignore_eos). HF serves c
 requests as one left-padded `generate` batch, the way a transformers user would. hetserve runs
-as a real server with a streaming HTTP client on the same machine; HF runs in-process.
-Also times `hetserve serve` to a ready /health on a second start (weights cached).
+as a real server with a streaming HTTP client on the same machine; HF runs in-process, by default
+with the matmul precision hetserve's linears use (bf16 on CPUs with native bf16, else fp32). Also times `hetserve serve` to a ready /health on a second start (weights cached).
 """
 from __future__ import annotations
 
@@ -73,13 +73,15 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[128, 1024], metavar=("MIN", "MAX"))
     ap.add_argument("--repeats", type=int, default=2,
                     help="hetserve/HF pairs per level, run back to back; the median pair is reported")
+    ap.add_argument("--hf-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="HF's model dtype (default: hetserve's `cpu_linear_dtype` auto, bfloat16 on CPUs with native bf16)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--out", default="serving.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
 
-    from gpu_model.loader import resolve_model_dir
+    from gpu_model.loader import resolve_linear_dtype, resolve_model_dir
     from gpu_model.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(None)
@@ -87,7 +89,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     workloads = {c: token_prompts(tok, rng.integers(args.prompt_tokens[0], args.prompt_tokens[1] + 1, max(c, 4)).tolist())
                  for c in args.concurrency}
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_dtype = resolve_linear_dtype(args.hf_dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype).eval()
+    print(f"HF in {hf_dtype}", flush=True)
 
     url = f"http://127.0.0.1:{args.port}"
     first, first_s = start_hetserve(args.port)
@@ -113,7 +117,7 @@ def main() -> None:
         proc.terminate(), proc.wait()
     print()
     print_table(rows, [k for k in rows[0] if k != "all_speedups"])
-    result = {"machine": machine(), "args": vars(args), "startup_s": {"first": first_s, "second": ready_s}, "rows": rows}
+    result = {"machine": machine(), "args": vars(args), "hf_dtype": str(hf_dtype), "startup_s": {"first": first_s, "second": ready_s}, "rows": rows}
     print(f"\nwrote {write_json(args.out, result)}")
 
 

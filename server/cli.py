@@ -176,6 +176,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the linear layers' dtype, for every variant and the reference (default: float32)")
     add_cpu_linear_dtype(p)
+    p.add_argument("--reference-linears", choices=["auto", "float32", "bfloat16"],
+                   help="the exact fp32-KV reference's --cpu-linear-dtype (default: the same as the variants'); "
+                        "`--kv-format fp32 --reference-linears float32` scores bf16 linears themselves")
     p.add_argument("--kv-format", default="oaken",
                    help="KV format(s) to score, comma-separated, from oaken, fp16, fp32, int4, int5, kivi (default: oaken)")
     p.add_argument("--text", default=str(DEFAULT_TEXT.with_name("test.txt")), help="text file (default: WikiText-2 test)")
@@ -276,10 +279,13 @@ def eval_command(args: argparse.Namespace) -> None:
                 print(f"wrote {args.json}")
             return
         windows = text_windows(tok.encode(text.read_text()), args.num_windows, args.window_tokens)
+        ref_model = None
+        if args.reference_linears not in (None, args.cpu_linear_dtype):
+            ref_model = load_model(model_dir, dtype=getattr(torch, args.dtype), cpu_linear_dtype=args.reference_linears)
         results = evaluate(model, windows, formats, prefill_tokens=args.prefill_tokens, batch_windows=args.batch_windows,
                            block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction,
                            exact_recent=args.oaken_recent == "exact", lsh=lsh,
-                           topk_frac=args.topk_frac if args.attention == "topk" else None)
+                           topk_frac=args.topk_frac if args.attention == "topk" else None, ref_model=ref_model)
     except ValueError as exc:
         raise SystemExit(f"hetserve eval: {exc}")
     print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt; "

@@ -87,8 +87,9 @@ def sparse_part(name: str, lsh: LshConfig | None, topk_frac: float | None, cfg):
 def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_tokens: int = 128,
              batch_windows: int = 16, block_size: int = 16, oaken_cal: OakenThresholds | None = None,
              sparse_fraction: float = 0.125, progress: bool = True, exact_recent: bool = True,
-             lsh: LshConfig | None = None, topk_frac: float | None = None) -> list[dict]:
-    """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length).
+             lsh: LshConfig | None = None, topk_frac: float | None = None, ref_model=None) -> list[dict]:
+    """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length),
+    the reference run on `ref_model` when given (the same weights in other linears, to score those).
     With `lsh`, every (Oaken) format is also scored with MagicPIG attention, as "<format>+magicpig";
     with `topk_frac` as well, with TopK attention keeping that share of keys, as "<format>+topk"
     (exact top-k) and "<format>+topk-ann" (HNSW search), on the same layers and sequences, with
@@ -100,6 +101,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     if not 0 < prefill_tokens < window_tokens - 1:
         raise ValueError(f"prefill_tokens must be in [1, {window_tokens - 2}] for windows of {window_tokens} tokens")
     worker = ModelWorker(model, None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim).coder())
+    ref_worker = worker if ref_model is None else ModelWorker(ref_model)
     variants = variant_names(kv_formats, lsh, topk_frac)
     names = ["fp32-exact"] + variants
     scores = {name: _Score() for name in names}
@@ -129,8 +131,8 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
             logp = {}
             for name in names:
                 attn[name].begin_step([ChunkLayout(length, start, t, i) for i, t in enumerate(tables)])
-                logits, _ = worker.forward(tokens, positions, rows, attn[name].attend,
-                                           [(i, start, length) for i in range(num)])
+                logits, _ = (ref_worker if name == "fp32-exact" else worker).forward(
+                    tokens, positions, rows, attn[name].attend, [(i, start, length) for i in range(num)])
                 logp[name] = torch.log_softmax(logits.float().cpu(), -1)
             for name in names:
                 scores[name].add(logp["fp32-exact"], logp[name], targets)

@@ -300,6 +300,11 @@ def test_eval_exact_format_agrees_and_oaken_is_close(tmp_path):
     assert 4 < oaken["effective_bits"] < 5.5 and sum(oaken["group_fractions"].values()) == pytest.approx(1)
     with pytest.raises(ValueError, match="prefill_tokens"):
         evaluate(model, windows, ["fp16"], prefill_tokens=39)
+    # bf16 linears scored against an fp32-linears reference: close, not equal
+    bf16 = load_model(model_dir, cpu_linear_dtype="bfloat16")
+    (lin,) = evaluate(bf16, windows, ["fp32"], prefill_tokens=8, batch_windows=2, block_size=4, progress=False,
+                      ref_model=load_model(model_dir, cpu_linear_dtype="float32"))
+    assert 0 < lin["kl_mean"] < oaken["kl_mean"] and lin["top1_agreement"] >= 0.95
 
 
 def test_eval_cli_writes_json(tmp_path, capsys):

@@ -1,0 +1,93 @@
+"""The decode step's linear layers on the CPU, three ways in one run, on the bundled model's weights:
+the fp32 copy with BLAS, the GGUF's own Q4_1 blocks (gpu_model/quant.py) and bf16 weights with
+oneDNN (`--cpu-linear-dtype bfloat16`, the default on CPUs with AVX512-BF16 or AMX).
+
+    python -m benchmarks.bench_linears [--tokens 1 2 4 16 64 512] [--repeats 20]
+
+One "step" = every layer's qkv, o, gate_up and down plus the output head, for a batch of `tokens`
+rows (a decode step at that many sequences, or a prefill chunk). Warm caches: the weights of a
+135M model (212 MB in bf16) do not stay in L3 between real steps, so in the server the bf16 and
+fp32 paths also pay the weight reads that the blocks (~0.6 byte a weight) avoid; the table gives
+the floor that read costs at the machine's measured bandwidth. Prints a table, writes
+benchmarks/results/linears.json.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import machine, print_table, write_json
+from gpu_model.loader import load_model, resolve_model_dir
+from gpu_model.model import LlamaModel
+
+BLOCKS_MAX_TOKENS = 64
+
+
+def linears(model: LlamaModel) -> list[tuple[str, torch.Tensor]]:
+    """(quant key, weight) of every matmul of a step, in order."""
+    out = [(f"layers.{i}.{name}", getattr(layer, name).weight) for i, layer in enumerate(model.layers)
+           for name in ("qkv", "o", "gate_up", "down")]
+    head = model.head_weight if model.head_weight is not None else model.embed_tokens.weight
+    return out + [("head", head if model.lm_head is None else model.lm_head.weight)]
+
+
+def step_ms(model: LlamaModel, tokens: int, repeats: int) -> float:
+    xs = {w.shape[1]: torch.randn(tokens, w.shape[1]) for _, w in linears(model)}
+    mats = linears(model)
+
+    def step() -> None:
+        for key, w in mats:
+            model._linear(key, w, xs[w.shape[1]])
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 16, 64, 512])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--model", help="GGUF file or safetensors directory (default: the bundled model)")
+    args = p.parse_args()
+    model_dir = resolve_model_dir(args.model, Path("~/.cache/hetserve/models").expanduser())
+    torch.set_grad_enabled(False)
+    fp32 = load_model(model_dir, gguf_blocks_max_tokens=0, cpu_linear_dtype="float32")
+    blocks = load_model(model_dir, gguf_blocks_max_tokens=BLOCKS_MAX_TOKENS, cpu_linear_dtype="float32")
+    bf16 = load_model(model_dir, gguf_blocks_max_tokens=0, cpu_linear_dtype="bfloat16")
+    has_blocks = bool(blocks.quant)
+    mach = machine()
+    gbs = mach["memory_read_gb_s"]
+    nbytes = {"fp32": sum(w.numel() * 4 for _, w in linears(fp32)),
+              "bf16": sum(w.numel() * 2 for _, w in linears(bf16)),
+              "blocks": sum(q.scales.nbytes + q.qs.nbytes + (0 if q.mins is None else q.mins.nbytes)
+                            for q in blocks.quant.values())}
+    rows = []
+    for t in args.tokens:
+        row = {"tokens": t, "fp32_ms": step_ms(fp32, t, args.repeats), "bf16_ms": step_ms(bf16, t, args.repeats)}
+        if has_blocks and t <= BLOCKS_MAX_TOKENS:
+            row["blocks_ms"] = step_ms(blocks, t, args.repeats)
+            row["bf16_vs_blocks"] = row["blocks_ms"] / row["bf16_ms"]
+        row["bf16_vs_fp32"] = row["fp32_ms"] / row["bf16_ms"]
+        rows.append(row)
+        print(f"{t} tokens done", flush=True)
+    floors = {k: 1e3 * v / 1e9 / gbs for k, v in nbytes.items()}
+    print(f"weights per step: fp32 {nbytes['fp32'] / 1e6:.0f} MB, bf16 {nbytes['bf16'] / 1e6:.0f} MB, "
+          f"blocks {nbytes['blocks'] / 1e6:.0f} MB; read floors at {gbs} GB/s: fp32 {floors['fp32']:.1f} ms, "
+          f"bf16 {floors['bf16']:.1f} ms, blocks {floors['blocks']:.1f} ms")
+    print("ms per step (speed-ups: > 1 means bf16 is faster)")
+    print_table(rows, ["tokens", "fp32_ms", "blocks_ms", "bf16_ms", "bf16_vs_fp32", "bf16_vs_blocks"])
+    path = write_json("linears.json", {"machine": mach, "weight_bytes": nbytes, "read_floor_ms": floors, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
