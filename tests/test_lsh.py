@@ -229,6 +229,17 @@ def test_coder_centers_keys_on_their_first_chunk():
     assert got_k.dtype == np.int32 and sorted(coder.centers) == [5, 6]
     coder.codes(1, q[:10], k[:10] + 5, [(5, 0, 10)])
     np.testing.assert_allclose(coder.centers[5][1].numpy(), (k[:10] + 5).mean(0).numpy() @ w, rtol=1e-4, atol=1e-3)
+    # decode steps (one token a sequence, the centers kept stacked per batch) use the current centers
+    mu5 = (k[:10] + 5).mean(0).numpy()
+    for step in range(3):
+        rows = k[2 * step:2 * step + 2]
+        _, got = coder.codes(1, q[:2], rows, [(6, 300 + step, 1), (5, 300 + step, 1)])
+        centered = rows.numpy() - np.stack([mu6, mu5])
+        clear = (np.abs(centered.astype(np.float64) @ w) > 1e-4).reshape(2, 3, 20, 8).all(-1)
+        np.testing.assert_array_equal(got.numpy()[clear], reference_codes(centered, w, 8)[clear])
+        if step == 1:  # sequence 5 starts again: a new center, which the next decode step must use
+            coder.codes(1, q[:10], k[:10] - 3, [(5, 0, 10)])
+            mu5 = (k[:10] - 3).mean(0).numpy()
     coder.free([5, 6])
     assert coder.centers == {}
 

@@ -8,6 +8,7 @@ The sdist is the only thing fetched (from PyPI, with pip, once); later runs reus
 """
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 import tarfile
@@ -15,6 +16,10 @@ from pathlib import Path
 
 CACHE_DIR = Path.home() / ".cache" / "hetserve" / "llama.cpp"
 
+
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+"""ggml's AMX matmul (picked by -march=native on Xeons with AMX) dies with SIGSEGV/SIGILL in its worker threads
+(llama.cpp issue 20824: no per-thread XTILEDATA request, tile config on the stack); without it ggml uses AVX-512."""
 
 TARGETS = ("llama-server", "llama-batched-bench")
 """The real server, and the decode-speed probe that `benchmarks.e2e.headline` pairs with hetserve's."""
@@ -46,7 +51,9 @@ def build_llama_server(cache_dir: Path = CACHE_DIR, jobs: int = 2, target: str =
     print(f"building llama-server in {src}/build (nice 10, {jobs} jobs)", flush=True)
     nice = ["nice", "-n", "10"]
     subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(src / "build"), "-G", "Ninja",
-                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
+                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON",
+                    *([f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"] if platform.machine() == "x86_64" else [])],
+                   check=True)
     subprocess.run([*nice, "cmake", "--build", str(src / "build"), "--target", *TARGETS, "-j", str(jobs)],
                    check=True)
     exe = find_llama_server(cache_dir, target)
