@@ -7,7 +7,8 @@ Each concurrency level c sends max(c, 4) requests, c at a time, with prompts of 
 tokens of WikiText-2 and exactly --output-tokens output tokens (ignore_eos). HF serves c
 requests as one left-padded `generate` batch, the way a transformers user would. hetserve runs
 as a real server with a streaming HTTP client on the same machine; HF runs in-process, by default
-with the matmul precision hetserve's linears use (bf16 on CPUs with native bf16, else fp32). Also times `hetserve serve` to a ready /health on a second start (weights cached).
+with the matmul precision hetserve's linears use (bf16 on CPUs with native bf16, else fp32).
+Also times `hetserve serve` to a ready /health on a second start (weights cached).
 """
 from __future__ import annotations
 
