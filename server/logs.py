@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import sys
 import time
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -35,9 +36,25 @@ class TextFormatter(logging.Formatter):
         return f"{line} [{request_id}]" if request_id else line
 
 
+class StderrHandler(logging.StreamHandler):
+    """A StreamHandler on sys.stderr as it is when a record comes, not as it was when the handler was
+    made: a server thread that outlives a replaced stderr (a test's captured one) still logs."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure(level: str, fmt: str) -> None:
     """Root handler with the chosen format; uvicorn's loggers propagate to it (its own access log is off)."""
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -1,13 +1,15 @@
 """/metrics: valid Prometheus text, vLLM-style names, exact token counters; JSON logs with request ids."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
+import sys
 
 import httpx
 
-from server.logs import JsonFormatter, request_id_var
+from server.logs import JsonFormatter, StderrHandler, request_id_var
 from server.metrics import Histogram
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|\+Inf|NaN)$')
@@ -77,3 +79,17 @@ def test_request_id_is_echoed_and_json_logs_carry_it(server):
     finally:
         request_id_var.reset(token)
     assert obj["request_id"] == "req-abc" and obj["msg"] == "done x" and obj["status"] == 200 and obj["level"] == "info"
+
+
+def test_log_handler_writes_to_the_current_stderr(monkeypatch):
+    """A server thread that outlives a replaced (and closed) stderr, such as a test's captured one,
+    keeps logging to whatever stderr is now."""
+    handler = StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    before, after = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", before)
+    handler.emit(logging.LogRecord("hetserve", logging.INFO, __file__, 1, "one", (), None))
+    before.close()
+    monkeypatch.setattr(sys, "stderr", after)
+    handler.emit(logging.LogRecord("hetserve", logging.INFO, __file__, 1, "two", (), None))
+    assert after.getvalue() == "two\n"
