@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.common import machine, print_table, write_json
 from gpu_model.loader import load_model, resolve_model_dir
-from gpu_model.model import LlamaModel
+from gpu_model.model import LINEARS, LlamaModel
 
 BLOCKS_MAX_TOKENS = 64
 
@@ -30,14 +30,14 @@ BLOCKS_MAX_TOKENS = 64
 def linears(model: LlamaModel) -> list[tuple[str, torch.Tensor]]:
     """(quant key, weight) of every matmul of a step, in order."""
     out = [(f"layers.{i}.{name}", getattr(layer, name).weight) for i, layer in enumerate(model.layers)
-           for name in ("qkv", "o", "gate_up", "down")]
+           for name in LINEARS]
     head = model.head_weight if model.head_weight is not None else model.embed_tokens.weight
     return out + [("head", head if model.lm_head is None else model.lm_head.weight)]
 
 
 def step_ms(model: LlamaModel, tokens: int, repeats: int) -> float:
-    xs = {w.shape[1]: torch.randn(tokens, w.shape[1]) for _, w in linears(model)}
     mats = linears(model)
+    xs = {w.shape[1]: torch.randn(tokens, w.shape[1]) for _, w in mats}
 
     def step() -> None:
         for key, w in mats:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import machine, print_table, start_hetserve, token_prompts, write_json
+from server.config import CPU_LINEAR_DTYPES
 
 
 async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, sem: asyncio.Semaphore) -> dict:
@@ -74,7 +75,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[128, 1024], metavar=("MIN", "MAX"))
     ap.add_argument("--repeats", type=int, default=2,
                     help="hetserve/HF pairs per level, run back to back; the median pair is reported")
-    ap.add_argument("--hf-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    ap.add_argument("--hf-dtype", choices=CPU_LINEAR_DTYPES, default="auto",
                     help="HF's model dtype (default: hetserve's `cpu_linear_dtype` auto, bfloat16 on CPUs with native bf16)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--out", default="serving.json", help="file name under benchmarks/results/")

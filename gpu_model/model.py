@@ -14,6 +14,9 @@ from torch import nn
 from gpu_model.config import ModelConfig
 from gpu_model.quant import QuantWeight, quant_matmul
 
+LINEARS = ("qkv", "o", "gate_up", "down")
+"""A layer's linear modules, in the order a step runs them (fused q|k|v and gate|up)."""
+
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [D/2] with the config's scaling (default, linear, llama3)."""
@@ -149,8 +152,8 @@ class LlamaModel(nn.Module):
         CPU with native bf16 dot products (AVX512-BF16, AMX) bf16 matmuls run 3-4x faster than
         fp32 at 2 to 512 tokens a step (README: Usage, `cpu_linear_dtype`)."""
         for layer in self.layers:
-            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                linear.to(dtype)
+            for name in LINEARS:
+                getattr(layer, name).to(dtype)
         if self.lm_head is not None:
             self.lm_head.to(dtype)
         else:

@@ -9,7 +9,8 @@ from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 
-from server.config import ServeConfig, add_arguments, from_args, parse_layers
+from server import logs
+from server.config import CPU_LINEAR_DTYPES, ServeConfig, add_arguments, from_args, parse_layers
 
 log = logging.getLogger("hetserve")
 
@@ -87,7 +88,6 @@ def warm_up(engine) -> None:
 def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
-    from server import logs
     from server.api import ServerState, create_app
     from server.lifecycle import DrainingServer
 
@@ -137,7 +137,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_cpu_linear_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cpu-linear-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    p.add_argument("--cpu-linear-dtype", choices=CPU_LINEAR_DTYPES, default="auto",
                    help="with --dtype float32, the linear layers' weights and matmuls, as `hetserve serve` runs them "
                         "(default: auto, bfloat16 where the CPU has AVX512-BF16 or AMX)")
 
@@ -176,7 +176,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the linear layers' dtype, for every variant and the reference (default: float32)")
     add_cpu_linear_dtype(p)
-    p.add_argument("--reference-linears", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--reference-linears", choices=CPU_LINEAR_DTYPES,
                    help="the exact fp32-KV reference's --cpu-linear-dtype (default: the same as the variants'); "
                         "`--kv-format fp32 --reference-linears float32` scores bf16 linears themselves")
     p.add_argument("--kv-format", default="oaken",
@@ -329,14 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_model.loader import ModelLoadError
 
     if args.command in ("calibrate", "eval"):
-        level, command = "INFO", partial(calibrate_command if args.command == "calibrate" else eval_command, args)
-    else:
+        logs.configure("info", "text")
+        command = partial(calibrate_command if args.command == "calibrate" else eval_command, args)
+    else:  # serve sets up its logs itself (level and format are its options)
         try:
             cfg = from_args(args)
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
-        level, command = cfg.log_level.upper(), partial(serve, cfg)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        command = partial(serve, cfg)
     try:
         command()
     except ModelLoadError as exc:  # a wrong --model path: say so, without a traceback

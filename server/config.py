@@ -44,6 +44,10 @@ def parse_layers(text: str | None, name: str) -> tuple[int, ...] | None:
         raise ValueError(f"{name} must be comma-separated layer numbers, not {text!r}") from None
 
 
+CPU_LINEAR_DTYPES = ("auto", "float32", "bfloat16")
+"""Values of `cpu_linear_dtype` (also the CLI choices of calibrate and eval, and benchmarks' HF dtype)."""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str | None = _opt(None, "GGUF file or safetensors directory of a Llama-architecture model (default: bundled SmolLM2-135M-Instruct)")
@@ -141,7 +145,7 @@ class ServeConfig:
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
             (self.gguf_blocks_max_tokens is None or self.gguf_blocks_max_tokens >= 0, "gguf_blocks_max_tokens must be >= 0"),
-            (self.cpu_linear_dtype in ("auto", "float32", "bfloat16"),
+            (self.cpu_linear_dtype in CPU_LINEAR_DTYPES,
              f"cpu_linear_dtype must be auto, float32 or bfloat16, not {self.cpu_linear_dtype!r}"),
             (self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1"),
             (0 < self.port < 65536, f"port {self.port} out of range"),
