@@ -199,7 +199,7 @@ def collect_candidates(q_codes, offsets, ids, num_keys, lo, hi, count, cand, bas
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, lo, hi, scale, s, kb, vb, lut,
+def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, lo, hi, scale, s, kb, vb,
                   acc, m, l):
     """Exact attention of the group's queries over positions [lo, hi) of one kv-head."""
     bs = k_parts[0].shape[1]
@@ -208,9 +208,9 @@ def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first
     for j in range(lo // bs, (hi + bs - 1) // bs):
         block = table[j]
         start, end = max(lo - j * bs, 0), min(hi - j * bs, bs)
-        load_block(k_parts, block, thr_k, first_seg, end, kb, lut)
+        load_block(k_parts, block, thr_k, first_seg, end, kb)
         add_key_center(kb, j * bs, end, k_center, kvh)
-        load_block(v_parts, block, thr_v, first_seg, end, vb, lut)
+        load_block(v_parts, block, thr_v, first_seg, end, vb)
         attend_block(q, kb[start:], vb[start:], end - start, scale, s, acc, m, l)
 
 
@@ -272,7 +272,6 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
         b, kvh = item // num_kv_heads, item % num_kv_heads
         heads = slice(kvh * group, (kvh + 1) * group)
         first_seg = kvh * head_dim // SEGMENT
-        lut = np.empty(8, np.float32)
         q_mu = np.zeros(group, np.float32)
         acc = out[b, heads]
         attend_begin(acc, m[item], l[item])
@@ -285,9 +284,9 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
             num_indexed += indexed[st]
         tail = max(min(num_indexed, n - window, (n - 1) // bs * bs), sinks)  # the last block may still be filling
         _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, 0, sinks, scale,
-                      s[item], kb[item], vb[item], lut, acc, m[item], l[item])
+                      s[item], kb[item], vb[item], acc, m[item], l[item])
         _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, tail, n, scale,
-                      s[item], kb[item], vb[item], lut, acc, m[item], l[item])
+                      s[item], kb[item], vb[item], acc, m[item], l[item])
         num, heads_of, union = 0, marks[item], cand[item, group * cap:]
         for g in range(num_r):
             h = kvh * num_r + g
@@ -314,9 +313,9 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
             _prefetch_rows(k_parts, v_parts, k_center, table, union[c0 + bs:min(c0 + 2 * bs, num)], first_seg)
             for t in range(width):
                 pos = union[c0 + t]
-                load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, kb[item, t], lut)
+                load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, kb[item, t])
                 add_key_center(kb[item, t:t + 1], pos, 1, k_center, kvh)
-                load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, vb[item, t], lut)
+                load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, vb[item, t])
             for t in range(width):
                 pos = union[c0 + t]
                 norm_c = np.float32(0.0)

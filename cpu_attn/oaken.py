@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import numpy as np
 import numba
-from numba import get_thread_id, njit, prange
+from llvmlite import ir
+from numba import get_thread_id, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from cpu_attn.kernels import _FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, fp16_to_f32
 
@@ -256,15 +259,83 @@ def write_tokens(x, thr, slot_mapping, runs, dense, scales, counts, sparse, shif
     return bad
 
 
+_LANES = 8  # sparse entries _scatter_entries decodes at once
+
+
+@intrinsic
+def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo, s_hi, s1, s2):
+    """The sparse entries sparse[k : k + min(n, 16)] of one segment -> their values written into
+    out[out_at + index]; the segment's nibbles start at dense[dense_at] (4-byte aligned). Entry
+    bits 0-5 index, 6 outer, 7 negative; the value is base + y * step with y its dense nibble:
+    inner +-y * s1, outer s_hi + y * s2 or s_lo - y * s2 (dequantize_token says it plainly).
+
+    Numba emits no vector gather or scatter, so this is written in LLVM IR: a masked load of the
+    entries, a gather of the 32-bit words that hold their nibbles, a scatter of the values (one
+    instruction each with AVX-512; LLVM splits them into branch-free scalar steps on CPUs without).
+    Eight lanes: a segment has ~6 entries. Exact attention at 16 x 8k (one layer) went from 25.6 to
+    21 ms with it on an AVX-512 Xeon, and from 27.1 to 22.6 ms compiled for plain x86-64."""
+    arrays = (out, dense, sparse)
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays):
+        return None
+    if (out.dtype, dense.dtype, sparse.dtype) != (types.float32, types.uint8, types.uint8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32, i1, i8, i32, i64 = ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        ptr = i8.as_pointer()
+        vec = lambda t: ir.VectorType(t, _LANES)
+        const = lambda t, x: ir.Constant(vec(t), [x] * _LANES)
+
+        def splat(t, x):
+            one = builder.insert_element(ir.Constant(vec(t), ir.Undefined), x, i32(0))
+            return builder.shuffle_vector(one, ir.Constant(vec(t), ir.Undefined), const(i32, 0))
+
+        def address(array, array_type):  # the first element's address as an integer
+            return builder.ptrtoint(context.make_array(array_type)(context, builder, array).data, i64)
+
+        def intrinsic_fn(name, ret, params):
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
+
+        sig = signature.args
+        idx = [context.cast(builder, args[i], sig[i], types.intp) for i in (1, 3, 5, 6)]
+        out_at, dense_at, k, n = idx
+        s_lo, s_hi, s1, s2 = [context.cast(builder, a, t, types.float32) for a, t in zip(args[7:], sig[7:])]
+        mask = builder.icmp_signed("<", ir.Constant(vec(i64), list(range(_LANES))), splat(i64, n))
+        at = builder.inttoptr(builder.add(address(args[4], sig[4]), k), ptr)
+        load = intrinsic_fn(f"llvm.masked.load.v{_LANES}i8.p0", vec(i8), [ptr, i32, vec(i1), vec(i8)])
+        entry = builder.zext(builder.call(load, [at, i32(1), mask, const(i8, 0)]), vec(i32))
+        j = builder.and_(entry, const(i32, 63))
+        outer = builder.icmp_unsigned("!=", builder.and_(entry, const(i32, 64)), const(i32, 0))
+        negative = builder.icmp_unsigned("!=", builder.and_(entry, const(i32, 128)), const(i32, 0))
+        byte = builder.and_(j, const(i32, 31))  # value j's nibble: byte j % 32, high nibble for j >= 32
+        shift = builder.add(builder.shl(builder.and_(byte, const(i32, 3)), const(i32, 3)),
+                            builder.shl(builder.lshr(j, const(i32, 5)), const(i32, 2)))
+        words = builder.add(splat(i64, builder.add(address(args[2], sig[2]), dense_at)),
+                            builder.zext(builder.and_(byte, const(i32, ~3)), vec(i64)))
+        gather = intrinsic_fn(f"llvm.masked.gather.v{_LANES}i32.v{_LANES}p0", vec(i32), [vec(ptr), i32, vec(i1), vec(i32)])
+        word = builder.call(gather, [builder.inttoptr(words, vec(ptr)), i32(4), mask, const(i32, 0)])
+        y = builder.uitofp(builder.and_(builder.lshr(word, shift), const(i32, 15)), vec(f32))
+        base = builder.select(outer, builder.select(negative, splat(f32, s_lo), splat(f32, s_hi)), const(f32, 0.0))
+        step = builder.select(outer, splat(f32, s2), splat(f32, s1))
+        value = builder.fadd(base, builder.fmul(y, builder.select(negative, builder.fneg(step), step)))
+        slots = builder.add(splat(i64, builder.add(address(args[0], sig[0]), builder.shl(out_at, i64(2)))),
+                            builder.shl(builder.zext(j, vec(i64)), const(i64, 2)))
+        scatter = intrinsic_fn(f"llvm.masked.scatter.v{_LANES}f32.v{_LANES}p0", ir.VoidType(), [vec(f32), vec(ptr), i32, vec(i1)])
+        builder.call(scatter, [value, builder.inttoptr(slots, vec(ptr)), i32(4), mask])
+        return context.get_dummy_value()
+    return types.none(*[out, out_at, dense, dense_at, sparse, k, n, s_lo, s_hi, s1, s2]), codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
-def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out, lut):
+def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out):
     """One token of one kv-head: dense [C/2], scales [3] (fp16 bits), counts [C/64] and its
     block's sparse entries from index e -> out [D] float32 (D a multiple of 64, starting at
-    segment first_seg); lut: [8] float32 scratch. Returns e past this token's entries.
+    segment first_seg). Returns e past this token's entries.
 
     Both passes are branch-free (random sign and group bits would mispredict): every value is
     first decoded as a middle value, two contiguous runs of 32 per segment so the loop
-    vectorizes; then the sparse entries overwrite their slots."""
+    vectorizes; then the sparse entries overwrite their slots, up to 16 at a time with vector
+    gathers and scatters (_scatter_entries)."""
     s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
     half = SEGMENT // 2
     num_seg = out.shape[0] // SEGMENT
@@ -280,19 +351,12 @@ def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out, lut):
             o[j] = (lo_base if lo & 8 else hi_base) + np.float32((lo & 7) * (1 - ((lo >> 2) & 2))) * s0
             o[j + half] = (lo_base if hi & 8 else hi_base) + np.float32((hi & 7) * (1 - ((hi >> 2) & 2))) * s0
     s1, s2 = fp16_to_f32(scales[1]), fp16_to_f32(scales[2])
-    # entry bits 6-7 (outer, negative) -> base and signed scale: inner +-y, outer s_hi + y or s_lo - y
-    lut[0], lut[1], lut[2], lut[3] = 0.0, s_hi, 0.0, s_lo
-    lut[4], lut[5], lut[6], lut[7] = s1, s2, -s1, -s2
     for seg in range(first_seg):
         e += counts[seg]
     for seg in range(num_seg):
         n = counts[first_seg + seg]
-        row = dense[(first_seg + seg) * half:(first_seg + seg + 1) * half]
-        for k in range(e, e + n):
-            entry = np.int32(sparse[k])
-            j = entry & 63
-            y = np.float32((row[j % half] >> (4 * (j // half))) & 15)
-            out[seg * SEGMENT + j] = lut[entry >> 6] + y * lut[4 + (entry >> 6)]
+        for k in range(e, e + n, _LANES):
+            _scatter_entries(out, seg * SEGMENT, dense, (first_seg + seg) * half, sparse, k, e + n - k, s_lo, s_hi, s1, s2)
         e += n
     for seg in range(first_seg + num_seg, counts.shape[0]):
         e += counts[seg]
@@ -300,26 +364,26 @@ def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out, lut):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def dequantize_block(dense, scales, counts, sparse, thr, first_seg, width, out, lut):
+def dequantize_block(dense, scales, counts, sparse, thr, first_seg, width, out):
     """Rows 0..width-1 of one block (dense [bs, C/2], scales [bs, 3], counts [bs, C/64],
     sparse [budget]) for one kv-head -> out [bs, D] float32; see decode_token."""
     e = 0
     for t in range(width):
-        e = decode_token(dense[t], scales[t], counts[t], sparse, e, thr, first_seg, out[t], lut)
+        e = decode_token(dense[t], scales[t], counts[t], sparse, e, thr, first_seg, out[t])
 
 
 @njit(cache=True, nogil=True, inline="always")
-def dequantize_row(dense, scales, counts, sparse, thr, first_seg, offset, out, lut):
+def dequantize_row(dense, scales, counts, sparse, thr, first_seg, offset, out):
     """Row `offset` of one block for one kv-head -> out [D] float32 (a sampled key or value)."""
     e = 0
     for t in range(offset):
         for seg in range(counts.shape[1]):
             e += counts[t, seg]
-    decode_token(dense[offset], scales[offset], counts[offset], sparse, e, thr, first_seg, out, lut)
+    decode_token(dense[offset], scales[offset], counts[offset], sparse, e, thr, first_seg, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def load_block(parts, block, thr, first_seg, width, out, lut):
+def load_block(parts, block, thr, first_seg, width, out):
     """Rows 0..width-1 of `block` for one kv-head -> out [bs, D] float32. parts = (dense, scales,
     counts, sparse, tail, tail_of): a block still filling lives in full precision in
     tail[tail_of[block]] ([bs, C] float32); any other block is decoded (dequantize_block)."""
@@ -330,16 +394,16 @@ def load_block(parts, block, thr, first_seg, width, out, lut):
         for t in range(width):
             out[t, :] = tail[slot, t, first:first + out.shape[1]]
     else:
-        dequantize_block(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, width, out, lut)
+        dequantize_block(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, width, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def load_row(parts, block, thr, first_seg, offset, out, lut):
+def load_row(parts, block, thr, first_seg, offset, out):
     """Row `offset` of `block` for one kv-head -> out [D] float32, for a block that is not still
     filling (its rows are quantized; see load_block). No tail check here: with it (a branch
     around the decoder) LLVM compiles the decoder ~2.5x slower, 100 vs 40 ns per sampled row."""
     dense, scales, counts, sparse = parts[0], parts[1], parts[2], parts[3]
-    dequantize_row(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, offset, out, lut)
+    dequantize_row(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, offset, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -375,16 +439,15 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, k_center, block_ta
         b, kvh = item // num_kv_heads, item % num_kv_heads
         heads = slice(kvh * group, (kvh + 1) * group)
         first_seg = kvh * head_dim // SEGMENT
-        lut = np.empty(8, np.float32)
         acc = out[b, heads]
         attend_begin(acc, m[item], l[item])
         n = seq_lens[b]
         for j in range((n + block_size - 1) // block_size):
             block = block_tables[b, j]
             width = min(block_size, n - j * block_size)
-            load_block(k_parts, block, thr_k, first_seg, width, kb[item], lut)
+            load_block(k_parts, block, thr_k, first_seg, width, kb[item])
             add_key_center(kb[item], j * block_size, width, k_center, kvh)
-            load_block(v_parts, block, thr_v, first_seg, width, vb[item], lut)
+            load_block(v_parts, block, thr_v, first_seg, width, vb[item])
             attend_block(q[b, heads], kb[item], vb[item], width, scale, scores[item], acc, m[item], l[item])
         attend_end(acc, m[item], l[item], lse[b, heads])
 
@@ -398,4 +461,4 @@ def dequantize_blocks(parts, thr, blocks, num_tokens, out):
     for item in prange(blocks.shape[0] * num_kv_heads):
         j, kvh = item // num_kv_heads, item % num_kv_heads
         load_block(parts, blocks[j], thr, kvh * head_dim // SEGMENT, min(block_size, num_tokens - j * block_size),
-                   out[j, kvh], np.empty(8, np.float32))
+                   out[j, kvh])

@@ -97,6 +97,23 @@ def test_oaken_store_holds_the_quantizer_roundtrip(num_kv_heads, head_dim):
     assert counts["outer"] == np.count_nonzero(groups == OUTER)
 
 
+
+def test_oaken_store_decodes_segments_full_of_entries():
+    """Every value of a token sparse (outer or inner, both signs: 64 entries a segment, eight
+    vector scatters), next to tokens of zeros and of one entry; the store's decoder against the
+    quantizer's round trip."""
+    store = oaken_store(num_kv_heads=2, head_dim=64, sparse_fraction=1.0)
+    rng = np.random.default_rng(5)
+    x = np.zeros((4, 2, 64), np.float32)
+    x[0] = rng.choice([-1, 1], (2, 64)) * rng.uniform(2.5, 6, (2, 64))  # all outer
+    x[1] = rng.uniform(-0.09, 0.09, (2, 64))  # all inner
+    x[3, 1, 63] = 5.0  # zeros but the last value of the last segment
+    slots = np.arange(4, dtype=np.int64)
+    store.write(0, slots, x, x[::-1].copy(), slots)
+    k, v = store.gather(0, np.array([0]), 4)
+    np.testing.assert_array_equal(k, reference_roundtrip(x))
+    np.testing.assert_array_equal(v, reference_roundtrip(x[::-1].copy()))
+
 def channel_transforms(rng, num_kv_heads, head_dim, kinds):
     """Store transforms as calibrate finds them for write_sequences' keys (heavy channel 5 of
     every head, offset by `bias`), plus random value scales."""
