@@ -254,7 +254,21 @@ class OakenKVStore:
         full); returns the mask of the other rows, to quantize now."""
         bs, runs = self.block_size, _block_runs(slot_mapping, self.block_size)
         direct = np.ones(len(slot_mapping), bool)
+        # a decode step's rows at once: one-row runs that go on filling a tail and leave it unfilled
+        first_rows = runs[:-1][np.diff(runs) == 1]
+        slots = self.tail_of[layer, slot_mapping[first_rows] // bs]
+        offsets = slot_mapping[first_rows] % bs
+        fast = (slots >= 0) & (offsets < bs - 1)
+        rows_now, slots, offsets = first_rows[fast], slots[fast], offsets[fast]
+        for kv in (0, 1):
+            self.tail[layer, kv, slots, offsets] = rows[kv][rows_now]
+        self.tail_len[layer, slots] = offsets + 1
+        self.tail_stamp[layer, slots] = self._writes + 1 + np.arange(len(slots))
+        self._writes += len(slots)
+        direct[rows_now] = False
         for a, b in zip(runs[:-1], runs[1:]):
+            if not direct[a]:
+                continue
             block, first, last = slot_mapping[a] // bs, slot_mapping[a] % bs, slot_mapping[b - 1] % bs
             slot = self.tail_of[layer, block]
             if slot < 0:
