@@ -136,7 +136,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
         return model
     bf16 = resolve_linear_dtype(cpu_linear_dtype) == torch.bfloat16
     if bf16:
-        model.cast_linears(torch.bfloat16)
+        model.cast_linears(torch.bfloat16, pack=cpu_has_native_bf16())
     if gguf_blocks_max_tokens is None:
         gguf_blocks_max_tokens = 1 if bf16 else GGUF_BLOCKS_MAX_TOKENS
     if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from server.backend import SamplingParams, SeqChunk, StepInput
 from server.block_manager import BlockManager
@@ -92,6 +93,30 @@ def test_bf16_linears_stay_close_to_fp32_and_batch_invariant(tmp_path, tied):
     assert batched == greedy_through_backend(model_dir, PROMPTS_TINY, num_new=10, linears="float32")
     assert batched == [greedy_through_backend(model_dir, [p], num_new=10, linears="bfloat16")[0] for p in PROMPTS_TINY]
 
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_bf16_linears_give_plain_linears_results(tmp_path, tied):
+    """cast_linears(pack=True) keeps oneDNN-blocked copies of the bf16 weights (the loader's choice on
+    CPUs with native bf16): every matmul, the head included, must give exactly plain linear's bf16
+    result at any step size. Where this torch cannot pack, the model must fall back to plain."""
+    from gpu_model.loader import load_model
+    from gpu_model.model import LINEARS
+
+    model_dir, _ = tiny_model_dir(tmp_path, tie_word_embeddings=tied)
+    model = load_model(model_dir, cpu_linear_dtype="float32")
+    model.cast_linears(torch.bfloat16, pack=True)
+    if not model.packed:
+        pytest.skip("no oneDNN packing in this torch (the model multiplies by the plain bf16 weights)")
+    assert set(model.packed) == {f"layers.{i}.{n}" for i in range(2) for n in LINEARS} | {"head"}
+    weights = model._weights()
+    for tokens in (1, 2, 16, 300):
+        x = torch.randn(tokens, 64)
+        for key, w in weights.items():
+            x_in = x if w.shape[1] == 64 else torch.randn(tokens, w.shape[1])
+            got = model._linear(key, w, x_in)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, nn.functional.linear(x_in.bfloat16(), w).float()), (key, tokens)
 
 def test_loader_rejects_what_it_cannot_load(tmp_path):
     from gpu_model.loader import ModelLoadError, resolve_model_dir
