@@ -264,7 +264,7 @@ _LANES = 8  # sparse entries _scatter_entries decodes at once
 
 @intrinsic
 def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo, s_hi, s1, s2):
-    """The sparse entries sparse[k : k + min(n, 16)] of one segment -> their values written into
+    """The sparse entries sparse[k : k + min(n, _LANES)] of one segment -> their values written into
     out[out_at + index]; the segment's nibbles start at dense[dense_at] (4-byte aligned). Entry
     bits 0-5 index, 6 outer, 7 negative; the value is base + y * step with y its dense nibble:
     inner +-y * s1, outer s_hi + y * s2 or s_lo - y * s2 (dequantize_token says it plainly).
@@ -312,7 +312,8 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
                             builder.shl(builder.lshr(j, const(i32, 5)), const(i32, 2)))
         words = builder.add(splat(i64, builder.add(address(args[2], sig[2]), dense_at)),
                             builder.zext(builder.and_(byte, const(i32, ~3)), vec(i64)))
-        gather = intrinsic_fn(f"llvm.masked.gather.v{_LANES}i32.v{_LANES}p0", vec(i32), [vec(ptr), i32, vec(i1), vec(i32)])
+        gather = intrinsic_fn(f"llvm.masked.gather.v{_LANES}i32.v{_LANES}p0", vec(i32),
+                              [vec(ptr), i32, vec(i1), vec(i32)])
         word = builder.call(gather, [builder.inttoptr(words, vec(ptr)), i32(4), mask, const(i32, 0)])
         y = builder.uitofp(builder.and_(builder.lshr(word, shift), const(i32, 15)), vec(f32))
         base = builder.select(outer, builder.select(negative, splat(f32, s_lo), splat(f32, s_hi)), const(f32, 0.0))
@@ -320,10 +321,11 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
         value = builder.fadd(base, builder.fmul(y, builder.select(negative, builder.fneg(step), step)))
         slots = builder.add(splat(i64, builder.add(address(args[0], sig[0]), builder.shl(out_at, i64(2)))),
                             builder.shl(builder.zext(j, vec(i64)), const(i64, 2)))
-        scatter = intrinsic_fn(f"llvm.masked.scatter.v{_LANES}f32.v{_LANES}p0", ir.VoidType(), [vec(f32), vec(ptr), i32, vec(i1)])
+        scatter = intrinsic_fn(f"llvm.masked.scatter.v{_LANES}f32.v{_LANES}p0", ir.VoidType(),
+                               [vec(f32), vec(ptr), i32, vec(i1)])
         builder.call(scatter, [value, builder.inttoptr(slots, vec(ptr)), i32(4), mask])
         return context.get_dummy_value()
-    return types.none(*[out, out_at, dense, dense_at, sparse, k, n, s_lo, s_hi, s1, s2]), codegen
+    return types.none(out, out_at, dense, dense_at, sparse, k, n, s_lo, s_hi, s1, s2), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -334,7 +336,7 @@ def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out):
 
     Both passes are branch-free (random sign and group bits would mispredict): every value is
     first decoded as a middle value, two contiguous runs of 32 per segment so the loop
-    vectorizes; then the sparse entries overwrite their slots, up to 16 at a time with vector
+    vectorizes; then the sparse entries overwrite their slots, eight at a time with vector
     gathers and scatters (_scatter_entries)."""
     s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
     half = SEGMENT // 2
@@ -356,7 +358,8 @@ def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out):
     for seg in range(num_seg):
         n = counts[first_seg + seg]
         for k in range(e, e + n, _LANES):
-            _scatter_entries(out, seg * SEGMENT, dense, (first_seg + seg) * half, sparse, k, e + n - k, s_lo, s_hi, s1, s2)
+            _scatter_entries(out, seg * SEGMENT, dense, (first_seg + seg) * half, sparse, k, e + n - k,
+                             s_lo, s_hi, s1, s2)
         e += n
     for seg in range(first_seg + num_seg, counts.shape[0]):
         e += counts[seg]

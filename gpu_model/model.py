@@ -189,7 +189,8 @@ class LlamaModel(nn.Module):
 
     def _weights(self) -> dict[str, torch.Tensor]:
         """Every matmul's weight by its _linear key."""
-        out = {f"layers.{i}.{name}": getattr(layer, name).weight for i, layer in enumerate(self.layers) for name in LINEARS}
+        out = {f"layers.{i}.{name}": getattr(layer, name).weight
+               for i, layer in enumerate(self.layers) for name in LINEARS}
         out["head"] = self.head_weight if self.head_weight is not None else self.lm_head.weight
         return out
 
