@@ -40,6 +40,13 @@ CALIBRATION_VERSION = 4
 3: windows spread over the context's positions (version 2 took keys at positions 0..511 only);
 4: the key center is the pre-RoPE mean, turned to each key's position (2 and 3: one post-RoPE
 mean for every position; such files still load, as a center that does not turn)."""
+
+OUTER_RATIO, INNER_RATIO = 0.04, 0.06
+"""Default shares of the outer and inner groups (the paper's ~4 % and ~6 %; 0.06 / 0.08 is measured in the
+README: better at 512 tokens, worse at 8k with MagicPIG)."""
+SPARSE_FRACTION = 0.125
+"""Default sparse budget of a KV block, as a share of its values: room for the 10 % the default ratios put
+in the sparse groups, plus slack for blocks with more (a token past it has values demoted to middle)."""
 _CHANNEL_ARRAYS = ("key_scales", "key_bias", "value_scales")
 
 
@@ -57,8 +64,8 @@ class OakenThresholds:
     values: np.ndarray
     """[num_layers, 2 (K, V), 4]: outer_lo, inner_lo, inner_hi, outer_hi of the stored K and V
     (after the per-channel transforms below)."""
-    outer_ratio: float = 0.04
-    inner_ratio: float = 0.06
+    outer_ratio: float = OUTER_RATIO
+    inner_ratio: float = INNER_RATIO
     key_scales: np.ndarray | None = None
     """[num_layers, Hkv * D] per-channel key smoothing: the store keeps (K - R(p) key_bias) / key_scales
     and attention multiplies q by key_scales, so q.k is unchanged (QServe's SmoothAttention); None = 1."""
@@ -215,7 +222,7 @@ def channel_transforms(model, windows: list[list[int]], starts: list[int], inv_f
     return _smoothing(k_peak, key_smoothing), bias, _smoothing(v_peak, value_smoothing)
 
 
-def calibrate(model, windows: list[list[int]], outer_ratio: float = 0.04, inner_ratio: float = 0.06,
+def calibrate(model, windows: list[list[int]], outer_ratio: float = OUTER_RATIO, inner_ratio: float = INNER_RATIO,
               key_smoothing: float = 0.75, key_centering: bool = True, value_smoothing: float = 0.5,
               context_tokens: int | None = None, progress: bool = True) -> OakenThresholds:
     """Thresholds averaged over windows; the per-channel transforms from the first (up to) 16 windows.

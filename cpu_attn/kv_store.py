@@ -18,7 +18,7 @@ import numpy as np
 import numba
 
 from cpu_attn import lsh, oaken
-from cpu_attn.calibrate import OakenThresholds, rotate_half, turn
+from cpu_attn.calibrate import SPARSE_FRACTION, OakenThresholds, rotate_half, turn
 from cpu_attn.kernels import attention_scratch, paged_decode_attention, write_kv
 
 # fp16 is kept as raw uint16 bits (Numba has no CPU float16); see kernels.py
@@ -134,7 +134,7 @@ class OakenKVStore:
     dtype = "oaken"
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-                 thresholds: np.ndarray, sparse_fraction: float = 0.125, key_scales: np.ndarray | None = None,
+                 thresholds: np.ndarray, sparse_fraction: float = SPARSE_FRACTION, key_scales: np.ndarray | None = None,
                  recent_blocks: int = 0, key_bias: np.ndarray | None = None, value_scales: np.ndarray | None = None,
                  rope_inv_freq: np.ndarray | None = None):
         if head_dim % oaken.SEGMENT:
@@ -190,7 +190,7 @@ class OakenKVStore:
 
     @classmethod
     def bytes_per_block(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        sparse_fraction: float = 0.125) -> int:
+                        sparse_fraction: float = SPARSE_FRACTION) -> int:
         c = num_kv_heads * head_dim
         per_token = c // 2 + 3 * 2 + c // oaken.SEGMENT
         return 2 * num_layers * (block_size * per_token + cls.sparse_budget(num_kv_heads, head_dim, block_size,
@@ -401,7 +401,7 @@ def _int_roundtrip(x: np.ndarray, axis: int, bits: int = 4) -> np.ndarray:
     return (np.clip(np.rint((x - lo) / safe), 0, top) * scale + lo).astype(np.float32)
 
 
-_INT_BITS = {"int4": 4, "int5": 5}  # the per-token integer baselines
+_INT_BITS = {"int4": 4, "int5": 5, "int6": 6}  # the per-token integer baselines
 
 
 class SimQuantKVStore(PagedKVStore):
@@ -411,8 +411,9 @@ class SimQuantKVStore(PagedKVStore):
 
     int4: per token, one min/scale over all KV heads of a layer (the same unit as Oaken's scales),
           no outlier handling.
-    int5: the same with 5 bits: 5.17 bits per value at SmolLM2's shape, Oaken's own realized
-          bits, so the two compare at equal bits.
+    int5, int6: the same with 5 and 6 bits: 5.17 and 6.17 bits per value at SmolLM2's shape, around
+          Oaken's realized 5.17 (the paper's ratios) and 5.49 (the default ratios), so Oaken compares
+          with a per-token INT at equal and at more bits.
     kivi: KIVI-style; keys per channel and values per token (per head) over each full block, the
           block being filled (the most recent < block_size tokens) kept in full precision.
     """
@@ -443,11 +444,11 @@ class SimQuantKVStore(PagedKVStore):
         return 4 + (32 / self.block_size + 32 / self.head_dim) / 2
 
 
-KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "int5", "kivi")
+KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "int5", "int6", "kivi")
 
 
 def bytes_per_block(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                    sparse_fraction: float = 0.125) -> int:
+                    sparse_fraction: float = SPARSE_FRACTION) -> int:
     if kv_format == "oaken":
         return OakenKVStore.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, sparse_fraction)
     dtype = "float16" if kv_format == "fp16" else "float32"
@@ -455,7 +456,7 @@ def bytes_per_block(kv_format: str, num_layers: int, num_kv_heads: int, head_dim
 
 
 def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-               oaken_cal: OakenThresholds | None = None, sparse_fraction: float = 0.125, recent_blocks: int = 0):
+               oaken_cal: OakenThresholds | None = None, sparse_fraction: float = SPARSE_FRACTION, recent_blocks: int = 0):
     """The KV store for one of KV_FORMATS (oaken needs the calibration of `hetserve calibrate`;
     recent_blocks: its full-precision tail slots per layer, see OakenKVStore)."""
     geometry = (num_layers, num_kv_heads, head_dim, block_size, num_blocks)

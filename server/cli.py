@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from server import logs
-from server.config import CPU_LINEAR_DTYPES, ServeConfig, add_arguments, from_args, parse_layers
+from server.config import CPU_LINEAR_DTYPES, KV_FORMATS, ServeConfig, add_arguments, from_args, parse_layers
 
 log = logging.getLogger("hetserve")
 
@@ -111,7 +111,7 @@ def serve(cfg: ServeConfig) -> None:
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
-    from cpu_attn.calibrate import CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT
+    from cpu_attn.calibrate import CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT, INNER_RATIO, OUTER_RATIO
 
     p.add_argument("--text", default=str(DEFAULT_TEXT),
                    help="text file to calibrate on (default: WikiText-2 valid; never the test split used for scoring)")
@@ -119,8 +119,10 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"windows of text to run (default: {CALIBRATION_WINDOWS})")
     p.add_argument("--window-tokens", type=int, default=CALIBRATION_WINDOW_TOKENS,
                    help=f"tokens per window (default: {CALIBRATION_WINDOW_TOKENS})")
-    p.add_argument("--outer-ratio", type=float, default=0.04, help="share of values in the outer group (default: 0.04)")
-    p.add_argument("--inner-ratio", type=float, default=0.06, help="share of values in the inner group (default: 0.06)")
+    p.add_argument("--outer-ratio", type=float, default=OUTER_RATIO,
+                   help=f"share of values in the outer group (default: {OUTER_RATIO})")
+    p.add_argument("--inner-ratio", type=float, default=INNER_RATIO,
+                   help=f"share of values in the inner group (default: {INNER_RATIO})")
     p.add_argument("--key-smoothing", type=float, default=0.75,
                    help="alpha of the per-channel key smoothing, 0 (off) to 1 (default: 0.75)")
     p.add_argument("--no-key-centering", dest="key_centering", action="store_false",
@@ -169,7 +171,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    from cpu_attn.calibrate import DEFAULT_TEXT
+    from cpu_attn.calibrate import DEFAULT_TEXT, SPARSE_FRACTION
 
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
@@ -180,7 +182,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="the exact fp32-KV reference's --cpu-linear-dtype (default: the same as the variants'); "
                         "`--kv-format fp32 --reference-linears float32` scores bf16 linears themselves")
     p.add_argument("--kv-format", default="oaken",
-                   help="KV format(s) to score, comma-separated, from oaken, fp16, fp32, int4, int5, kivi (default: oaken)")
+                   help=f"KV format(s) to score, comma-separated, from {', '.join(KV_FORMATS)} (default: oaken)")
     p.add_argument("--text", default=str(DEFAULT_TEXT.with_name("test.txt")), help="text file (default: WikiText-2 test)")
     p.add_argument("--num-windows", type=int, default=20, help="windows of text (default: 20)")
     p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
@@ -189,7 +191,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-windows", type=int, default=16, help="windows decoded together (default: 16)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--oaken-thresholds", help="thresholds JSON (default: the model cache's, calibrated when missing)")
-    p.add_argument("--oaken-sparse-fraction", type=float, default=0.125, help="sparse budget per block (default: 0.125)")
+    p.add_argument("--oaken-sparse-fraction", type=float, default=SPARSE_FRACTION,
+                   help=f"sparse budget per block (default: {SPARSE_FRACTION})")
     p.add_argument("--oaken-recent", choices=["exact", "quantized"], default="exact",
                    help="each window's filling KV block in full precision until it is full (default: exact)")
     p.add_argument("--attention", choices=["exact", "magicpig", "topk"], default="exact",
@@ -246,7 +249,6 @@ def eval_command(args: argparse.Namespace) -> None:
     import torch
 
     from cpu_attn.calibrate import text_windows
-    from cpu_attn.kv_store import KV_FORMATS
     from gpu_model.loader import load_model, resolve_model_dir
     from gpu_model.tokenizer import Tokenizer
     from cpu_attn.magicpig import LshConfig

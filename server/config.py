@@ -14,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "int5", "kivi")  # the same tuple as cpu_attn.kv_store's, without numba
+KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "int5", "int6", "kivi")  # the same tuple as cpu_attn.kv_store's, without numba
+SPARSE_FRACTION = 0.125  # cpu_attn.calibrate.SPARSE_FRACTION, without numba
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -66,10 +67,11 @@ class ServeConfig:
                                                     "own Q4_1/Q8_0 blocks (0 = never; default: 64 with float32 linears, 1 "
                                                     "with bfloat16 ones)")
     kv_format: str = _opt("fp16", "KV cache format in the CPU store: oaken (about 5 bits, calibrated), fp16, fp32, "
-                                  "or the integer baselines int4, int5 and kivi (simulated on fp32 memory, for comparison)")
+                                  "or the integer baselines int4, int5, int6 and kivi (simulated on fp32 memory, for comparison)")
     oaken_thresholds: str | None = _opt(None, "Oaken thresholds JSON from `hetserve calibrate` (default: the model "
                                               "cache's, calibrated on first use when missing)")
-    oaken_sparse_fraction: float = _opt(0.125, "Oaken sparse entries a KV block has room for, as a share of its values")
+    oaken_sparse_fraction: float = _opt(SPARSE_FRACTION, "Oaken sparse entries a KV block has room for, as a share of "
+                                                          "its values")
     oaken_recent_blocks: int | None = _opt(None, "Oaken: blocks per layer kept in full precision while they fill, so "
                                                  "each sequence's newest tokens are exact (default: max_num_seqs; 0 = off)")
     attention: str = _opt("exact", "decode attention: exact, or magicpig (LSH-sampled; needs kv_format oaken)")

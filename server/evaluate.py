@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cpu_attn.calibrate import OakenThresholds
+from cpu_attn.calibrate import SPARSE_FRACTION, OakenThresholds
 from cpu_attn.kv_store import OakenKVStore, SimQuantKVStore, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.topk import AnnTopK, TopK
@@ -86,7 +86,7 @@ def sparse_part(name: str, lsh: LshConfig | None, topk_frac: float | None, cfg):
 
 def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_tokens: int = 128,
              batch_windows: int = 16, block_size: int = 16, oaken_cal: OakenThresholds | None = None,
-             sparse_fraction: float = 0.125, progress: bool = True, exact_recent: bool = True,
+             sparse_fraction: float = SPARSE_FRACTION, progress: bool = True, exact_recent: bool = True,
              lsh: LshConfig | None = None, topk_frac: float | None = None, ref_model=None) -> list[dict]:
     """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length),
     the reference run on `ref_model` when given (the same weights in other linears, to score those).

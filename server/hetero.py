@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from cpu_attn.calibrate import (CALIBRATION_VERSION, CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT,
-                                OakenThresholds, calibrate, text_windows, thresholds_file)
+                                SPARSE_FRACTION, OakenThresholds, calibrate, text_windows, thresholds_file)
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.worker import AttentionWorker, ChunkLayout
@@ -130,7 +130,7 @@ class HeteroBackend:
                  kv_capacity_bytes: int, block_size: int, max_model_len: int | None,
                  gguf_blocks_max_tokens: int | None = None, cpu_linear_dtype: str = "auto",
                  oaken_thresholds_path: str | None = None,
-                 oaken_sparse_fraction: float = 0.125, oaken_recent_blocks: int = 0, lsh: LshConfig | None = None,
+                 oaken_sparse_fraction: float = SPARSE_FRACTION, oaken_recent_blocks: int = 0, lsh: LshConfig | None = None,
                  model: LlamaModel | None = None):
         """The model comes from `model_dir`, or is `model` already built (benchmarks on random
         weights: then model_dir is None and Oaken needs `oaken_thresholds_path`)."""

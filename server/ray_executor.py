@@ -26,6 +26,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from cpu_attn.calibrate import SPARSE_FRACTION
 from server.backend import KVSpec, StepInput, StepOutput, WorkerLost
 from server.ray_actors import STEP_TIMEOUT_S, AttentionActor, ModelActor
 
@@ -37,7 +38,7 @@ class RayBackend:
 
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str, kv_capacity_bytes: int,
                  block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int | None = None,
-                 cpu_linear_dtype: str = "auto", oaken_thresholds_path: str | None = None, oaken_sparse_fraction: float = 0.125,
+                 cpu_linear_dtype: str = "auto", oaken_thresholds_path: str | None = None, oaken_sparse_fraction: float = SPARSE_FRACTION,
                  oaken_recent_blocks: int = 0, lsh=None, ray_address: str | None = None, cpu_actors: int = 2,
                  actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
         import ray

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpu_attn.calibrate import SPARSE_FRACTION
 from cpu_attn.kv_store import make_store
 from cpu_attn.magicpig import MagicPig
 from cpu_attn.worker import AttentionWorker, ChunkLayout
@@ -179,7 +180,7 @@ def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], 
 
 def evaluate_task(model, tok, task: str, context_tokens: list[int], num_samples: int, kv_formats: list[str], *,
                   haystack: list[str], oaken_cal=None, lsh=None, topk_frac: float | None = None, block_size: int = 16,
-                  sparse_fraction: float = 0.125, batch_samples: int = 4, seed: int = 0, progress: bool = True) -> list[dict]:
+                  sparse_fraction: float = SPARSE_FRACTION, batch_samples: int = 4, seed: int = 0, progress: bool = True) -> list[dict]:
     """Accuracy on `task` at each context length, for fp32 KV (the reference) and each variant of
     `evaluate` (formats, +magicpig, +topk), on the same samples."""
     from tqdm import tqdm
