@@ -22,21 +22,13 @@ import torch
 
 from benchmarks.common import machine, print_table, write_json
 from gpu_model.loader import load_model, resolve_model_dir
-from gpu_model.model import LINEARS, LlamaModel
+from gpu_model.model import LlamaModel
 
 BLOCKS_MAX_TOKENS = 64
 
 
-def linears(model: LlamaModel) -> list[tuple[str, torch.Tensor]]:
-    """(quant key, weight) of every matmul of a step, in order."""
-    out = [(f"layers.{i}.{name}", getattr(layer, name).weight) for i, layer in enumerate(model.layers)
-           for name in LINEARS]
-    head = model.head_weight if model.head_weight is not None else model.embed_tokens.weight
-    return out + [("head", head if model.lm_head is None else model.lm_head.weight)]
-
-
 def step_ms(model: LlamaModel, tokens: int, repeats: int) -> float:
-    mats = linears(model)
+    mats = list(model.matmul_weights().items())
     xs = {w.shape[1]: torch.randn(tokens, w.shape[1]) for _, w in mats}
 
     def step() -> None:
@@ -66,8 +58,8 @@ def main() -> None:
     has_blocks = bool(blocks.quant)
     mach = machine()
     gbs = mach["memory_read_gb_s"]
-    nbytes = {"fp32": sum(w.numel() * 4 for _, w in linears(fp32)),
-              "bf16": sum(w.numel() * 2 for _, w in linears(bf16)),
+    nbytes = {"fp32": sum(w.numel() * 4 for w in fp32.matmul_weights().values()),
+              "bf16": sum(w.numel() * 2 for w in bf16.matmul_weights().values()),
               "blocks": sum(q.scales.nbytes + q.qs.nbytes + (0 if q.mins is None else q.mins.nbytes)
                             for q in blocks.quant.values())}
     rows = []

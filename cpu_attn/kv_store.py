@@ -266,9 +266,8 @@ class OakenKVStore:
         self.tail_stamp[layer, slots] = self._writes + 1 + np.arange(len(slots))
         self._writes += len(slots)
         direct[rows_now] = False
-        for a, b in zip(runs[:-1], runs[1:]):
-            if not direct[a]:
-                continue
+        for r in np.flatnonzero(direct[runs[:-1]]):  # the other runs, one by one
+            a, b = runs[r], runs[r + 1]
             block, first, last = slot_mapping[a] // bs, slot_mapping[a] % bs, slot_mapping[b - 1] % bs
             slot = self.tail_of[layer, block]
             if slot < 0:

@@ -185,13 +185,14 @@ class LlamaModel(nn.Module):
         else:
             self.head_weight = self.embed_tokens.weight.to(dtype)
         if pack and dtype == torch.bfloat16 and self.device.type == "cpu":
-            self.packed = pack_for_onednn(self._weights())
+            self.packed = pack_for_onednn(self.matmul_weights())
 
-    def _weights(self) -> dict[str, torch.Tensor]:
-        """Every matmul's weight by its _linear key."""
+    def matmul_weights(self) -> dict[str, torch.Tensor]:
+        """Every matmul's weight by its _linear key, in the order a step runs them (the head last)."""
         out = {f"layers.{i}.{name}": getattr(layer, name).weight
                for i, layer in enumerate(self.layers) for name in LINEARS}
-        out["head"] = self.head_weight if self.head_weight is not None else self.lm_head.weight
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        out["head"] = head if self.head_weight is None else self.head_weight  # as logits() picks it
         return out
 
     def attach_quant(self, sd: dict[str, QuantWeight], max_tokens: int) -> None:

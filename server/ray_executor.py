@@ -38,7 +38,8 @@ class RayBackend:
 
     def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str, kv_capacity_bytes: int,
                  block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int | None = None,
-                 cpu_linear_dtype: str = "auto", oaken_thresholds_path: str | None = None, oaken_sparse_fraction: float = SPARSE_FRACTION,
+                 cpu_linear_dtype: str = "auto", oaken_thresholds_path: str | None = None,
+                 oaken_sparse_fraction: float = SPARSE_FRACTION,
                  oaken_recent_blocks: int = 0, lsh=None, ray_address: str | None = None, cpu_actors: int = 2,
                  actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
         import ray

@@ -109,7 +109,7 @@ def test_packed_bf16_linears_give_plain_linears_results(tmp_path, tied):
     if not model.packed:
         pytest.skip("no oneDNN packing in this torch (the model multiplies by the plain bf16 weights)")
     assert set(model.packed) == {f"layers.{i}.{n}" for i in range(2) for n in LINEARS} | {"head"}
-    weights = model._weights()
+    weights = model.matmul_weights()
     for tokens in (1, 2, 16, 300):
         x = torch.randn(tokens, 64)
         for key, w in weights.items():
