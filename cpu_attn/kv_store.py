@@ -411,7 +411,7 @@ class SimQuantKVStore(PagedKVStore):
     int4: per token, one min/scale over all KV heads of a layer (the same unit as Oaken's scales),
           no outlier handling.
     int5, int6: the same with 5 and 6 bits: 5.17 and 6.17 bits per value at SmolLM2's shape, around
-          Oaken's realized 5.17 (the paper's ratios) and 5.49 (the default ratios), so Oaken compares
+          Oaken's realized 5.17 (the paper's ratios) and 5.49 (the default ratios 0.06 / 0.08), so Oaken compares
           with a per-token INT at equal and at more bits.
     kivi: KIVI-style; keys per channel and values per token (per head) over each full block, the
           block being filled (the most recent < block_size tokens) kept in full precision.
