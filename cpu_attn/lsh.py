@@ -8,7 +8,7 @@ A table set holds up to MAX_KEYS keys in CSR form:
                                  offsets[t, b] .. offsets[t, b + 1] - 1 of table t
     ids     [L, bytes] uint8     keys (0 = the set's first), ascending within a bucket, each packed
                                  in id_bits(n) = ceil(log2 n) bits (13 for 8k keys) as one
-                                 little-endian bit string per table, plus 3 spare bytes
+                                 little-endian bit string per table, padded to whole uint64 words plus one
 That is id_bits(n) / 8 bytes per key and table (at most 2), plus the offsets (2 * L * 2^K bytes
 per set). A (sequence, layer, kv-head) indexes its first keys in consecutive sets, each full but
 the last: positions 0 .. MAX_KEYS - 1 in the first, MAX_KEYS .. in the second, and so on.
@@ -71,9 +71,10 @@ def id_bits(num_keys):
 
 
 def empty_ids(num_tables: int, num_keys: int) -> np.ndarray:
-    """Zeroed packed ids for a set of num_keys keys: [L, bytes] uint8 (3 spare bytes per table so
-    get_id can always read 4)."""
-    return np.zeros((num_tables, (num_keys * id_bits(num_keys) + 7) // 8 + 3), np.uint8)
+    """Zeroed packed ids for a set of num_keys keys: [L, bytes] uint8, bytes a multiple of 8 with at
+    least 8 spare (get_id reads 4 bytes at an id's first; merge_tables reads rows as uint64 words,
+    one past the last)."""
+    return np.zeros((num_tables, 8 * ((num_keys * id_bits(num_keys) + 63) // 64 + 1)), np.uint8)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -149,7 +150,9 @@ def build_tables(codes, num_buckets, offsets, ids):
 def merge_tables(offsets, ids, num_old, codes, new_offsets, new_ids):
     """Add keys num_old .. num_old + len(codes) - 1 (codes [M, L]) to tables that hold keys
     0..num_old-1 -> new_offsets, new_ids (zeroed, empty_ids(L, num_old + M)); old ids are copied
-    bucket by bucket, so buckets stay ascending and no key's code has to be kept. O(L * (N + 2^K))."""
+    bucket by bucket, so buckets stay ascending and no key's code has to be kept. O(L * (N + 2^K)).
+    While the id width stays (all merges but one per doubling of the set), the old ids of the
+    buckets between two that gain keys move as one bit string, 64 bits at a time."""
     num_buckets = offsets.shape[1] - 1
     old_bits, bits = id_bits(num_old), id_bits(num_old + codes.shape[0])
     for t in prange(codes.shape[1]):
@@ -158,15 +161,45 @@ def merge_tables(offsets, ids, num_old, codes, new_offsets, new_ids):
             new_offsets[t, codes[i, t] + 1] += 1
         for b in range(num_buckets):
             new_offsets[t, b + 1] += new_offsets[t, b] + offsets[t, b + 1] - offsets[t, b]
-        fill = new_offsets[t, :num_buckets].copy()
-        for b in range(num_buckets):
-            for i in range(offsets[t, b], offsets[t, b + 1]):
-                put_id(new_ids[t], fill[b], bits, get_id(ids[t], i, old_bits))
-                fill[b] += 1
+        fill = new_offsets[t, :num_buckets].astype(np.int64)
+        if old_bits == bits:
+            src, dst = ids[t].view(np.uint64), new_ids[t].view(np.uint64)
+            run = 0  # first bucket of the run of old ids that keeps one shift
+            for b in range(num_buckets):
+                old = np.int64(offsets[t, b + 1]) - np.int64(offsets[t, b])
+                if new_offsets[t, b + 1] - new_offsets[t, b] != old or b == num_buckets - 1:
+                    lo, hi = np.int64(offsets[t, run]), np.int64(offsets[t, b + 1])
+                    _copy_bits(src, lo * bits, dst, fill[run] * bits, (hi - lo) * bits)
+                    fill[b] += old
+                    run = b + 1
+        else:
+            for b in range(num_buckets):
+                for i in range(offsets[t, b], offsets[t, b + 1]):
+                    put_id(new_ids[t], fill[b], bits, get_id(ids[t], i, old_bits))
+                    fill[b] += 1
         for i in range(codes.shape[0]):
             b = codes[i, t]
             put_id(new_ids[t], fill[b], bits, num_old + i)
             fill[b] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _copy_bits(src, at, dst, to, n):
+    """OR n bits of the little-endian bit string src (uint64 words, one spare) from bit `at` into
+    dst (zero there) from bit `to`: one word of dst per step."""
+    end = to + n
+    while to < end:
+        r = to & 63
+        take = min(64 - r, end - to)
+        i, shift = at >> 6, np.uint64(at & 63)
+        word = src[i] >> shift
+        if shift:
+            word |= src[i + 1] << (np.uint64(64) - shift)
+        if take < 64:
+            word &= (np.uint64(1) << np.uint64(take)) - np.uint64(1)
+        dst[to >> 6] |= word << np.uint64(r)
+        at += take
+        to += take
 
 
 @njit(cache=True, nogil=True)

@@ -44,7 +44,7 @@ def test_ids_pack_into_a_little_endian_bit_string(bits):
     num_keys = 2**bits if bits < 16 else 65535
     keys = rng.integers(0, num_keys, 200)
     assert lsh.id_bits(num_keys) == bits and lsh.id_bits(2**bits + 1) == bits + 1
-    assert lsh.empty_ids(3, num_keys).shape == (3, -(-num_keys * bits // 8) + 3)
+    assert lsh.empty_ids(3, num_keys).shape == (3, 8 * (-(-num_keys * bits // 64) + 1))  # whole words, one spare
     row = np.zeros(-(-200 * bits // 8) + 3, np.uint8)  # 200 ids and the spare bytes
     for i, key in enumerate(keys):
         lsh.put_id(row, i, bits, key)
@@ -60,7 +60,7 @@ def test_tables_hold_every_key_once_in_its_bucket_in_order():
     codes = rng.integers(0, 2**4, (300, 6)).astype(np.int32)
     offsets, ids = lsh.table_set(codes, 4)
     assert offsets.shape == (6, 17) and ids.dtype == np.uint8
-    assert ids.shape == (6, -(-300 * 9 // 8) + 3)  # 300 keys: 9-bit ids, 3 spare bytes
+    assert ids.shape == (6, 8 * (-(-300 * 9 // 64) + 1))  # 300 keys: 9-bit ids in 43 words, one spare word
     unpacked = lsh.unpack_ids(ids, 300)
     for t in range(6):
         for b in range(16):
@@ -70,13 +70,17 @@ def test_tables_hold_every_key_once_in_its_bucket_in_order():
         lsh.table_set(np.zeros((70000, 2), np.int32), 2)
 
 
-def test_merging_new_keys_equals_building_from_scratch():
-    rng = np.random.default_rng(5)
-    codes = rng.integers(0, 2**5, (700, 7)).astype(np.int32)
-    offsets, ids = lsh.table_set(codes[:450], 5)  # 9-bit ids, merged into 10-bit ones
-    new_offsets, new_ids = np.empty_like(offsets), lsh.empty_ids(7, 700)
-    lsh.merge_tables(offsets, ids, 450, codes[450:], new_offsets, new_ids)
-    ref_offsets, ref_ids = lsh.table_set(codes, 5)
+@pytest.mark.parametrize("k,num_old,num_new", [(5, 450, 250), (5, 600, 100), (10, 5000, 256), (3, 300, 1),
+                                             (10, 700, 3)])
+def test_merging_new_keys_equals_building_from_scratch(k, num_old, num_new):
+    """Wider ids (450 -> 700: 9 -> 10 bits) go id by id; the same width moves runs of buckets as bit
+    strings: many new keys, one, a few into 1024 buckets (most runs long, the last bucket's too)."""
+    rng = np.random.default_rng(num_old)
+    codes = rng.integers(0, 2**k, (num_old + num_new, 7)).astype(np.int32)
+    offsets, ids = lsh.table_set(codes[:num_old], k)
+    new_offsets, new_ids = np.empty_like(offsets), lsh.empty_ids(7, num_old + num_new)
+    lsh.merge_tables(offsets, ids, num_old, codes[num_old:], new_offsets, new_ids)
+    ref_offsets, ref_ids = lsh.table_set(codes, k)
     np.testing.assert_array_equal(new_offsets, ref_offsets)
     np.testing.assert_array_equal(new_ids, ref_ids)
 
