@@ -234,6 +234,8 @@ class OakenKVStore:
             return
         if self.key_bias is not None and positions is None:
             raise ValueError("this store centers keys by position: write needs the rows' positions")
+        if self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, k, v, positions):
+            return
         rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
         for kv, x in enumerate(rows):
             if not np.isfinite(x).all():
@@ -248,6 +250,31 @@ class OakenKVStore:
         rows = (keys, rows[1] / self.value_scales[layer].ravel())
         direct = self._route_to_tails(layer, slot_mapping, rows) if self.tail.shape[2] else slice(None)
         self._quantize(layer, slot_mapping[direct], (rows[0][direct], rows[1][direct]))
+
+    def _write_decode_rows(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
+                           positions: np.ndarray | None) -> bool:
+        """A decode step's common case in one kernel call: every row goes on filling its block's
+        tail (oaken.write_tail_rows). False, with nothing written, when a row does not."""
+        c = self.num_kv_heads * self.head_dim
+        centered = self.key_bias is not None
+        if centered:
+            positions = np.asarray(positions, np.int64)
+            self._rope_tables(int(positions.max()) + 1)
+        result = oaken.write_tail_rows(
+            np.ascontiguousarray(k, np.float32).reshape(len(slot_mapping), c),
+            np.ascontiguousarray(v, np.float32).reshape(len(slot_mapping), c),
+            self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
+            self.key_bias[layer].reshape(1, c) if centered else np.zeros((0, c), np.float32), self._cos, self._sin,
+            positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
+            self.block_size, self.tail[layer], self.tail_of[layer], self.tail_len[layer], self.tail_stamp[layer],
+            self._writes)
+        if result > 0:
+            raise ValueError(f"K or V of layer {layer} has NaN or inf in {result} token(s); "
+                             "Oaken quantization needs finite values")
+        if result < 0:
+            return False
+        self._writes += len(slot_mapping)
+        return True
 
     def _route_to_tails(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """Put the rows of still-filling blocks into their tails (quantizing a tail once its block is

@@ -229,6 +229,48 @@ def _fp16_bits(x):
     return np.uint16(0) if x == 0.0 else np.uint16((_as_u32(x) >> np.uint32(13)) - np.uint32(112 << 10))
 
 
+@njit(cache=True, nogil=True)
+def write_tail_rows(k, v, key_scales, value_scales, key_bias, cos, sin, positions, slot_mapping, block_size, tail,
+                    tail_of, tail_len, tail_stamp, stamp):
+    """A decode step's rows, one per sequence, each going on filling its block's tail slot without
+    filling it up, written into one layer's tails in store space: (k - R(p) key_bias) / key_scales
+    (key_bias [0]: no centering) and v / value_scales, with the same float32 operations, in the
+    same order, as OakenKVStore.write's NumPy path. k, v, key_scales, value_scales, key_bias
+    [T or 1, Hkv * D]; cos, sin [>= max position + 1, D / 2]; tail [2, slots, bs, Hkv * D];
+    tail_of [blocks]; tail_len, tail_stamp [slots] (stamps stamp + 1 ..).
+    Returns 0 when written; -1 when a row is not such a row, or the number of rows with NaN or
+    inf; then nothing is written."""
+    n, c = k.shape
+    half = cos.shape[1]
+    for i in range(n):
+        block, offset = slot_mapping[i] // block_size, slot_mapping[i] % block_size
+        if tail_of[block] < 0 or offset == block_size - 1 or (i > 0 and slot_mapping[i - 1] // block_size == block):
+            return -1
+    bad = 0
+    for i in range(n):
+        finite = True
+        for j in range(c):
+            finite &= np.isfinite(k[i, j]) and np.isfinite(v[i, j])
+        bad += not finite
+    if bad:
+        return bad
+    for i in range(n):
+        slot, offset = tail_of[slot_mapping[i] // block_size], slot_mapping[i] % block_size
+        p = positions[i]
+        for j in range(c):
+            key = k[i, j] / key_scales[0, j]
+            if key_bias.shape[0]:
+                d = j % (2 * half)
+                t = d % half
+                turned = -key_bias[0, j + half] if d < half else key_bias[0, j - half]
+                key -= (key_bias[0, j] * cos[p, t] + turned * sin[p, t]) / key_scales[0, j]
+            tail[0, slot, offset, j] = key
+            tail[1, slot, offset, j] = v[i, j] / value_scales[0, j]
+        tail_len[slot] = offset + 1
+        tail_stamp[slot] = stamp + 1 + i
+    return 0
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def write_tokens(x, thr, slot_mapping, runs, dense, scales, counts, sparse, shifted, group, peak, scale32):
     """Quantize rows x [T, C] into their slots; `runs` [R + 1] splits the rows into runs that share

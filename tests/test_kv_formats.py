@@ -218,6 +218,45 @@ def test_filling_blocks_stay_exact_in_tails(recent_blocks, exact_tails):
         np.testing.assert_array_equal(store.gather(0, tables[b], n)[1], reference_roundtrip(v))
 
 
+def test_decode_rows_into_tails_in_one_kernel_equal_the_numpy_path(monkeypatch):
+    """A batch of decode rows (centered, smoothed keys) takes oaken.write_tail_rows when every row
+    goes on filling its tail: the store ends bit for bit as the NumPy path leaves it, blocks that
+    start or fill included; a NaN anywhere is refused with nothing written."""
+    rng = np.random.default_rng(7)
+    c = 3 * 64
+    transforms = dict(key_bias=rng.standard_normal((2, c)).astype(np.float32),
+                      value_scales=rng.uniform(0.5, 2, (2, c)).astype(np.float32),
+                      rope_inv_freq=10000.0 ** -(np.arange(32) / 32))
+    key_scales = rng.uniform(0.5, 2, (2, c)).astype(np.float32)
+    stores = [oaken_store(recent_blocks=4, key_scales=key_scales, **transforms) for _ in range(2)]
+    calls = []
+    fast = OakenKVStore._write_decode_rows
+    monkeypatch.setattr(OakenKVStore, "_write_decode_rows", lambda self, *a: self is stores[0] and
+                        calls.append(fast(self, *a)) is None and calls[-1])
+    tables = np.array([[0, 1, 2], [5, 6, 7], [9, 10, 11]])
+    starts = np.array([3, 14, 29])  # the third sequence fills its second block, then starts its third
+    for b, n in enumerate(starts):
+        pos = np.arange(n)
+        x = rng.standard_normal((2, n, 3, 64)).astype(np.float32)
+        for store in stores:
+            store.write(1, tables[b][pos // 16] * 16 + pos % 16, x[0], x[1], pos)
+    for step in range(6):
+        pos = starts + step
+        slots = tables[np.arange(3), pos // 16] * 16 + pos % 16
+        k, v = rng.standard_normal((2, 3, 3, 64)).astype(np.float32)
+        for store in stores:
+            store.write(1, slots, k, v, pos)
+    assert calls.count(True) >= 3 and calls.count(False) >= 2  # both paths taken
+    for name in ("tail", "tail_of", "tail_block", "tail_len", "tail_stamp", "dense", "scales", "counts", "sparse"):
+        np.testing.assert_array_equal(getattr(stores[0], name), getattr(stores[1], name), err_msg=name)
+    assert stores[0]._writes == stores[1]._writes
+    before = stores[0].tail.copy()
+    k[2, 1, 7] = np.inf
+    with pytest.raises(ValueError, match="NaN or inf in 1 token"):
+        stores[0].write(1, slots + 1, k, v, pos + 1)
+    np.testing.assert_array_equal(stores[0].tail, before)
+
+
 def test_full_sparse_budget_demotes_values_nearest_the_middle():
     rng = np.random.default_rng(2)
     store = oaken_store(num_kv_heads=1, head_dim=64, block_size=4, num_blocks=4, sparse_fraction=0.1)  # 26 entries
