@@ -11,7 +11,10 @@ Per sequence and layer:
              packed ids [Hkv][L, bytes]; together keys 0..indexed-1
     pending  [P, Hkv, L] int32 codes of keys indexed .. indexed + P - 1
 Keys stay pending (and are attended exactly, as the local window) until `merge_every` of them
-lie before the window; then they are merged into the tables in one pass (lsh.merge_tables).
+lie before the window; then they are merged into the tables in one pass (lsh.merge_tables). A
+decode step merges at most `merges_per_step` (sequence, layer) states: sequences that started
+together come due together, and their merges (~5 ms a layer at 8k keys) would stall one step for
+seconds; the others wait a step or more (exact meanwhile), at most until 2 * merge_every are due.
 Layers in `dense_layers`, and sequences shorter than `min_context`, are attended exactly.
 """
 from __future__ import annotations
@@ -38,13 +41,16 @@ class LshConfig:
     dense_layers: tuple[int, ...] | None = None  # None: layer 0 and the middle layer, as MagicPIG
     min_context: int = 1024
     merge_every: int = 256
+    merges_per_step: int = 8
     seed: int = 0
     retrieval: str = "group"  # one retrieval per GQA group (its mean query); "head": each query head's own (MagicPIG)
     min_collisions: int = 3  # tables a key must share with the query to be retrieved (MagicPIG: 2)
 
     def __post_init__(self) -> None:
-        if not (1 <= self.k <= 15 and self.l >= 2 and self.sinks >= 0 and self.window >= 1 and self.merge_every >= 1):
-            raise ValueError("LSH needs 1 <= k <= 15, l >= 2, sinks >= 0, window >= 1, merge_every >= 1")
+        if not (1 <= self.k <= 15 and self.l >= 2 and self.sinks >= 0 and self.window >= 1 and self.merge_every >= 1
+                and self.merges_per_step >= 1):
+            raise ValueError("LSH needs 1 <= k <= 15, l >= 2, sinks >= 0, window >= 1, merge_every >= 1, "
+                             "merges_per_step >= 1")
         if not 1 <= self.min_collisions <= min(self.l, 255):
             raise ValueError(f"LSH min_collisions must be in 1 .. min(l, 255), not {self.min_collisions}")
         if self.retrieval not in RETRIEVALS:
@@ -71,6 +77,7 @@ class MagicPig:
         self.seqs: dict[int, list[_Layer | None]] = {}
         self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.uint16), lsh.empty_ids(cfg.l, 0))
         self._lists: dict[int, tuple] = {}  # per layer: the last batch's states, versions and typed Lists
+        self._merges_left = cfg.merges_per_step
         self.touched = 0
         """Keys sampled (summed over query heads) since the last take_stats."""
         self.eligible = 0
@@ -81,6 +88,9 @@ class MagicPig:
         return LshCoder(self.head_dim, self.cfg.k, self.cfg.l, self.cfg.seed, device,
                         [layer for layer, sampled in enumerate(self.sampled_layers) if sampled],
                         shared=self.cfg.retrieval == "group")
+
+    def begin_step(self) -> None:
+        self._merges_left = self.cfg.merges_per_step
 
     def free(self, seq_ids) -> None:
         freed = [s for s in seq_ids if self.seqs.pop(s, None) is not None]
@@ -101,7 +111,10 @@ class MagicPig:
         state.pending.append(k_codes)
         n = start_pos + len(k)
         upto = n - self.cfg.window
-        if n >= self.cfg.min_context and upto - state.indexed >= self.cfg.merge_every:
+        due = upto - state.indexed
+        if n >= self.cfg.min_context and due >= self.cfg.merge_every and \
+                (len(k) > 1 or self._merges_left > 0 or due >= 2 * self.cfg.merge_every):
+            self._merges_left -= len(k) == 1  # prefill chunks index their keys at once, outside the budget
             self._merge(state, upto)
 
     def _merge(self, state: _Layer, upto: int) -> None:

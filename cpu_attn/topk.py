@@ -24,6 +24,9 @@ class TopK:
         self.sampled_layers = sampled_layers
         self.touched = self.eligible = 0
 
+    def begin_step(self) -> None:
+        pass
+
     def free(self, seq_ids) -> None:
         pass
 

@@ -75,6 +75,8 @@ class AttentionWorker:
         block_tables = np.zeros((len(tables), width), dtype=np.int32)
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = t
+        if self.sparse is not None:
+            self.sparse.begin_step()
         self._plan = _StepPlan(
             slot_mapping=np.concatenate(slots) if slots else np.zeros(0, np.int64),
             positions=np.concatenate(positions) if positions else np.zeros(0, np.int64),

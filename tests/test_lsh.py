@@ -301,6 +301,34 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
     assert 7 not in mp.seqs
 
 
+def test_decode_merges_spread_over_steps_within_the_budget():
+    """Five sequences that come due in the same step merge two per step (merges_per_step), the
+    others keep their keys pending; one kept waiting until 2 * merge_every are due merges anyway;
+    prefill chunks index at once, outside the budget."""
+    from cpu_attn.magicpig import LshConfig, MagicPig
+
+    cfg = LshConfig(k=4, l=6, window=8, min_context=64, merge_every=16, merges_per_step=2, dense_layers=())
+    mp = MagicPig(cfg, num_layers=1, num_kv_heads=1, head_dim=64)
+    rng = np.random.default_rng(3)
+    for s in range(5):
+        mp.begin_step()
+        mp.append(0, s, 0, torch.randn(72, 1, 64), rng.integers(0, 16, (72, 1, 6)).astype(np.int32))
+    assert [mp.seqs[s][0].indexed for s in range(5)] == [64] * 5  # prefills: every one at once
+    merged_per_step = []
+    for step in range(18):
+        mp.begin_step()
+        before = [mp.seqs[s][0].indexed for s in range(5)]
+        for s in range(4):  # sequence 4 is left out of these steps
+            mp.append(0, s, 72 + step, torch.randn(1, 1, 64), rng.integers(0, 16, (1, 1, 6)).astype(np.int32))
+        merged_per_step.append(sum(mp.seqs[s][0].indexed != b for s, b in enumerate(before)))
+    assert merged_per_step == [0] * 15 + [2, 2, 0]  # all four due at step 15: two then, two at 16
+    mp.begin_step()
+    mp._merges_left = 0  # budget spent by other layers
+    for n in range(72, 72 + 32):  # sequence 4 alone: due at 16 waits, at 32 merges anyway
+        mp.append(0, 4, n, torch.randn(1, 1, 64), rng.integers(0, 16, (1, 1, 6)).astype(np.int32))
+        assert mp.seqs[4][0].indexed == (64 if n + 1 - 8 - 64 < 32 else 64 + 32), n
+
+
 def test_magicpig_indexes_past_max_keys_in_more_table_sets(monkeypatch):
     """A set holds at most lsh.MAX_KEYS keys (uint16 offsets): later keys go to the next set, and
     each set equals tables built from its own keys' codes."""
