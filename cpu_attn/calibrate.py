@@ -44,7 +44,7 @@ mean for every position; such files still load, as a center that does not turn);
 
 OUTER_RATIO, INNER_RATIO = 0.06, 0.08
 """Default shares of the outer and inner groups. The paper's ~4 % and ~6 % gave SmolLM2 top-1 agreement
-94.2-94.9 %; 0.06 / 0.08 gives 95.2 % at 5.49 realized bits and is better at 8k tokens too (README, KV formats)."""
+94.2-94.9 %; 0.06 / 0.08 gives 95.0-95.2 % at 5.49 realized bits and is better at 8k tokens too (README, KV formats)."""
 SPARSE_FRACTION = 0.16
 """Default sparse budget of a KV block, as a share of its values: room for the 14 % the default ratios put
 in the sparse groups, plus slack for blocks with more (a token past it has values demoted to middle;

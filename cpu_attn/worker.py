@@ -123,7 +123,8 @@ class AttentionWorker:
         if self.sparse is not None and self.sparse.sampled_layers[layer]:
             codes = None if k_codes is None else k_codes.numpy()  # sliced below as NumPy: ~1 us a row less
             for first, n, start, seq_id in plan.chunks:
-                self.sparse.append(layer, seq_id, start, k[first:first + n], None if codes is None else codes[first:first + n])
+                self.sparse.append(layer, seq_id, start, k[first:first + n],
+                                   None if codes is None else codes[first:first + n])
 
     def _decode(self, layer: int, q: np.ndarray, q_codes: np.ndarray | None) -> np.ndarray:
         plan = self._plan
