@@ -37,7 +37,7 @@ class LshConfig:
     k: int = 10
     l: int = 300  # with "group" retrieval and min_collisions 3; the paper's per-head retrieval: 150 with 2
     sinks: int = 4
-    window: int = 64
+    window: int = 128  # MagicPIG: 64; 128 measured +2.67 % against +3.33 % at 8k (8 windows), ~1 % slower
     dense_layers: tuple[int, ...] | None = None  # None: layer 0 and the middle layer, as MagicPIG
     min_context: int = 1024
     merge_every: int = 256

@@ -206,7 +206,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lsh-min-collisions", type=int, default=3,
                    help="MagicPIG: tables a key must share with the query to be sampled (default: 3; the paper's 2)")
     p.add_argument("--lsh-sinks", type=int, default=4, help="MagicPIG exact sink tokens (default: 4)")
-    p.add_argument("--lsh-window", type=int, default=64, help="MagicPIG exact local window (default: 64)")
+    p.add_argument("--lsh-window", type=int, default=128, help="MagicPIG exact local window (default: 128)")
     p.add_argument("--lsh-min-context", type=int, default=1024, help="MagicPIG: shorter contexts stay exact (default: 1024)")
     p.add_argument("--lsh-retrieval", choices=["head", "group"], default="group",
                    help="MagicPIG: a GQA group shares its mean query's retrieval (group, default) or each query head "

@@ -79,7 +79,7 @@ class ServeConfig:
     lsh_l: int = _opt(300, "MagicPIG: hash tables (the paper's 150, with lsh_retrieval head and lsh_min_collisions 2)")
     lsh_min_collisions: int = _opt(3, "MagicPIG: tables a key must share with the query to be sampled (the paper's 2)")
     lsh_sinks: int = _opt(4, "MagicPIG: first tokens always attended exactly")
-    lsh_window: int = _opt(64, "MagicPIG: last tokens always attended exactly")
+    lsh_window: int = _opt(128, "MagicPIG: last tokens always attended exactly")
     lsh_dense_layers: str | None = _opt(None, "MagicPIG: comma-separated layers kept exact (default: 0 and the middle one)")
     lsh_min_context: int = _opt(1024, "MagicPIG: shorter sequences are attended exactly")
     lsh_retrieval: str = _opt("group", "MagicPIG: group (a GQA group's heads share the retrieval of their mean query: "
