@@ -106,6 +106,11 @@ class PagedKVStore:
         return out, lse
 
 
+def _not_finite(what: str, layer: int, bad: int) -> ValueError:
+    return ValueError(f"{what} of layer {layer} has NaN or inf in {bad} token(s); "
+                      "Oaken quantization needs finite values")
+
+
 def _block_runs(slot_mapping: np.ndarray, block_size: int) -> np.ndarray:
     """Boundaries [R + 1] of runs of consecutive rows that land in the same block."""
     blocks = slot_mapping // block_size
@@ -223,8 +228,7 @@ class OakenKVStore:
             bad = oaken.write_tokens(x, self.thresholds[layer, kv], slot_mapping, runs, *self._parts(layer, kv),
                                      *self._scratch)
             if bad:
-                raise ValueError(f"{'KV'[kv]} of layer {layer} has NaN or inf in {bad} token(s); "
-                                 "Oaken quantization needs finite values")
+                raise _not_finite('KV'[kv], layer, bad)
 
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
               positions: np.ndarray | None = None) -> None:
@@ -232,45 +236,38 @@ class OakenKVStore:
         positions: [T] of the rows in their sequences (needed when keys are centered)."""
         if len(slot_mapping) == 0:
             return
-        if self.key_bias is not None and positions is None:
-            raise ValueError("this store centers keys by position: write needs the rows' positions")
-        if self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, k, v, positions):
-            return
-        rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
-        for kv, x in enumerate(rows):
-            if not np.isfinite(x).all():
-                bad = int((~np.isfinite(x).all(axis=1)).sum())
-                raise ValueError(f"{'KV'[kv]} of layer {layer} has NaN or inf in {bad} token(s); "
-                                 "Oaken quantization needs finite values")
-        keys = rows[0] / self.key_scales[layer].ravel()
         if self.key_bias is not None:
+            if positions is None:
+                raise ValueError("this store centers keys by position: write needs the rows' positions")
             positions = np.asarray(positions, np.int64)
             self._rope_tables(int(positions.max()) + 1)
+        rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
+        if self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, rows, positions):
+            return
+        for kv, x in enumerate(rows):
+            if not np.isfinite(x).all():
+                raise _not_finite('KV'[kv], layer, int((~np.isfinite(x).all(axis=1)).sum()))
+        keys = rows[0] / self.key_scales[layer].ravel()
+        if self.key_bias is not None:
             keys -= self._centers(layer, positions).reshape(len(keys), -1)
         rows = (keys, rows[1] / self.value_scales[layer].ravel())
         direct = self._route_to_tails(layer, slot_mapping, rows) if self.tail.shape[2] else slice(None)
         self._quantize(layer, slot_mapping[direct], (rows[0][direct], rows[1][direct]))
 
-    def _write_decode_rows(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
+    def _write_decode_rows(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray],
                            positions: np.ndarray | None) -> bool:
-        """A decode step's common case in one kernel call: every row goes on filling its block's
-        tail (oaken.write_tail_rows). False, with nothing written, when a row does not."""
+        """A decode step's common case in one kernel call: every row (k, v [T, C]) goes on filling
+        its block's tail (oaken.write_tail_rows). False, with nothing written, when a row does not."""
         c = self.num_kv_heads * self.head_dim
         centered = self.key_bias is not None
-        if centered:
-            positions = np.asarray(positions, np.int64)
-            self._rope_tables(int(positions.max()) + 1)
         result = oaken.write_tail_rows(
-            np.ascontiguousarray(k, np.float32).reshape(len(slot_mapping), c),
-            np.ascontiguousarray(v, np.float32).reshape(len(slot_mapping), c),
-            self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
+            *rows, self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
             self.key_bias[layer].reshape(1, c) if centered else np.zeros((0, c), np.float32), self._cos, self._sin,
             positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
             self.block_size, self.tail[layer], self.tail_of[layer], self.tail_len[layer], self.tail_stamp[layer],
             self._writes)
         if result > 0:
-            raise ValueError(f"K or V of layer {layer} has NaN or inf in {result} token(s); "
-                             "Oaken quantization needs finite values")
+            raise _not_finite("K or V", layer, result)
         if result < 0:
             return False
         self._writes += len(slot_mapping)
