@@ -50,6 +50,26 @@ def _as_u32(typingctx, x):
 
 
 @intrinsic
+def load_u32(typingctx, ary, at):
+    """The 4 bytes ary[at : at + 4] of a C-contiguous uint8 array as one little-endian uint32: a
+    single unaligned load where four byte loads, shifts and ors are what Numba makes of it. The
+    caller keeps at + 4 within the array (no bounds check)."""
+    if not (isinstance(ary, types.Array) and ary.dtype == types.uint8 and ary.layout == "C"
+            and isinstance(at, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        pointer = builder.gep(builder.bitcast(data, i8.as_pointer()),
+                              [context.cast(builder, args[1], signature.args[1], types.intp)])
+        value = builder.load(builder.bitcast(pointer, i32.as_pointer()))
+        value.align = 1
+        return value
+    return types.uint32(ary, at), codegen
+
+
+@intrinsic
 def prefetch(typingctx, ary, index):
     """prefetch(ary, (i, j, ...)): ask the CPU to start loading the cache line of ary[i, j, ...]
     and go on (LLVM's prefetch hint: it never faults, and it returns nothing). For gathers whose

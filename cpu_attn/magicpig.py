@@ -92,6 +92,24 @@ class MagicPig:
     def begin_step(self) -> None:
         self._merges_left = self.cfg.merges_per_step
 
+    def clone(self, src: int, dst: int) -> None:
+        """Give sequence `dst` a copy of `src`'s state, its tables in buffers of their own as a merge
+        makes them (lsh.table_arrays), not as np.copy would (a prefix cache's share; the benchmarks')."""
+        layers = self.seqs[dst] = []
+        for state in self.seqs[src]:
+            if state is None:
+                layers.append(None)
+                continue
+            copy = _Layer(mu=state.mu.copy(), indexed=state.indexed, pending=[p.copy() for p in state.pending])
+            for c, (offsets, ids) in enumerate(zip(state.offsets, state.ids)):
+                keys = min(lsh.MAX_KEYS, state.indexed - c * lsh.MAX_KEYS)
+                arrays = lsh.table_arrays(len(offsets), self.cfg.l, 2**self.cfg.k, keys)
+                for (o, i), old_o, old_i in zip(arrays, offsets, ids):
+                    o[...], i[...] = old_o, old_i
+                copy.offsets.append([o for o, _ in arrays])
+                copy.ids.append([i for _, i in arrays])
+            layers.append(copy)
+
     def free(self, seq_ids) -> None:
         freed = [s for s in seq_ids if self.seqs.pop(s, None) is not None]
         if freed:  # the engine frees every step, mostly nothing: keep the batch's typed Lists then
@@ -129,14 +147,14 @@ class MagicPig:
                 state.offsets.append([])
                 state.ids.append([])
             offsets, ids = state.offsets[-1], state.ids[-1]
-            for h in range(self.num_kv_heads):
+            arrays = lsh.table_arrays(self.num_kv_heads, self.cfg.l, 2**self.cfg.k, in_set + len(take))
+            for h, (o, i) in enumerate(arrays):
                 new = np.ascontiguousarray(take[:, h])
                 if in_set == 0:
-                    o, i = lsh.table_set(new, self.cfg.k)
+                    lsh.table_set(new, self.cfg.k, (o, i))
                     offsets.append(o)
                     ids.append(i)
                 else:
-                    o, i = np.empty_like(offsets[h]), lsh.empty_ids(self.cfg.l, in_set + len(take))
                     lsh.merge_tables(offsets[h], ids[h], in_set, new, o, i)
                     offsets[h], ids[h] = o, i
             state.indexed += len(take)

@@ -540,3 +540,39 @@ def test_ann_topk_finds_most_of_the_exact_top_keys():
     exact_out, _ = store.decode_attention(0, q, tables, lens, 0.125)
     np.testing.assert_allclose(AnnTopK(1.0, 4, 16, 256, [True])
                                .decode_attention(store, 0, [0], q, None, tables, lens, 0.125)[0], exact_out, atol=1e-5, rtol=1e-4)
+
+
+def test_table_arrays_are_separate_zeroed_views_of_one_buffer():
+    """table_arrays: per set, offsets [L, buckets + 1] uint16 and ids shaped as empty_ids, zeroed, aligned for
+    merge_tables' uint64 view, packed in one buffer without overlapping; table_set into them builds the same tables."""
+    arrays = lsh.table_arrays(3, 5, 16, 1000)
+    spans = []
+    for offsets, ids in arrays:
+        assert offsets.shape == (5, 17) and offsets.dtype == np.uint16 and offsets.flags.c_contiguous
+        assert ids.shape == lsh.empty_ids(5, 1000).shape and ids.dtype == np.uint8 and not ids.any()
+        assert ids.ctypes.data % 8 == 0
+        spans += [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in (offsets, ids)]
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] - spans[0][0] < sum(end - start for start, end in spans) + 6 * 64  # one buffer, padding only
+    codes = np.random.default_rng(0).integers(0, 16, (1000, 5)).astype(np.int32)
+    offsets, ids = lsh.table_set(codes, 4, arrays[1])
+    ref_offsets, ref_ids = lsh.table_set(codes, 4)
+    assert offsets is arrays[1][0] and np.array_equal(offsets, ref_offsets) and np.array_equal(ids, ref_ids)
+    assert not arrays[0][1].any() and not arrays[2][1].any()
+
+
+def test_magicpig_clone_copies_the_state_into_buffers_of_its_own():
+    """MagicPig.clone: the same tables, pending codes and centers as the source, none of them shared."""
+    from cpu_attn.magicpig import LshConfig, MagicPig
+
+    rng = np.random.default_rng(1)
+    sparse = MagicPig(LshConfig(k=4, l=6, window=8, min_context=16, merge_every=8, dense_layers=(0,)), 2, 2, 64)
+    keys = torch.from_numpy(rng.standard_normal((40, 2, 64)).astype(np.float32))
+    sparse.append(1, 7, 0, keys, rng.integers(0, 16, (40, 2, 6)).astype(np.int32))
+    sparse.clone(7, 8)
+    src, dst = sparse.seqs[7][1], sparse.seqs[8][1]
+    assert sparse.seqs[8][0] is None and dst.indexed == src.indexed == 32
+    for a, b in [(src.mu, dst.mu), *zip(src.pending, dst.pending), *zip(src.offsets[0], dst.offsets[0]),
+                 *zip(src.ids[0], dst.ids[0])]:
+        assert np.array_equal(a, b) and not np.shares_memory(a, b)

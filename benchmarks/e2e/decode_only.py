@@ -37,7 +37,10 @@ def _clone_seq(backend, src: int, dst: int) -> None:
         lsh.centers[dst] = dict(lsh.centers[src])
     sparse = getattr(backend.attn_worker, "sparse", None)
     if sparse is not None and src in sparse.seqs:
-        sparse.seqs[dst] = copy.deepcopy(sparse.seqs[src])
+        if hasattr(sparse, "clone"):  # MagicPIG: its tables in buffers of their own, as a real prefill's
+            sparse.clone(src, dst)
+        else:
+            sparse.seqs[dst] = copy.deepcopy(sparse.seqs[src])
 
 
 def _copy_blocks(store, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
