@@ -93,22 +93,22 @@ class MagicPig:
         self._merges_left = self.cfg.merges_per_step
 
     def clone(self, src: int, dst: int) -> None:
-        """Give sequence `dst` a copy of `src`'s state, its tables in buffers of their own as a merge
-        makes them (lsh.table_arrays), not as np.copy would (a prefix cache's share; the benchmarks')."""
+        """Give sequence `dst` a copy of `src`'s state (the decode benchmarks' cloned sequences), its
+        tables in buffers laid out as a merge makes them (lsh.table_arrays), not as np.copy would."""
         layers = self.seqs[dst] = []
         for state in self.seqs[src]:
             if state is None:
                 layers.append(None)
                 continue
-            copy = _Layer(mu=state.mu.copy(), indexed=state.indexed, pending=[p.copy() for p in state.pending])
+            twin = _Layer(mu=state.mu.copy(), indexed=state.indexed, pending=[p.copy() for p in state.pending])
             for c, (offsets, ids) in enumerate(zip(state.offsets, state.ids)):
                 keys = min(lsh.MAX_KEYS, state.indexed - c * lsh.MAX_KEYS)
                 arrays = lsh.table_arrays(len(offsets), self.cfg.l, 2**self.cfg.k, keys)
                 for (o, i), old_o, old_i in zip(arrays, offsets, ids):
                     o[...], i[...] = old_o, old_i
-                copy.offsets.append([o for o, _ in arrays])
-                copy.ids.append([i for _, i in arrays])
-            layers.append(copy)
+                twin.offsets.append([o for o, _ in arrays])
+                twin.ids.append([i for _, i in arrays])
+            layers.append(twin)
 
     def free(self, seq_ids) -> None:
         freed = [s for s in seq_ids if self.seqs.pop(s, None) is not None]
