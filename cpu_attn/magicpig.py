@@ -66,6 +66,10 @@ class _Layer:
     pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L]
     version: int = 0  # bumped by every merge (the tables are new arrays)
 
+    def set_keys(self, c: int) -> int:
+        """Keys in table set c (every set but the last is full)."""
+        return min(lsh.MAX_KEYS, self.indexed - c * lsh.MAX_KEYS)
+
 
 class MagicPig:
     def __init__(self, cfg: LshConfig, num_layers: int, num_kv_heads: int, head_dim: int):
@@ -95,6 +99,8 @@ class MagicPig:
     def clone(self, src: int, dst: int) -> None:
         """Give sequence `dst` a copy of `src`'s state (the decode benchmarks' cloned sequences), its
         tables in buffers laid out as a merge makes them (lsh.table_arrays), not as np.copy would."""
+        if src not in self.seqs:
+            return
         layers = self.seqs[dst] = []
         for state in self.seqs[src]:
             if state is None:
@@ -102,8 +108,7 @@ class MagicPig:
                 continue
             twin = _Layer(mu=state.mu.copy(), indexed=state.indexed, pending=[p.copy() for p in state.pending])
             for c, (offsets, ids) in enumerate(zip(state.offsets, state.ids)):
-                keys = min(lsh.MAX_KEYS, state.indexed - c * lsh.MAX_KEYS)
-                arrays = lsh.table_arrays(len(offsets), self.cfg.l, 2**self.cfg.k, keys)
+                arrays = lsh.table_arrays(len(offsets), self.cfg.l, 2**self.cfg.k, state.set_keys(c))
                 for (o, i), old_o, old_i in zip(arrays, offsets, ids):
                     o[...], i[...] = old_o, old_i
                 twin.offsets.append([o for o, _ in arrays])
@@ -204,7 +209,7 @@ class MagicPig:
                 for c in sets:
                     offsets.append(state.offsets[c][h])
                     ids.append(state.ids[c][h])
-                    indexed.append(min(lsh.MAX_KEYS, state.indexed - c * lsh.MAX_KEYS))  # keys in the set
+                    indexed.append(state.set_keys(c))
                 if not sets:
                     offsets.append(self._empty[0])
                     ids.append(self._empty[1])

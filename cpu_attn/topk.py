@@ -12,6 +12,8 @@ context: yardsticks, not kernels.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -29,6 +31,9 @@ class TopK:
 
     def free(self, seq_ids) -> None:
         pass
+
+    def clone(self, src: int, dst: int) -> None:
+        """As MagicPig.clone; exact top-k keeps no per-sequence state."""
 
     def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None) -> None:
         pass
@@ -67,6 +72,10 @@ class AnnTopK(TopK):
     def free(self, seq_ids) -> None:
         for s in seq_ids:
             self.seqs.pop(s, None)
+
+    def clone(self, src: int, dst: int) -> None:
+        if src in self.seqs:
+            self.seqs[dst] = copy.deepcopy(self.seqs[src])
 
     def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None) -> None:
         """Keys enter their kv-head's graph once they leave the window (ids = positions)."""

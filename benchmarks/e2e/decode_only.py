@@ -21,7 +21,6 @@ KV block layout of each concurrency's group of sequences (the next group reuses 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import time
@@ -36,11 +35,8 @@ def _clone_seq(backend, src: int, dst: int) -> None:
     if lsh is not None and src in lsh.centers:
         lsh.centers[dst] = dict(lsh.centers[src])
     sparse = getattr(backend.attn_worker, "sparse", None)
-    if sparse is not None and src in sparse.seqs:
-        if hasattr(sparse, "clone"):  # MagicPIG: its tables in buffers of their own, as a real prefill's
-            sparse.clone(src, dst)
-        else:
-            sparse.seqs[dst] = copy.deepcopy(sparse.seqs[src])
+    if sparse is not None:
+        sparse.clone(src, dst)
 
 
 def _copy_blocks(store, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
