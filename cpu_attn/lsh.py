@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, attend_scores, load_u32, prefetch
-from cpu_attn.oaken import SEGMENT, add_key_center, load_block, load_row
+from cpu_attn.oaken import SEGMENT, add_key_center, load_block, load_row, row_entries
 
 MAX_KEYS = 65535  # keys one table set can index (uint16 offsets, ids of <= 16 bits); longer contexts take more sets
 LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
@@ -134,12 +134,12 @@ def table_set(codes: np.ndarray, k: int, out: tuple[np.ndarray, np.ndarray] | No
 
 
 def sampled_scratch(work: int, group: int, block_size: int, head_dim: int, capacity: int) -> tuple[np.ndarray, ...]:
-    """s, kb, vb, m, l, count, marks, cand for `work` (sequence, kv-head) items."""
+    """s, kb, vb, m, l, count, marks, cand, entries for `work` (sequence, kv-head) items."""
     f32 = np.float32
     return (np.empty((work, group, block_size), f32), np.empty((work, block_size, head_dim), f32),
             np.empty((work, block_size, head_dim), f32), np.empty((work, group), f32), np.empty((work, group), f32),
             np.zeros((work, capacity), np.uint8), np.zeros((work, capacity), np.uint8),
-            np.empty((work, (group + 1) * capacity), np.int64))
+            np.empty((work, (group + 1) * capacity), np.int64), np.empty((work, max(ROWS_AHEAD, block_size), 2), np.int64))
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -262,30 +262,41 @@ def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first
         attend_block(q, kb[start:], vb[start:], end - start, scale, s, acc, m, l)
 
 
+ROWS_AHEAD = 64
+"""Sampled rows whose lines sampled_decode_attention requests together before decoding them
+(rounded down to whole block_size chunks, at least one)."""
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg):
-    """Start loading the lines load_row and add_key_center will read for the K and V rows at
-    `positions` (the sparse line is a guess: the row's share of its block's budget)."""
+def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg, entries):
+    """Start loading every line load_row and add_key_center will read for the K and V rows at
+    `positions`, all rows' at once so their misses overlap (row by row, the decoder waits on each
+    one in turn): first each row's nibbles, scales and counts and its key's cos and sin rows, then,
+    its block's counts having arrived meanwhile, where its sparse entries start (kept in
+    entries [n, 2] for K and V) and their line."""
     bs = k_parts[0].shape[1]
     cos, sin = k_center[1], k_center[2]
     for pos in positions:
         block, offset = table[pos // bs], pos % bs
-        if cos.shape[0]:  # a key's turned center: its position's rows of the cos and sin tables
-            for d in range(0, cos.shape[1], 16):
-                prefetch(cos, (pos, d))
-                prefetch(sin, (pos, d))
+        for d in range(0, cos.shape[1] * (cos.shape[0] > 0), 16):  # a key's turned center
+            prefetch(cos, (pos, d))
+            prefetch(sin, (pos, d))
         for parts in (k_parts, v_parts):
-            dense, sparse = parts[0], parts[3]
-            prefetch(dense, (block, offset, first_seg * (SEGMENT // 2)))
+            prefetch(parts[0], (block, offset, first_seg * (SEGMENT // 2)))
             prefetch(parts[1], (block, offset, 0))
             prefetch(parts[2], (block, offset, 0))
-            prefetch(sparse, (block, offset * sparse.shape[1] // bs))
+    for i in range(positions.shape[0]):
+        block, offset = table[positions[i] // bs], positions[i] % bs
+        for kv in range(2):
+            parts = k_parts if kv == 0 else v_parts
+            entries[i, kv] = row_entries(parts[2][block], offset)
+            prefetch(parts[3], (block, entries[i, kv]))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr_v, k_center, key_scale, mu, block_tables,
                              seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, min_hits, scale, out,
-                             lse, touched, s, kb, vb, m, l, count, marks, cand):
+                             lse, touched, s, kb, vb, m, l, count, marks, cand, entries):
     """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
     [max(indexed, n - window), n), importance-sampled attention over the rest. The tail also
     takes in the last block (with window < block_size): a block still filling lives in full
@@ -302,11 +313,12 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
     (log_u_table of the same K, L and min_hits, the collisions a key needs to be retrieved).
     Writes out [B, Hq, D], lse [B, Hq] and touched [B, Hq] (keys sampled per query head).
     Scratch per (sequence, kv-head) item W: s [W, group, bs], kb, vb [W, bs, D], m, l [W, group],
-    count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, cap >= the keys an item indexes.
+    count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, cap >= the keys an item indexes,
+    entries [W, max(ROWS_AHEAD, bs), 2] int64.
 
     Each hashed query retrieves its keys; the union of the group's keys is walked in position
-    order, block_size rows at a time: rows decoded into kb/vb (the next chunk's lines prefetched
-    meanwhile), then one online-softmax step as in exact attention, where a head whose query did
+    order, block_size rows at a time: rows decoded into kb/vb (the lines of ROWS_AHEAD rows
+    requested together first, _prefetch_rows), then one online-softmax step as in exact attention, where a head whose query did
     not retrieve a key scores it -inf (weight 0). u comes from the angle between the key and the
     query that retrieved it (with R = 1 the group's mean query, for all its heads)."""
     num_seqs, num_heads, head_dim = q.shape
@@ -355,15 +367,16 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
         for pos in range(sinks, tail):  # the union in position order: a branch-free scan beats a sort
             union[num] = pos
             num += heads_of[pos] != 0
-        _prefetch_rows(k_parts, v_parts, k_center, table, union[:min(bs, num)], first_seg)
+        ahead = max(ROWS_AHEAD // bs, 1) * bs
         for c0 in range(0, num, bs):
             width = min(bs, num - c0)
-            _prefetch_rows(k_parts, v_parts, k_center, table, union[c0 + bs:min(c0 + 2 * bs, num)], first_seg)
+            if c0 % ahead == 0:
+                _prefetch_rows(k_parts, v_parts, k_center, table, union[c0:min(c0 + ahead, num)], first_seg, entries[item])
             for t in range(width):
-                pos = union[c0 + t]
-                load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, kb[item, t])
+                pos, e = union[c0 + t], entries[item, (c0 + t) % ahead]
+                load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, e[0], kb[item, t])
                 add_key_center(kb[item, t:t + 1], pos, 1, k_center, kvh)
-                load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, vb[item, t])
+                load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, e[1], vb[item, t])
             for t in range(width):
                 pos = union[c0 + t]
                 norm_c = np.float32(0.0)

@@ -421,13 +421,14 @@ def dequantize_block(dense, scales, counts, sparse, thr, first_seg, width, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def dequantize_row(dense, scales, counts, sparse, thr, first_seg, offset, out):
-    """Row `offset` of one block for one kv-head -> out [D] float32 (a sampled key or value)."""
+def row_entries(counts, offset):
+    """Where row `offset`'s sparse entries start in its block's budget: the entries of the rows
+    before it (counts [bs, C/64] of the block)."""
     e = 0
     for t in range(offset):
         for seg in range(counts.shape[1]):
             e += counts[t, seg]
-    decode_token(dense[offset], scales[offset], counts[offset], sparse, e, thr, first_seg, out)
+    return e
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -446,12 +447,13 @@ def load_block(parts, block, thr, first_seg, width, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def load_row(parts, block, thr, first_seg, offset, out):
+def load_row(parts, block, thr, first_seg, offset, e, out):
     """Row `offset` of `block` for one kv-head -> out [D] float32, for a block that is not still
-    filling (its rows are quantized; see load_block). No tail check here: with it (a branch
-    around the decoder) LLVM compiles the decoder ~2.5x slower, 100 vs 40 ns per sampled row."""
+    filling (its rows are quantized; see load_block); e = row_entries(counts[block], offset). No tail
+    check here: with it (a branch around the decoder) LLVM compiles the decoder ~2.5x slower, 100 vs
+    40 ns per sampled row."""
     dense, scales, counts, sparse = parts[0], parts[1], parts[2], parts[3]
-    dequantize_row(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, offset, out)
+    decode_token(dense[block, offset], scales[block, offset], counts[block, offset], sparse[block], e, thr, first_seg, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
