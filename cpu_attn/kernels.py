@@ -146,6 +146,57 @@ def exp_nonpositive(x):
     return p * _as_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
 
 
+_ROW_VECTORS = 8  # vectors of 8 floats: the 64 values of a row chunk _add_weighted_rows keeps in registers
+
+
+@intrinsic
+def _add_weighted_rows(typingctx, acc, s, rows, width):
+    """acc[g, :] += sum over t < width of s[g, t] * rows[t, :]: acc [G, D], s [G, >= width],
+    rows [>= width, D], float32 C arrays, D a multiple of 64 (attend_scores checks).
+
+    Written in LLVM IR so that each 64-wide chunk of acc[g] stays in eight vector registers
+    while the rows stream past: Numba's loop loads and stores acc[g, d] for every row (LLVM
+    cannot tell acc from rows apart), one store-to-load round trip per row and vector.
+    llvm.fmuladd fuses where the CPU has FMA."""
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
+               for a in (acc, s, rows)) or not isinstance(width, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        vec = ir.VectorType(f32, 8)
+        fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
+                                                 "llvm.fmuladd.v8f32")
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3])]
+        base = [builder.ptrtoint(a.data, i64) for a in arrays]
+        row_bytes = [cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in arrays]
+        groups, dim = cgutils.unpack_tuple(builder, arrays[0].shape, 2)
+        width = context.cast(builder, args[3], signature.args[3], types.intp)
+        regs = [cgutils.alloca_once(builder, vec) for _ in range(_ROW_VECTORS)]  # promoted to registers
+
+        def at(kind, address):
+            return builder.inttoptr(address, kind.as_pointer())
+
+        with cgutils.for_range(builder, groups) as g:
+            with cgutils.for_range_slice(builder, i64(0), dim, i64(8 * _ROW_VECTORS)) as (d, _):
+                acc_at = builder.add(builder.add(base[0], builder.mul(g.index, row_bytes[0])), builder.shl(d, i64(2)))
+                for i, reg in enumerate(regs):
+                    builder.store(builder.load(at(vec, builder.add(acc_at, i64(32 * i))), align=4), reg)
+                with cgutils.for_range(builder, width) as t:
+                    weight = builder.load(at(f32, builder.add(builder.add(base[1], builder.mul(g.index, row_bytes[1])),
+                                                              builder.shl(t.index, i64(2)))), align=4)
+                    weight = builder.shuffle_vector(builder.insert_element(ir.Constant(vec, ir.Undefined), weight, i64(0)),
+                                                    ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+                    row_at = builder.add(builder.add(base[2], builder.mul(t.index, row_bytes[2])), builder.shl(d, i64(2)))
+                    for i, reg in enumerate(regs):
+                        x = builder.load(at(vec, builder.add(row_at, i64(32 * i))), align=4)
+                        builder.store(builder.call(fmuladd, [weight, x, builder.load(reg)]), reg)
+                for i, reg in enumerate(regs):
+                    builder.store(builder.load(reg), at(vec, builder.add(acc_at, i64(32 * i))), align=4)
+        return context.get_dummy_value()
+    return types.none(acc, s, rows, width), codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
 def attend_begin(acc, m, l):
     acc[:] = 0.0
@@ -172,22 +223,31 @@ def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
 @njit(cache=True, nogil=True, inline="always")
 def attend_scores(s, vb, width, acc, m, l):
     """The online-softmax step of attend_block for given scores s [group, >= width] (overwritten
-    with their weights). A score of -inf gets weight 0 and costs no accumulation (the sampled
-    kernel marks rows a head did not retrieve so), but must not be a head's first: m[g] has to
-    be finite."""
+    with their weights). A score of -inf gets weight 0 (the sampled kernel marks rows a head did
+    not retrieve so), but must not be a head's first: m[g] has to be finite."""
     group, head_dim = acc.shape
     for g in range(group):
+        # written so that LLVM vectorizes the max and the exponentials: a compare and select for max
+        # (Python's max keeps NaN rules), and the sum in a local (an l[g] += in the loop might alias s)
         new_m = m[g]
         for t in range(width):
-            new_m = max(new_m, s[g, t])
+            x = s[g, t]
+            new_m = x if x > new_m else new_m
         correction = exp_nonpositive(m[g] - new_m)
-        l[g] *= correction
         for d in range(head_dim):
             acc[g, d] *= correction
+        total = np.float32(0.0)
         for t in range(width):
-            s[g, t] = exp_nonpositive(s[g, t] - new_m) if s[g, t] > -np.inf else np.float32(0.0)
-            l[g] += s[g, t]
+            x = s[g, t]
+            p = exp_nonpositive(x - new_m)
+            p = p if x > -np.inf else np.float32(0.0)
+            s[g, t] = p
+            total += p
+        l[g] = l[g] * correction + total
         m[g] = new_m
+    if head_dim % (8 * _ROW_VECTORS) == 0:
+        _add_weighted_rows(acc, s, vb, width)
+        return
     for t in range(width):
         for g in range(group):
             p = s[g, t]
