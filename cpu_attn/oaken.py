@@ -392,11 +392,11 @@ def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out):
             # sign-magnitude nibble -> t_lo - (m + offset) * step or t_hi + (m + offset) * step: the magnitude
             # times the step, then a select between the two sides (a blend of per-token constants with the
             # signed magnitude, through an integer multiply, took ~30 % longer)
-            byte = np.uint32(row[j])
-            lo, hi = byte & np.uint32(15), byte >> np.uint32(4)
-            m_lo, m_hi = np.float32(lo & np.uint32(7)) * s0, np.float32(hi & np.uint32(7)) * s0
-            o[j] = lo_base - m_lo if lo >= 8 else hi_base + m_lo
-            o[j + half] = lo_base - m_hi if hi >= 8 else hi_base + m_hi
+            byte = np.int32(row[j])
+            lo, hi = np.int32(byte & 15), np.int32(byte >> 4)
+            m_lo, m_hi = np.float32(np.int32(lo & 7)) * s0, np.float32(np.int32(hi & 7)) * s0
+            o[j] = lo_base - m_lo if lo >= np.int32(8) else hi_base + m_lo
+            o[j + half] = lo_base - m_hi if hi >= np.int32(8) else hi_base + m_hi
     s1, s2 = fp16_to_f32(scales[1]), fp16_to_f32(scales[2])
     for seg in range(first_seg):
         e += counts[seg]
