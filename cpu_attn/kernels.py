@@ -97,11 +97,11 @@ def fp16_to_f32(h):
     """Exact float16 bits -> float32: put exponent and mantissa where float32 keeps them, multiply
     by 2^112 to rebias (the float multiply also normalizes subnormals), all exponent bits for
     inf/nan, then the sign."""
-    h = np.uint32(h)
-    f = _as_f32((h & np.uint32(0x7FFF)) << np.uint32(13)) * _F16_REBIAS
-    is_special = (h & np.uint32(0x7C00)) == np.uint32(0x7C00)
-    bits = _as_u32(f) | ((h & np.uint32(0x8000)) << np.uint32(16)) | (np.uint32(0x7F800000) * is_special)
-    return _as_f32(bits)
+    u32 = np.uint32  # every step cast back: Numba computes uint32 & int as uint64, and vectors of that are half as wide
+    h = u32(h)
+    f = _as_f32(u32(u32(h & 0x7FFF) << 13)) * _F16_REBIAS
+    special = u32(0x7F800000) if u32(h & 0x7C00) == u32(0x7C00) else u32(0)
+    return _as_f32(u32(u32(_as_u32(f) | u32(u32(h & 0x8000) << 16)) | special))
 
 
 def widen_row(src, out):
