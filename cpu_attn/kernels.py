@@ -146,6 +146,13 @@ def exp_nonpositive(x):
     return p * _as_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
 
 
+def splat(builder, x, lanes: int):
+    """LLVM IR: a vector of `lanes` copies of the scalar x."""
+    kind, zeros = ir.VectorType(x.type, lanes), ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    one = builder.insert_element(ir.Constant(kind, ir.Undefined), x, ir.IntType(32)(0))
+    return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined), zeros)
+
+
 _ROW_VECTORS = 8  # vectors of 8 floats: the 64 values of a row chunk _add_weighted_rows keeps in registers
 
 
@@ -185,8 +192,7 @@ def _add_weighted_rows(typingctx, acc, s, rows, width):
                 with cgutils.for_range(builder, width) as t:
                     weight = builder.load(at(f32, builder.add(builder.add(base[1], builder.mul(g.index, row_bytes[1])),
                                                               builder.shl(t.index, i64(2)))), align=4)
-                    weight = builder.shuffle_vector(builder.insert_element(ir.Constant(vec, ir.Undefined), weight, i64(0)),
-                                                    ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+                    weight = splat(builder, weight, 8)
                     row_at = builder.add(builder.add(base[2], builder.mul(t.index, row_bytes[2])), builder.shl(d, i64(2)))
                     for i, reg in enumerate(regs):
                         x = builder.load(at(vec, builder.add(row_at, i64(32 * i))), align=4)

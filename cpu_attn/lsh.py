@@ -317,9 +317,9 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
     entries [W, max(ROWS_AHEAD, bs), 2] int64.
 
     Each hashed query retrieves its keys; the union of the group's keys is walked in position
-    order, block_size rows at a time: rows decoded into kb/vb (the lines of ROWS_AHEAD rows
-    requested together first, _prefetch_rows), then one online-softmax step as in exact attention, where a head whose query did
-    not retrieve a key scores it -inf (weight 0). u comes from the angle between the key and the
+    order, block_size rows at a time: rows decoded into kb/vb (the lines of ROWS_AHEAD rows are
+    requested together first, _prefetch_rows), then one online-softmax step as in exact
+    attention, where a head whose query did not retrieve a key scores it -inf (weight 0). u comes from the angle between the key and the
     query that retrieved it (with R = 1 the group's mean query, for all its heads)."""
     num_seqs, num_heads, head_dim = q.shape
     bs = k_parts[0].shape[1]

@@ -36,7 +36,7 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import _FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, fp16_to_f32
+from cpu_attn.kernels import _FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, fp16_to_f32, splat
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -328,9 +328,8 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
         vec = lambda t: ir.VectorType(t, _LANES)
         const = lambda t, x: ir.Constant(vec(t), [x] * _LANES)
 
-        def splat(t, x):
-            one = builder.insert_element(ir.Constant(vec(t), ir.Undefined), x, i32(0))
-            return builder.shuffle_vector(one, ir.Constant(vec(t), ir.Undefined), const(i32, 0))
+        def lanes(x):  # _LANES copies of the scalar x
+            return splat(builder, x, _LANES)
 
         def address(array, array_type):  # the first element's address as an integer
             return builder.ptrtoint(context.make_array(array_type)(context, builder, array).data, i64)
@@ -342,7 +341,7 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
         idx = [context.cast(builder, args[i], sig[i], types.intp) for i in (1, 3, 5, 6)]
         out_at, dense_at, k, n = idx
         s_lo, s_hi, s1, s2 = [context.cast(builder, a, t, types.float32) for a, t in zip(args[7:], sig[7:])]
-        mask = builder.icmp_signed("<", ir.Constant(vec(i64), list(range(_LANES))), splat(i64, n))
+        mask = builder.icmp_signed("<", ir.Constant(vec(i64), list(range(_LANES))), lanes(n))
         at = builder.inttoptr(builder.add(address(args[4], sig[4]), k), ptr)
         load = intrinsic_fn(f"llvm.masked.load.v{_LANES}i8.p0", vec(i8), [ptr, i32, vec(i1), vec(i8)])
         entry = builder.zext(builder.call(load, [at, i32(1), mask, const(i8, 0)]), vec(i32))
@@ -352,16 +351,16 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
         byte = builder.and_(j, const(i32, 31))  # value j's nibble: byte j % 32, high nibble for j >= 32
         shift = builder.add(builder.shl(builder.and_(byte, const(i32, 3)), const(i32, 3)),
                             builder.shl(builder.lshr(j, const(i32, 5)), const(i32, 2)))
-        words = builder.add(splat(i64, builder.add(address(args[2], sig[2]), dense_at)),
+        words = builder.add(lanes(builder.add(address(args[2], sig[2]), dense_at)),
                             builder.zext(builder.and_(byte, const(i32, ~3)), vec(i64)))
         gather = intrinsic_fn(f"llvm.masked.gather.v{_LANES}i32.v{_LANES}p0", vec(i32),
                               [vec(ptr), i32, vec(i1), vec(i32)])
         word = builder.call(gather, [builder.inttoptr(words, vec(ptr)), i32(4), mask, const(i32, 0)])
         y = builder.uitofp(builder.and_(builder.lshr(word, shift), const(i32, 15)), vec(f32))
-        base = builder.select(outer, builder.select(negative, splat(f32, s_lo), splat(f32, s_hi)), const(f32, 0.0))
-        step = builder.select(outer, splat(f32, s2), splat(f32, s1))
+        base = builder.select(outer, builder.select(negative, lanes(s_lo), lanes(s_hi)), const(f32, 0.0))
+        step = builder.select(outer, lanes(s2), lanes(s1))
         value = builder.fadd(base, builder.fmul(y, builder.select(negative, builder.fneg(step), step)))
-        slots = builder.add(splat(i64, builder.add(address(args[0], sig[0]), builder.shl(out_at, i64(2)))),
+        slots = builder.add(lanes(builder.add(address(args[0], sig[0]), builder.shl(out_at, i64(2)))),
                             builder.shl(builder.zext(j, vec(i64)), const(i64, 2)))
         scatter = intrinsic_fn(f"llvm.masked.scatter.v{_LANES}f32.v{_LANES}p0", ir.VoidType(),
                                [vec(f32), vec(ptr), i32, vec(i1)])
@@ -391,7 +390,8 @@ def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out):
         for j in range(half):
             # sign-magnitude nibble -> t_lo - (m + offset) * step or t_hi + (m + offset) * step: the magnitude
             # times the step, then a select between the two sides (a blend of per-token constants with the
-            # signed magnitude, through an integer multiply, took ~30 % longer)
+            # signed magnitude, through an integer multiply, took ~30 % longer). Each step is cast to int32:
+            # Numba types int32 & int as int64, and LLVM then widened every vector lane to 64 bits
             byte = np.int32(row[j])
             lo, hi = np.int32(byte & 15), np.int32(byte >> 4)
             m_lo, m_hi = np.float32(np.int32(lo & 7)) * s0, np.float32(np.int32(hi & 7)) * s0
