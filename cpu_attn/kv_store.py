@@ -404,11 +404,10 @@ class OakenKVStore:
         call cost ~0.25 ms a sampled layer at 16 x 8k, and ~10 ms after the server's malloc_trim gave
         their pages back (one layer's captured arguments, replayed)."""
         have = self._sampled.get(threading.get_ident())
-        if have is None or have[0].shape[0] < work or have[0].shape[1] != group or have[5].shape[1] < capacity:
-            items, cap = work, capacity + capacity // 4
-            if have is not None and have[0].shape[1] == group:
-                items, cap = max(items, have[0].shape[0]), max(cap, have[5].shape[1])
-            have = lsh.sampled_scratch(items, group, self.block_size, self.head_dim, cap)
+        items, cap = (0, 0) if have is None or have[0].shape[1] != group else (have[0].shape[0], have[5].shape[1])
+        if items < work or cap < capacity:
+            have = lsh.sampled_scratch(max(items, work), group, self.block_size, self.head_dim,
+                                       max(cap, capacity + capacity // 4))
             self._sampled[threading.get_ident()] = have
         return tuple(a[:work] for a in have)
 

@@ -278,19 +278,20 @@ def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg, entr
     cos, sin = k_center[1], k_center[2]
     for pos in positions:
         block, offset = table[pos // bs], pos % bs
-        for d in range(0, cos.shape[1] * (cos.shape[0] > 0), 16):  # a key's turned center
-            prefetch(cos, (pos, d))
-            prefetch(sin, (pos, d))
+        if cos.shape[0]:  # a key's turned center: its position's rows of the cos and sin tables
+            for d in range(0, cos.shape[1], 16):
+                prefetch(cos, (pos, d))
+                prefetch(sin, (pos, d))
         for parts in (k_parts, v_parts):
             prefetch(parts[0], (block, offset, first_seg * (SEGMENT // 2)))
             prefetch(parts[1], (block, offset, 0))
             prefetch(parts[2], (block, offset, 0))
     for i in range(positions.shape[0]):
         block, offset = table[positions[i] // bs], positions[i] % bs
-        for kv in range(2):
-            parts = k_parts if kv == 0 else v_parts
-            entries[i, kv] = row_entries(parts[2][block], offset)
-            prefetch(parts[3], (block, entries[i, kv]))
+        entries[i, 0] = row_entries(k_parts[2][block], offset)
+        entries[i, 1] = row_entries(v_parts[2][block], offset)
+        prefetch(k_parts[3], (block, entries[i, 0]))
+        prefetch(v_parts[3], (block, entries[i, 1]))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
@@ -319,8 +320,9 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
     Each hashed query retrieves its keys; the union of the group's keys is walked in position
     order, block_size rows at a time: rows decoded into kb/vb (the lines of ROWS_AHEAD rows are
     requested together first, _prefetch_rows), then one online-softmax step as in exact
-    attention, where a head whose query did not retrieve a key scores it -inf (weight 0). u comes from the angle between the key and the
-    query that retrieved it (with R = 1 the group's mean query, for all its heads)."""
+    attention, where a head whose query did not retrieve a key scores it -inf (weight 0). u comes
+    from the angle between the key and the query that retrieved it (with R = 1 the group's mean
+    query, for all its heads)."""
     num_seqs, num_heads, head_dim = q.shape
     bs = k_parts[0].shape[1]
     num_kv_heads = mu.shape[1]
