@@ -96,11 +96,12 @@ def sweep_command(args: argparse.Namespace) -> int:
 
 
 def validate_command(args: argparse.Namespace) -> int:
-    from accel_sim.validate import format_rows, validate
+    from accel_sim.validate import format_cross_checks, format_rows, validate
 
     t0 = time.perf_counter()
     result = validate()
     print(format_rows(result["rows"]))
+    print("\n" + format_cross_checks(result["cross_checks"]))
     print(f"\n{result['num_passed']} of {result['num_rows']} rows pass ({time.perf_counter() - t0:.1f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -207,12 +207,24 @@ def test_azure_trace_replays_in_timing_only_mode():
 
 # ---- validation rows (the cheap ones; the full table is slow)
 
-def test_validation_oom_and_lpu_rows():
+def test_validation_lpu_row_is_bandwidth_bound():
     from accel_sim.validate import lpu_ms_per_token
 
     ms = lpu_ms_per_token()
     weights_ms = get_model("opt-1.3b").total_params * 2 / (2.0e12 * 0.9) * 1e3
     assert weights_ms < ms < weights_ms * 1.1  # bandwidth-bound: the 1.25 ms target is below this floor
+
+
+def test_a100_baselines_near_qserve_published_points():
+    from accel_sim.validate import QSERVE_PUBLISHED_A100, cross_checks, format_cross_checks
+
+    checks = cross_checks()
+    assert [(c["model"], c["batch"], c["system"]) for c in checks] == [e[:3] for e in QSERVE_PUBLISHED_A100]
+    for c in checks:
+        assert c["error"] == pytest.approx((c["value_tok_s"] - c["published_tok_s"]) / c["published_tok_s"], abs=1e-3)
+    # the README's cross-check: every simulated A100 point within -13 % .. +41 % of the published one
+    assert all(-0.2 < c["error"] < 0.5 for c in checks), [round(c["error"], 3) for c in checks]
+    assert "QServe W4A8KV4" in format_cross_checks(checks)
 
 
 @pytest.mark.slow
@@ -221,8 +233,10 @@ def test_full_validation_table(tmp_path):
 
     out = tmp_path / "v.json"
     assert main(["sim", "validate", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     assert all({"name", "target", "value", "passed"} <= set(r) for r in rows)
+    assert len(result["cross_checks"]) == 6
     assert [r["passed"] for r in rows if "OOM" in r["name"] or "fits" in r["name"]] == [True, True]
 
 
