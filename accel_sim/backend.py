@@ -65,6 +65,9 @@ class SimBackend:
         self.clock_s += cost.time_s
         return StepOutput(out.sampled, {**out.timings_s, "sim_step_s": cost.time_s, "sim_clock_s": self.clock_s})
 
+    def reset_clock(self) -> None:
+        self.clock_s = 0.0
+
     def close(self) -> None:
         self.inner.close()
 

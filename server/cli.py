@@ -83,6 +83,7 @@ def warm_up(engine) -> None:
                                     on_event=lambda ev: ev.finish_reason and done.release()))
     if not all(done.acquire(timeout=300) for _ in range(shards)):
         raise RuntimeError("warm-up requests did not finish in 300 s")
+    engine.reset_stats()
 
 
 def serve(cfg: ServeConfig) -> None:

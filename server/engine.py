@@ -109,6 +109,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def reset_stats(self) -> None:
+        """Start /metrics (and a simulated backend's clock) from zero at the next step boundary, after
+        requests submitted before it (server.cli.warm_up: its requests are not traffic)."""
+        self._inbox.put(("reset_stats", None))
+
     def abort_all(self, error: str) -> None:
         """End every request (finish_reason abort, with `error`) at the next step boundary."""
         self._inbox.put(("abort_all", error))
@@ -170,6 +175,12 @@ class Engine:
                     self._finish(live, "abort", error=payload)
             elif kind == "abort" and payload in self._by_request_id:
                 self._finish(self._live[self._by_request_id[payload]], "abort")
+            elif kind == "reset_stats":
+                self.metrics = ServingMetrics()
+                self.sim_clock_s, self.sim_steps, self.sim_output_tokens = 0.0, 0, 0
+                reset_clock = getattr(self.backend, "reset_clock", None)
+                if reset_clock:
+                    reset_clock()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -275,6 +275,9 @@ def test_sim_backend_answers_with_simulated_timing():
     srv = RunningServer(ServeConfig(backend="sim", sim_device="oaken-lpddr", sim_model="llama2-13b",
                                     kv_format="oaken", kv_cache_bytes=64 * 2**20, max_num_seqs=8))
     try:
+        # the warm-up requests are not traffic: /metrics and the virtual clock start from zero
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert "hetserve_sim_steps_total" not in metrics and "hetserve:time_to_first_token_seconds_count 0" in metrics
         r = httpx.post(srv.url + "/v1/completions", timeout=120,
                        json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
@@ -285,10 +288,12 @@ def test_sim_backend_answers_with_simulated_timing():
         assert 0 < sim["ttft_s"] < sim["e2e_s"]
         assert 0.020 < sim["tpot_s"] < 0.035
         with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120,
-                          json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}) as s:
+                          json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True,
+                                "ignore_eos": True}) as s:
             chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         assert "x_sim" in chunks[-1] and chunks[-1]["choices"][0]["finish_reason"]
         metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-        assert "hetserve_sim_clock_seconds" in metrics and "hetserve_sim_steps_total" in metrics
+        assert "hetserve_sim_clock_seconds" in metrics and "hetserve_sim_output_tokens_total 12" in metrics
+        assert "hetserve:time_to_first_token_seconds_count 2" in metrics
     finally:
         srv.close()

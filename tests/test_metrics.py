@@ -35,8 +35,9 @@ def scrape(url: str) -> dict[str, float]:
 
 def test_metrics_names_format_and_exact_counters(server):
     before = scrape(server.url)
-    for name in NAMES:
-        assert any(k.split("{")[0].removesuffix("_count") == name for k in before), name
+    declared = re.findall(r"^# TYPE (\S+) ", httpx.get(server.url + "/metrics", timeout=10).text, re.M)
+    for name in NAMES:  # declared even before a sample exists (step_time's parts appear with the first step)
+        assert name in declared, name
     body = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     usage = r.json()["usage"]
