@@ -163,6 +163,7 @@ class OakenKVStore:
         # RoPE tables [P, D / 2] (empty without centering: the kernels then skip it) and, for the
         # kernels, the key center and rotate_half of it in store space: [L, Hkv, 2, D]
         self._cos = self._sin = np.zeros((0, head_dim // 2), np.float32)
+        self._block_cos = self._block_sin = self._cos  # the kernels': at block starts (oaken.add_key_center)
         self.key_center = np.zeros((num_layers, num_kv_heads, 2, head_dim), np.float32)
         if self.key_bias is not None:
             self.key_center[:, :, 0] = self.key_bias / self.key_scales
@@ -206,15 +207,22 @@ class OakenKVStore:
     def _rope_tables(self, positions: int) -> None:
         """Grow the cos / sin tables of the key centers to cover `positions` (doubling)."""
         if len(self._cos) < positions:
-            angle = np.outer(np.arange(max(positions, 2 * len(self._cos)), dtype=np.float64), self._rope_freq)
+            # at least a block: the kernels' offset tables are the first block_size rows
+            angle = np.outer(np.arange(max(positions, 2 * len(self._cos), self.block_size), dtype=np.float64),
+                             self._rope_freq)
             self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+            starts = angle[::self.block_size]
+            self._block_cos, self._block_sin = np.cos(starts).astype(np.float32), np.sin(starts).astype(np.float32)
 
     def _centers(self, layer: int, positions: np.ndarray) -> np.ndarray:
         """[T] written positions -> the key centers at them in store space, R(p) key_bias / key_scales: [T, Hkv, D]."""
         return turn(self.key_bias[layer][None], self._cos[positions], self._sin[positions]) / self.key_scales[layer]
 
-    def _center_args(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.key_center[layer], self._cos, self._sin
+    def _center_args(self, layer: int) -> tuple[np.ndarray, ...]:
+        """The kernels' key centers (oaken.add_key_center): cos and sin at the block starts and at the
+        offsets in a block (the full tables' first block_size rows)."""
+        bs = self.block_size
+        return self.key_center[layer], self._block_cos, self._block_sin, self._cos[:bs], self._sin[:bs]
 
     def _parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
         return self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv], self.sparse[layer, kv]
