@@ -152,7 +152,8 @@ def devices_command(args: argparse.Namespace) -> int:
         print(f"{name}: {d.description}")
         for key, src in d.sources.items():
             v = getattr(d, key)
-            print(f"  {key:20} {str(v) if isinstance(v, bool) else format(v, 'g'):>10}  {' '.join(str(src).split())}")
+            v = str(v) if isinstance(v, bool) else format(v, "g")
+            print(f"  {key:20} {v:>10}  {' '.join(str(src).split())}")
     print("\nKV formats (bits per value):", ", ".join(f"{f.name} {f.bits_per_value:g}" for f in load_formats().values()))
     print("\nsystems:")
     for name, (dev, fmt, what) in SYSTEMS.items():
