@@ -153,6 +153,18 @@ def splat(builder, x, lanes: int):
     return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined), zeros)
 
 
+def f32_matrices(*arrays) -> bool:
+    """Typing check of the IR helpers: every argument a 2-D C-contiguous float32 array."""
+    return all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
+               for a in arrays)
+
+
+def fmuladd8(builder):
+    """LLVM IR: llvm.fmuladd on <8 x float>, a * b + c, fused where the CPU has FMA."""
+    vec = ir.VectorType(ir.FloatType(), 8)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fmuladd.v8f32")
+
+
 _ROW_VECTORS = 8  # vectors of 8 floats: the 64 values of a row chunk _add_weighted_rows keeps in registers
 
 
@@ -165,15 +177,13 @@ def _add_weighted_rows(typingctx, acc, s, rows, width):
     while the rows stream past: Numba's loop loads and stores acc[g, d] for every row (LLVM
     cannot tell acc from rows apart), one store-to-load round trip per row and vector.
     llvm.fmuladd fuses where the CPU has FMA."""
-    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
-               for a in (acc, s, rows)) or not isinstance(width, types.Integer):
+    if not f32_matrices(acc, s, rows) or not isinstance(width, types.Integer):
         return None
 
     def codegen(context, builder, signature, args):
         f32, i64 = ir.FloatType(), ir.IntType(64)
         vec = ir.VectorType(f32, 8)
-        fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
-                                                 "llvm.fmuladd.v8f32")
+        fmuladd = fmuladd8(builder)
         arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3])]
         base = [builder.ptrtoint(a.data, i64) for a in arrays]
         row_bytes = [cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in arrays]

@@ -36,7 +36,8 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import _FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, fp16_to_f32, splat
+from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, f32_matrices, fmuladd8,
+                              fp16_to_f32, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -498,16 +499,14 @@ def _add_turned_rows(typingctx, rows, width, c, cos_b, sin_b, cos_o, sin_o, blk,
     In LLVM IR because Numba's loop, vectorized, ran its aliasing checks and loop set-up again for
     every 64-value row: here each 8-wide chunk of c and of the block start's angles is loaded once
     and the rows stream past it."""
-    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
-               for a in (rows, c, cos_b, sin_b, cos_o, sin_o)) or \
+    if not f32_matrices(rows, c, cos_b, sin_b, cos_o, sin_o) or \
             not all(isinstance(x, types.Integer) for x in (width, blk, off0)):
         return None
 
     def codegen(context, builder, signature, args):
         f32, i64 = ir.FloatType(), ir.IntType(64)
         vec = ir.VectorType(f32, 8)
-        fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
-                                                 "llvm.fmuladd.v8f32")
+        fmuladd = fmuladd8(builder)
         which = (0, 2, 3, 4, 5, 6)
         arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in which]
         base = [builder.ptrtoint(a.data, i64) for a in arrays]
