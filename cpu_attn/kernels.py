@@ -153,10 +153,13 @@ def splat(builder, x, lanes: int):
     return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined), zeros)
 
 
+def c_array(a, ndim: int, dtype) -> bool:
+    """Typing check of the IR helpers: `a` is a C-contiguous array of `ndim` dimensions and `dtype`."""
+    return isinstance(a, types.Array) and a.ndim == ndim and a.layout == "C" and a.dtype == dtype
+
+
 def f32_matrices(*arrays) -> bool:
-    """Typing check of the IR helpers: every argument a 2-D C-contiguous float32 array."""
-    return all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
-               for a in arrays)
+    return all(c_array(a, 2, types.float32) for a in arrays)
 
 
 def fmuladd8(builder):

@@ -277,11 +277,12 @@ def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg, entr
     bs = k_parts[0].shape[1]
     cos, sin = k_center[1], k_center[2]
     for pos in positions:
-        block, offset = table[pos // bs], pos % bs
+        j, offset = pos // bs, pos % bs
+        block = table[j]
         if cos.shape[0]:  # a key's turned center: its block start's rows of the cos and sin tables
             for d in range(0, cos.shape[1], 16):
-                prefetch(cos, (pos // bs, d))
-                prefetch(sin, (pos // bs, d))
+                prefetch(cos, (j, d))
+                prefetch(sin, (j, d))
         for parts in (k_parts, v_parts):
             prefetch(parts[0], (block, offset, first_seg * (SEGMENT // 2)))
             prefetch(parts[1], (block, offset, 0))

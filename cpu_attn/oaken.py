@@ -36,8 +36,8 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, f32_matrices, fmuladd8,
-                              fp16_to_f32, splat)
+from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, c_array, f32_matrices,
+                              fmuladd8, fp16_to_f32, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -318,10 +318,7 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
     Sixteen lanes: a segment has ~9 entries at the default ratios (with eight, two passes: 5 %
     slower). Exact attention at 16 x 8k (one layer) went from 25.6 to 21 ms with it on an AVX-512
     Xeon, and from 27.1 to 22.6 ms compiled for plain x86-64."""
-    arrays = (out, dense, sparse)
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays):
-        return None
-    if (out.dtype, dense.dtype, sparse.dtype) != (types.float32, types.uint8, types.uint8):
+    if not (c_array(out, 1, types.float32) and c_array(dense, 1, types.uint8) and c_array(sparse, 1, types.uint8)):
         return None
 
     def codegen(context, builder, signature, args):
@@ -381,9 +378,7 @@ def _decode_middle(typingctx, out, dense, dense_at, s0, lo_base, hi_base):
     In LLVM IR because Numba's loop, vectorized, ran its aliasing checks and set-up again for every
     32-byte segment: here a whole segment is widened to 32-bit lanes at once, the constants in
     registers (K of 16 x 8k decoded into L1-sized blocks: 6.1 -> 5.2 ms; 4.8 with sixteen-lane scatters)."""
-    if not (isinstance(out, types.Array) and out.ndim == 1 and out.layout == "C" and out.dtype == types.float32
-            and isinstance(dense, types.Array) and dense.ndim == 1 and dense.layout == "C"
-            and dense.dtype == types.uint8 and isinstance(dense_at, types.Integer)):
+    if not (c_array(out, 1, types.float32) and c_array(dense, 1, types.uint8) and isinstance(dense_at, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):

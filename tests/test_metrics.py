@@ -20,28 +20,30 @@ NAMES = ["hetserve:num_requests_running", "hetserve:num_requests_waiting", "hets
          "hetserve:generation_tokens_total", "hetserve:request_success_total", "hetserve:requests_rejected_total"]
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str) -> tuple[dict[str, float], set[str]]:
+    """One /metrics: its samples, and the names its TYPE lines declare."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    samples = {}
+    samples, declared = {}, set()
     for line in text.splitlines():
         if line.startswith("#"):
             assert re.match(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+", line), line
+            if line.startswith("# TYPE "):
+                declared.add(line.split()[2])
             continue
         assert SAMPLE.match(line), line
         name, value = line.rsplit(" ", 1)
         samples[name] = float(value)
-    return samples
+    return samples, declared
 
 
 def test_metrics_names_format_and_exact_counters(server):
-    before = scrape(server.url)
-    declared = re.findall(r"^# TYPE (\S+) ", httpx.get(server.url + "/metrics", timeout=10).text, re.M)
+    before, declared = scrape(server.url)
     for name in NAMES:  # declared even before a sample exists (step_time's parts appear with the first step)
         assert name in declared, name
     body = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     usage = r.json()["usage"]
-    after = scrape(server.url)
+    after, _ = scrape(server.url)
 
     def delta(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
