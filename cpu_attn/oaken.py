@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, c_array, f32_matrices,
-                              fmuladd8, fp16_to_f32, splat)
+                              fmuladd8, fp16_to_f32, prefetch, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -474,6 +474,25 @@ def load_block(parts, block, thr, first_seg, width, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def prefetch_block(parts, block, first_seg, head_dim):
+    """Start loading every line load_block will read of `block` for one kv-head: its rows' nibbles,
+    scales and counts, and the block's sparse entries (the store's arrays start on a line, so a
+    head's run of nibbles, head_dim / 2 bytes at a multiple of that, lies in one line per 64
+    bytes). A sequence's blocks lie anywhere in the pool, so the hardware prefetchers stop at every
+    block; asked for the next block ahead, the exact kernel at 8 x 32k went ~52 -> ~36 ms."""
+    dense, scales, counts, sparse = parts[0], parts[1], parts[2], parts[3]
+    at = first_seg * (SEGMENT // 2)
+    for t in range(dense.shape[1]):
+        for x in range(at, at + head_dim // 2, 64):
+            prefetch(dense, (block, t, x))
+    for t in range(0, dense.shape[1], 4):
+        prefetch(scales, (block, t, 0))
+        prefetch(counts, (block, t, 0))
+    for e in range(0, sparse.shape[1], 32):
+        prefetch(sparse, (block, e))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def load_row(parts, block, thr, first_seg, offset, e, out):
     """Row `offset` of `block` for one kv-head -> out [D] float32, for a block that is not still
     filling (its rows are quantized; see load_block); e = row_entries(counts[block], offset). No tail
@@ -565,9 +584,13 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, k_center, block_ta
         acc = out[b, heads]
         attend_begin(acc, m[item], l[item])
         n = seq_lens[b]
-        for j in range((n + block_size - 1) // block_size):
+        num_blocks = (n + block_size - 1) // block_size
+        for j in range(num_blocks):
             block = block_tables[b, j]
             width = min(block_size, n - j * block_size)
+            if j + 1 < num_blocks:
+                prefetch_block(k_parts, block_tables[b, j + 1], first_seg, head_dim)
+                prefetch_block(v_parts, block_tables[b, j + 1], first_seg, head_dim)
             load_block(k_parts, block, thr_k, first_seg, width, kb[item])
             add_key_center(kb[item], j * block_size, width, k_center, kvh)
             load_block(v_parts, block, thr_v, first_seg, width, vb[item])

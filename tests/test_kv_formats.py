@@ -303,6 +303,16 @@ def test_bytes_per_block_is_what_the_arrays_take():
     assert bytes_per_block("fp16", 30, 3, 64, 16) == PagedKVStore.bytes_per_block(30, 3, 64, 16, "float16")
 
 
+def test_stores_start_on_a_cache_line():
+    """The kernels' rows (and an Oaken head's nibbles) must not straddle lines: every array the
+    kernels stream starts on a 64-byte boundary, zeroed, C-contiguous, writable."""
+    oaken = oaken_store(num_blocks=5, recent_blocks=2)
+    paged = PagedKVStore(2, 3, 64, 16, 5, "float16")
+    for a in (oaken.dense, oaken.scales, oaken.counts, oaken.sparse, oaken.tail, paged.k, paged.v):
+        assert (a.size == 0 or a.ctypes.data % 64 == 0) and a.flags.c_contiguous and a.flags.writeable and not a.any()
+    assert paged.k.shape == (2, 5, 3, 16, 64) and paged.k.dtype == np.uint16
+
+
 def test_simulated_baselines():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((40, 2, 64)).astype(np.float32)
