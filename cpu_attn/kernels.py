@@ -216,6 +216,67 @@ def _add_weighted_rows(typingctx, acc, s, rows, width):
     return types.none(acc, s, rows, width), codegen
 
 
+_SCORE_ROWS = 8  # rows _block_scores scores at once, into one vector of 8 scores
+
+
+def _lane_sums(builder, vectors):
+    """LLVM IR: eight <8 x float> vectors -> one whose lane r is the sum of vector r's lanes: three
+    rounds of pairwise shuffles and adds, spans of 1, 2 and 4 lanes (21 operations for the eight
+    sums, where each sum alone takes ~6)."""
+    span = 1
+    while len(vectors) > 1:
+        lo = [k - k % (2 * span) + (k % (2 * span) if k % (2 * span) < span else 8 + k % (2 * span) - span)
+              for k in range(8)]
+        masks = [ir.Constant(ir.VectorType(ir.IntType(32), 8), [i + shift for i in lo]) for shift in (0, span)]
+        vectors = [builder.fadd(*(builder.shuffle_vector(a, b, mask) for mask in masks))
+                   for a, b in zip(vectors[::2], vectors[1::2])]
+        span *= 2
+    return vectors[0]
+
+
+@intrinsic
+def _block_scores(typingctx, s, qs, kb, width, scale):
+    """s[g, t] = scale * (qs[g] . kb[t]) for t < width, rounded up to a multiple of 8 (the rows past
+    width are scored too: s and kb must hold them). s [G, >= width8], qs [G, D], kb [>= width8, D],
+    float32 C arrays, D a multiple of 8 (attend_block checks).
+
+    In LLVM IR so that eight rows are scored at once: eight independent chains of fused
+    multiply-adds, then their eight horizontal sums in one shuffle tree (_lane_sums). Numba's loop
+    summed each row's vector on its own and stored one score at a time."""
+    if not f32_matrices(s, qs, kb) or not isinstance(width, types.Integer) or not isinstance(scale, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        vec = ir.VectorType(f32, 8)
+        fmuladd = fmuladd8(builder)
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3])]
+        base = [builder.ptrtoint(a.data, i64) for a in arrays]
+        row_bytes = [cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in arrays]
+        groups, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
+        width = context.cast(builder, args[3], signature.args[3], types.intp)
+        factor = splat(builder, context.cast(builder, args[4], signature.args[4], types.float32), 8)
+        sums = [cgutils.alloca_once(builder, vec) for _ in range(_SCORE_ROWS)]  # promoted to registers
+
+        def at(array, row, column):
+            address = builder.add(builder.add(base[array], builder.mul(row, row_bytes[array])), builder.shl(column, i64(2)))
+            return builder.inttoptr(address, vec.as_pointer())
+
+        with cgutils.for_range_slice(builder, i64(0), width, i64(_SCORE_ROWS)) as (t0, _):
+            with cgutils.for_range(builder, groups) as g:
+                for acc in sums:
+                    builder.store(ir.Constant(vec, [0.0] * 8), acc)
+                with cgutils.for_range_slice(builder, i64(0), dim, i64(8)) as (d, _):
+                    q = builder.load(at(1, g.index, d), align=4)
+                    for r, acc in enumerate(sums):
+                        k = builder.load(at(2, builder.add(t0, i64(r)), d), align=4)
+                        builder.store(builder.call(fmuladd, [q, k, builder.load(acc)]), acc)
+                scores = _lane_sums(builder, [builder.load(acc) for acc in sums])
+                builder.store(builder.fmul(scores, factor), at(0, g.index, t0), align=4)
+        return context.get_dummy_value()
+    return types.none(s, qs, kb, width, scale), codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
 def attend_begin(acc, m, l):
     acc[:] = 0.0
@@ -230,12 +291,15 @@ def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
     qs: [group, D] queries sharing a kv-head; kb, vb: [block_size, D]; s: [group, block_size]
     scores scratch; acc: [group, D] unnormalized output; m, l: [group] running max and sum."""
     group, head_dim = qs.shape
-    for t in range(width):
-        for g in range(group):
-            dot = np.float32(0.0)
-            for d in range(head_dim):
-                dot += qs[g, d] * kb[t, d]
-            s[g, t] = dot * scale
+    if head_dim % 8 == 0 and kb.shape[0] % _SCORE_ROWS == 0:
+        _block_scores(s, qs, kb, width, np.float32(scale))
+    else:
+        for t in range(width):
+            for g in range(group):
+                dot = np.float32(0.0)
+                for d in range(head_dim):
+                    dot += qs[g, d] * kb[t, d]
+                s[g, t] = dot * scale
     attend_scores(s, vb, width, acc, m, l)
 
 

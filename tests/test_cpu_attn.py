@@ -51,6 +51,7 @@ def fill(store, rng, seq_lens, num_heads, scale_k=1.0):
     (9, 3, 64, 16, [1, 17, 100, 5]),
     (4, 4, 128, 8, [8, 9, 3]),
     (6, 2, 64, 1, [7, 1]),
+    (3, 1, 12, 16, [33, 5]),  # head_dim not a multiple of 8: the plain scoring loop
     (2, 1, 32, 32, [300]),
 ])
 def test_decode_attention_matches_numpy(dtype, num_heads, num_kv_heads, head_dim, block_size, seq_lens):
