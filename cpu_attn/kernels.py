@@ -6,6 +6,7 @@ nan included; tested against numpy for all 65536 bit patterns).
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -347,40 +348,101 @@ def attend_end(acc, m, l, lse):
         lse[g] = m[g] + np.log(l[g])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def attend_merge(parts, m, l, out, lse):
+    """Join the online-softmax states of the parts of one item's context: parts [S, group, D]
+    unnormalized outputs, m, l [S, group] -> out [group, D], lse [group]. A part with no rows
+    (l = 0, m = -inf) adds nothing."""
+    for g in range(out.shape[0]):
+        top = -np.inf
+        for s in range(parts.shape[0]):
+            top = max(top, m[s, g])
+        out[g, :] = 0.0
+        total = np.float32(0.0)
+        for s in range(parts.shape[0]):
+            w = exp_nonpositive(m[s, g] - top) if l[s, g] > 0.0 else np.float32(0.0)
+            total += l[s, g] * w
+            for d in range(out.shape[1]):
+                out[g, d] += w * parts[s, g, d]
+        for d in range(out.shape[1]):
+            out[g, d] /= total
+        lse[g] = top + np.log(total)
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, scores, kb, vb, m, l):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, scores, kb, vb, m, l, parts):
     """One query token per sequence against its whole paged context.
 
     q: [B, Hq, D] float32; k_cache, v_cache: [num_blocks, Hkv, block_size, D]
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (tokens incl. the current one)
     out: [B, Hq, D] float32 (written); lse: [B, Hq] float32 (written, natural log)
-    scratch, one slice per (sequence, kv-head) work item W = B * Hkv:
-      scores [W, group, block_size], kb, vb [W, block_size, D], m [W, group], l [W, group] (float32)
+    scratch (attention_scratch), one slice per unit: scores [U, group, block_size], kb, vb
+      [U, block_size, D], m, l [U, group], parts [U, group, D] (float32)
 
-    Each work item widens a block's K/V rows once and uses them for all `group` query heads that
-    share them, with an online softmax (running max m, running sum l) advanced block by block.
+    A (sequence, kv-head) item widens a block's K/V rows once and uses them for all `group` query
+    heads that share them, with an online softmax (running max m, running sum l) advanced block
+    by block. Its context is cut into U / (B * Hkv) parts of consecutive blocks, one unit of work
+    each, whose states attend_merge joins (split_parts says how many).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    for item in prange(num_seqs * num_kv_heads):
+    splits = parts.shape[0] // (num_seqs * num_kv_heads)
+    for unit in prange(parts.shape[0]):
+        item, part = unit // splits, unit % splits
         b, kvh = item // num_kv_heads, item % num_kv_heads
         heads = slice(kvh * group, (kvh + 1) * group)
-        acc = out[b, heads]  # [group, D] view: accumulate in place
-        attend_begin(acc, m[item], l[item])
-        n = seq_lens[b]
-        for j in range((n + block_size - 1) // block_size):
+        acc = parts[unit]
+        attend_begin(acc, m[unit], l[unit])
+        first, end = part_blocks(seq_lens[b], block_size, splits, part)
+        for j in range(first, end):
             block = block_tables[b, j]
-            width = min(block_size, n - j * block_size)
+            width = min(block_size, seq_lens[b] - j * block_size)
             for t in range(width):
-                widen_row(k_cache[block, kvh, t], kb[item, t])
-                widen_row(v_cache[block, kvh, t], vb[item, t])
-            attend_block(q[b, heads], kb[item], vb[item], width, scale, scores[item], acc, m[item], l[item])
-        attend_end(acc, m[item], l[item], lse[b, heads])
+                widen_row(k_cache[block, kvh, t], kb[unit, t])
+                widen_row(v_cache[block, kvh, t], vb[unit, t])
+            attend_block(q[b, heads], kb[unit], vb[unit], width, scale, scores[unit], acc, m[unit], l[unit])
+    merge_parts(parts, m, l, out, lse, num_kv_heads)
 
 
-def attention_scratch(work: int, group: int, block_size: int, head_dim: int) -> tuple[np.ndarray, ...]:
-    """scores, kb, vb, m, l for `work` (sequence, kv-head) items of the decode kernels."""
+@njit(cache=True, nogil=True, inline="always")
+def part_blocks(n, block_size, splits, part):
+    """The blocks [first, end) of part `part` of `splits` of an n-token context."""
+    num_blocks = (n + block_size - 1) // block_size
+    per = (num_blocks + splits - 1) // splits
+    return min(part * per, num_blocks), min((part + 1) * per, num_blocks)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def merge_parts(parts, m, l, out, lse, num_kv_heads):
+    """out [B, Hq, D], lse [B, Hq] from the units' states (see paged_decode_attention)."""
+    num_seqs, group = out.shape[0], out.shape[1] // num_kv_heads
+    splits = parts.shape[0] // (num_seqs * num_kv_heads)
+    for item in prange(num_seqs * num_kv_heads):
+        b, kvh = item // num_kv_heads, item % num_kv_heads
+        units = slice(item * splits, (item + 1) * splits)
+        heads = slice(kvh * group, (kvh + 1) * group)
+        attend_merge(parts[units], m[units], l[units], out[b, heads], lse[b, heads])
+
+
+_UNITS_PER_THREAD = 4  # units of work split_parts aims at: enough for the threads to end together
+_PART_BLOCKS = 32  # the fewest blocks split_parts gives a part (512 tokens at block_size 16)
+
+
+def split_parts(work: int, seq_lens: np.ndarray, block_size: int) -> int:
+    """Into how many parts to cut each of `work` (sequence, kv-head) items. Items alone are too
+    few at small batches: one sequence of SmolLM2 has 3 kv-heads, so two threads ran 2 + 1 of
+    them (and sixteen threads 3 of 16)."""
+    most_blocks = -(-int(np.max(seq_lens, initial=0)) // block_size)
+    want = -(-_UNITS_PER_THREAD * numba.get_num_threads() // work)
+    return max(1, min(want, most_blocks // _PART_BLOCKS))
+
+
+def attention_scratch(work: int, group: int, block_size: int, head_dim: int, splits: int = 1) -> tuple[np.ndarray, ...]:
+    """scores, kb, vb, m, l, parts for `work` (sequence, kv-head) items of the decode kernels, each
+    cut into `splits` units (split_parts)."""
+    units = work * splits
     f32 = np.float32
-    return (np.empty((work, group, block_size), f32), np.empty((work, block_size, head_dim), f32),
-            np.empty((work, block_size, head_dim), f32), np.empty((work, group), f32), np.empty((work, group), f32))
+    return (np.empty((units, group, block_size), f32), np.empty((units, block_size, head_dim), f32),
+            np.empty((units, block_size, head_dim), f32), np.empty((units, group), f32), np.empty((units, group), f32),
+            np.empty((units, group, head_dim), f32))

@@ -20,7 +20,7 @@ import numba
 
 from cpu_attn import lsh, oaken
 from cpu_attn.calibrate import SPARSE_FRACTION, OakenThresholds, rotate_half, turn
-from cpu_attn.kernels import attention_scratch, paged_decode_attention, write_kv
+from cpu_attn.kernels import attention_scratch, paged_decode_attention, split_parts, write_kv
 
 # fp16 is kept as raw uint16 bits (Numba has no CPU float16); see kernels.py
 _STORAGE = {"float16": np.uint16, "float32": np.float32}
@@ -114,7 +114,7 @@ class PagedKVStore:
         paged_decode_attention(
             np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables, seq_lens,
             np.float32(scale), out, lse,
-            *attention_scratch(work, group, self.block_size, head_dim))
+            *attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size)))
         return out, lse
 
 
@@ -360,14 +360,14 @@ class OakenKVStore:
                          scale: float) -> tuple[np.ndarray, np.ndarray]:
         """q: [B, Hq, D] float32 -> out [B, Hq, D], lse [B, Hq] (float32)."""
         num_seqs, num_heads, head_dim = q.shape
-        group = num_heads // self.num_kv_heads
+        group, work = num_heads // self.num_kv_heads, num_seqs * self.num_kv_heads
         out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
         oaken.oaken_decode_attention(
             self._store_queries(layer, q), self._read_parts(layer, 0), self._read_parts(layer, 1),
             self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens,
-            np.float32(scale), out, lse, *attention_scratch(num_seqs * self.num_kv_heads, group, self.block_size,
-                                                            head_dim))
+            np.float32(scale), out, lse, *attention_scratch(work, group, self.block_size, head_dim,
+                                                            split_parts(work, seq_lens, self.block_size)))
         return self._true_output(layer, out), lse
 
     def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:

@@ -36,8 +36,8 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_block, attend_end, c_array, f32_matrices,
-                              fmuladd8, fp16_to_f32, prefetch, splat)
+from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_block, c_array, f32_matrices, fmuladd8,
+                              fp16_to_f32, merge_parts, part_blocks, prefetch, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -567,9 +567,9 @@ def add_key_center(rows, pos0, width, center, kvh):
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, k_center, block_tables, seq_lens, scale, out, lse,
-                           scores, kb, vb, m, l):
+                           scores, kb, vb, m, l, parts):
     """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
-    of one kv-head are decoded into small scratch (kb, vb: [W, block_size, D], L1-sized) and used
+    of one kv-head are decoded into small scratch (kb, vb: [U, block_size, D], L1-sized) and used
     at once; no full-precision copy of the cache is ever made.
     k_parts, v_parts: (dense, scales, counts, sparse, tail, tail_of) of one layer (see load_block);
     thr_k, thr_v: [4]; k_center: the keys' centers (see add_key_center)."""
@@ -577,25 +577,27 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, k_center, block_ta
     block_size = k_parts[0].shape[1]
     num_kv_heads = k_parts[0].shape[2] * 2 // head_dim
     group = num_heads // num_kv_heads
-    for item in prange(num_seqs * num_kv_heads):
+    splits = parts.shape[0] // (num_seqs * num_kv_heads)
+    for unit in prange(parts.shape[0]):
+        item, part = unit // splits, unit % splits
         b, kvh = item // num_kv_heads, item % num_kv_heads
         heads = slice(kvh * group, (kvh + 1) * group)
         first_seg = kvh * head_dim // SEGMENT
-        acc = out[b, heads]
-        attend_begin(acc, m[item], l[item])
+        acc = parts[unit]
+        attend_begin(acc, m[unit], l[unit])
         n = seq_lens[b]
-        num_blocks = (n + block_size - 1) // block_size
-        for j in range(num_blocks):
+        first, end = part_blocks(n, block_size, splits, part)
+        for j in range(first, end):
             block = block_tables[b, j]
             width = min(block_size, n - j * block_size)
-            if j + 1 < num_blocks:
+            if j + 1 < end:
                 prefetch_block(k_parts, block_tables[b, j + 1], first_seg, head_dim)
                 prefetch_block(v_parts, block_tables[b, j + 1], first_seg, head_dim)
-            load_block(k_parts, block, thr_k, first_seg, width, kb[item])
-            add_key_center(kb[item], j * block_size, width, k_center, kvh)
-            load_block(v_parts, block, thr_v, first_seg, width, vb[item])
-            attend_block(q[b, heads], kb[item], vb[item], width, scale, scores[item], acc, m[item], l[item])
-        attend_end(acc, m[item], l[item], lse[b, heads])
+            load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
+            add_key_center(kb[unit], j * block_size, width, k_center, kvh)
+            load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
+            attend_block(q[b, heads], kb[unit], vb[unit], width, scale, scores[unit], acc, m[unit], l[unit])
+    merge_parts(parts, m, l, out, lse, num_kv_heads)
 
 
 @njit(cache=True, nogil=True, parallel=True)

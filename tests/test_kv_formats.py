@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from cpu_attn.calibrate import SPARSE_FRACTION, rotate
+from cpu_attn import kv_store
+from cpu_attn.kernels import split_parts
 from cpu_attn.kv_store import KV_FORMATS, OakenKVStore, PagedKVStore, SimQuantKVStore, bytes_per_block, make_store
 from cpu_attn.oaken import INNER, MIDDLE, OUTER, dequantize, quantize
 from tests.test_cpu_attn import naive_attention
@@ -301,6 +303,40 @@ def test_bytes_per_block_is_what_the_arrays_take():
     # SmolLM2 shape: 4 bits + scales + counts + 16% sparse entries (rounded up per block) = 5.65625 bits per value
     assert bytes_per_block("oaken", 30, 3, 64, 16) * 8 / (2 * 30 * 16 * 192) == 5.65625
     assert bytes_per_block("fp16", 30, 3, 64, 16) == PagedKVStore.bytes_per_block(30, 3, 64, 16, "float16")
+
+
+@pytest.mark.parametrize("kv_format", ["oaken", "fp16"])
+def test_contexts_cut_into_parts_give_the_same_attention(monkeypatch, kv_format):
+    """A context cut into parts (split_parts: more units of work than items at small batches),
+    each part's softmax state joined at the end, gives what one pass gives; parts past a short
+    sequence's end are empty."""
+    rng = np.random.default_rng(11)
+    lens = [1, 40, 700]
+    store = oaken_store(num_layers=1, num_blocks=64) if kv_format == "oaken" else PagedKVStore(1, 3, 64, 16, 64)
+    tables, _ = write_sequences(store, rng, lens)
+    block_tables = np.zeros((3, max(map(len, tables))), np.int32)
+    for b, t in enumerate(tables):
+        block_tables[b, :len(t)] = t
+    q = rng.standard_normal((3, 9, 64)).astype(np.float32)
+    seq_lens = np.array(lens, np.int32)
+    outs = {}
+    for splits in (1, 3, 7):
+        monkeypatch.setattr(kv_store, "split_parts", lambda work, seq_lens, block_size: splits)
+        outs[splits] = store.decode_attention(0, q, block_tables, seq_lens, 0.125)
+    for splits in (3, 7):
+        np.testing.assert_allclose(outs[splits][0], outs[1][0], atol=1e-6, rtol=1e-5)
+        np.testing.assert_allclose(outs[splits][1], outs[1][1], atol=1e-6, rtol=1e-6)
+    for b, n in enumerate(lens):
+        k, v = store.gather(0, tables[b], n)
+        ref_out, ref_lse = naive_attention(q[b], k, v, 0.125)
+        np.testing.assert_allclose(outs[7][0][b], ref_out, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(outs[7][1][b], ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_split_parts_fills_the_threads_at_small_batches():
+    assert split_parts(3, np.array([32768]), 16) > 1  # one sequence, 3 kv-heads: 3 items for the threads
+    assert split_parts(3, np.array([100]), 16) == 1  # too short to be worth cutting
+    assert split_parts(3 * 512, np.array([32768] * 512), 16) == 1  # items enough
 
 
 def test_stores_start_on_a_cache_line():
