@@ -163,6 +163,15 @@ def f32_matrices(*arrays) -> bool:
     return all(c_array(a, 2, types.float32) for a in arrays)
 
 
+def matrix_args(context, builder, signature, args, which):
+    """LLVM IR: the arguments at indices `which` (2-D C arrays) -> their data addresses (i64), row
+    strides in bytes and shapes, as three lists."""
+    arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in which]
+    return ([builder.ptrtoint(a.data, ir.IntType(64)) for a in arrays],
+            [cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in arrays],
+            [cgutils.unpack_tuple(builder, a.shape, 2) for a in arrays])
+
+
 def fmuladd8(builder):
     """LLVM IR: llvm.fmuladd on <8 x float>, a * b + c, fused where the CPU has FMA."""
     vec = ir.VectorType(ir.FloatType(), 8)
@@ -188,10 +197,8 @@ def _add_weighted_rows(typingctx, acc, s, rows, width):
         f32, i64 = ir.FloatType(), ir.IntType(64)
         vec = ir.VectorType(f32, 8)
         fmuladd = fmuladd8(builder)
-        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3])]
-        base = [builder.ptrtoint(a.data, i64) for a in arrays]
-        row_bytes = [cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in arrays]
-        groups, dim = cgutils.unpack_tuple(builder, arrays[0].shape, 2)
+        base, row_bytes, shapes = matrix_args(context, builder, signature, args, (0, 1, 2))
+        groups, dim = shapes[0]
         width = context.cast(builder, args[3], signature.args[3], types.intp)
         regs = [cgutils.alloca_once(builder, vec) for _ in range(_ROW_VECTORS)]  # promoted to registers
 
@@ -251,10 +258,8 @@ def _block_scores(typingctx, s, qs, kb, width, scale):
         f32, i64 = ir.FloatType(), ir.IntType(64)
         vec = ir.VectorType(f32, 8)
         fmuladd = fmuladd8(builder)
-        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3])]
-        base = [builder.ptrtoint(a.data, i64) for a in arrays]
-        row_bytes = [cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in arrays]
-        groups, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
+        base, row_bytes, shapes = matrix_args(context, builder, signature, args, (0, 1, 2))
+        groups, dim = shapes[1]
         width = context.cast(builder, args[3], signature.args[3], types.intp)
         factor = splat(builder, context.cast(builder, args[4], signature.args[4], types.float32), 8)
         sums = [cgutils.alloca_once(builder, vec) for _ in range(_SCORE_ROWS)]  # promoted to registers

@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_block, c_array, f32_matrices, fmuladd8,
-                              fp16_to_f32, merge_parts, part_blocks, prefetch, splat)
+                              fp16_to_f32, matrix_args, merge_parts, part_blocks, prefetch, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -521,11 +521,8 @@ def _add_turned_rows(typingctx, rows, width, c, cos_b, sin_b, cos_o, sin_o, blk,
         f32, i64 = ir.FloatType(), ir.IntType(64)
         vec = ir.VectorType(f32, 8)
         fmuladd = fmuladd8(builder)
-        which = (0, 2, 3, 4, 5, 6)
-        arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in which]
-        base = [builder.ptrtoint(a.data, i64) for a in arrays]
-        row_bytes = [cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in arrays]
-        half = builder.lshr(cgutils.unpack_tuple(builder, arrays[0].shape, 2)[1], i64(1))
+        base, row_bytes, shapes = matrix_args(context, builder, signature, args, (0, 2, 3, 4, 5, 6))
+        half = builder.lshr(shapes[0][1], i64(1))
         width, blk, off0 = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 7, 8))
 
         def load(array, row, at):
