@@ -58,6 +58,11 @@ def _fma_loop(x, y, reps):
 
 
 def limits() -> dict:
+    """Memory read bandwidth and two FMA rates: the streaming loop above (operands loaded from L1,
+    as in the kernels' inner loops: the bound the table's `binds` column uses) and float32 matrix
+    multiply by torch (the BLAS SDPA runs on; operands in registers: the CPU's FMA peak, ~3x the
+    loop's on an AVX-512 Xeon). Not NumPy's BLAS: its threads spin on after a call and slowed the
+    SDPA timed next 100x."""
     a = np.ones(2**30 // 8)
     _parallel_sum(a[:1024])
     read = min(_timed(lambda: _parallel_sum(a)) for _ in range(3))
@@ -67,8 +72,12 @@ def limits() -> dict:
     reps = 20000
     _fma_loop(x, y, 1)
     fma = min(_timed(lambda: _fma_loop(x, y, reps)) for _ in range(3))
+    m = torch.from_numpy(np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32))
+    m @ m
+    gemm = min(_timed(lambda: m @ m) for _ in range(3))
     return {"threads": threads, "read_gb_s": a.nbytes / read / 1e9,
-            "fma_gflop_s": 2 * x.size * reps / fma / 1e9}
+            "fma_gflop_s": 2 * x.size * reps / fma / 1e9, "sgemm_gflop_s": 2 * 2048**3 / gemm / 1e9,
+            "sgemm_threads": torch.get_num_threads()}
 
 
 def _timed(fn) -> float:
@@ -161,6 +170,7 @@ def main() -> None:
             bw_bound, fma_bound = row["oaken_mb"] / 1e3 / lim["read_gb_s"], flops / 1e9 / lim["fma_gflop_s"]
             row["binds"] = "memory" if bw_bound > fma_bound else "fma"
             row["oaken_vs_bound"] = t / max(bw_bound, fma_bound)
+            row["oaken_vs_peak"] = t / max(bw_bound, flops / 1e9 / lim["sgemm_gflop_s"])  # against the sgemm rate
             # quantization on append: one decode token per sequence into the Oaken store
             new = rng.standard_normal((batch, KV_HEADS, HEAD_DIM)).astype(np.float32)
             slots = stores["oaken"][1][:, -1].astype(np.int64) * BLOCK + (context - 1) % BLOCK
@@ -173,9 +183,10 @@ def main() -> None:
                   f"fp32 {row['fp32_ms']:.2f}, sdpa {row['sdpa_fp32_ms']:.2f}", flush=True)
     info = machine()
     print(f"\none layer of SmolLM2-135M (heads {HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK}); "
-          f"{lim['threads']} threads: memory read {lim['read_gb_s']:.1f} GB/s, Numba FMA {lim['fma_gflop_s']:.1f} GFLOP/s")
+          f"{lim['threads']} threads: memory read {lim['read_gb_s']:.1f} GB/s, Numba FMA {lim['fma_gflop_s']:.1f} GFLOP/s, "
+          f"torch sgemm {lim['sgemm_gflop_s']:.1f} GFLOP/s ({lim['sgemm_threads']} threads)")
     cols = ["context", "batch", "oaken_ms", "oaken_nocenter_ms", "fp16_ms", "fp32_ms", "sdpa_fp32_ms", "oaken_vs_sdpa",
-            "oaken_mb", "oaken_gb_s", "oaken_gflop_s", "binds", "oaken_vs_bound", "append_share"]
+            "oaken_mb", "oaken_gb_s", "oaken_gflop_s", "binds", "oaken_vs_bound", "oaken_vs_peak", "append_share"]
     print_table(rows, cols)
     print(f"wrote {write_json(args.out, {'machine': info, 'limits': lim, 'args': vars(args), 'rows': rows})}")
 
