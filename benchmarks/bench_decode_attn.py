@@ -183,7 +183,8 @@ def main() -> None:
                   f"fp32 {row['fp32_ms']:.2f}, sdpa {row['sdpa_fp32_ms']:.2f}", flush=True)
     info = machine()
     print(f"\none layer of SmolLM2-135M (heads {HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK}); "
-          f"{lim['threads']} threads: memory read {lim['read_gb_s']:.1f} GB/s, Numba FMA {lim['fma_gflop_s']:.1f} GFLOP/s, "
+          f"{lim['threads']} threads: memory read {lim['read_gb_s']:.1f} GB/s, "
+          f"Numba FMA {lim['fma_gflop_s']:.1f} GFLOP/s, "
           f"torch sgemm {lim['sgemm_gflop_s']:.1f} GFLOP/s ({lim['sgemm_threads']} threads)")
     cols = ["context", "batch", "oaken_ms", "oaken_nocenter_ms", "fp16_ms", "fp32_ms", "sdpa_fp32_ms", "oaken_vs_sdpa",
             "oaken_mb", "oaken_gb_s", "oaken_gflop_s", "binds", "oaken_vs_bound", "oaken_vs_peak", "append_share"]

@@ -265,8 +265,8 @@ def _block_scores(typingctx, s, qs, kb, width, scale):
         sums = [cgutils.alloca_once(builder, vec) for _ in range(_SCORE_ROWS)]  # promoted to registers
 
         def at(array, row, column):
-            address = builder.add(builder.add(base[array], builder.mul(row, row_bytes[array])), builder.shl(column, i64(2)))
-            return builder.inttoptr(address, vec.as_pointer())
+            row_at = builder.add(base[array], builder.mul(row, row_bytes[array]))
+            return builder.inttoptr(builder.add(row_at, builder.shl(column, i64(2))), vec.as_pointer())
 
         with cgutils.for_range_slice(builder, i64(0), width, i64(_SCORE_ROWS)) as (t0, _):
             with cgutils.for_range(builder, groups) as g:

@@ -24,6 +24,7 @@ from cpu_attn.kernels import attention_scratch, paged_decode_attention, split_pa
 
 # fp16 is kept as raw uint16 bits (Numba has no CPU float16); see kernels.py
 _STORAGE = {"float16": np.uint16, "float32": np.float32}
+_ITEMSIZE = {"float16": 2, "float32": 4}
 _LINE = 64
 
 
@@ -35,7 +36,6 @@ def zeros_aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
     raw = np.zeros(int(np.prod(shape)) * dtype.itemsize + _LINE, np.uint8)
     skip = -raw.ctypes.data % _LINE
     return raw[skip:skip + raw.size - _LINE].view(dtype).reshape(shape)
-_ITEMSIZE = {"float16": 2, "float32": 4}
 
 
 class KVStore(Protocol):
