@@ -130,8 +130,8 @@ def widen(src, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def exp_nonpositive(x):
-    """exp(x) for x <= 0 (-inf included), relative error ~1e-7, in operations that vectorize
+def fast_exp(x):
+    """exp(x) for x <= 88 (-inf included), relative error ~1e-7, in operations that vectorize
     (there is no vector exp without Intel's SVML): x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6
     polynomial for e^r, 2^n built in the exponent bits. Below -87 it returns ~2^-126, not 0."""
     x = max(x, np.float32(-87.0))
@@ -309,6 +309,12 @@ def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
     attend_scores(s, vb, width, acc, m, l)
 
 
+_STALE_MAX = np.float32(8.0)
+"""How far a block's scores may rise over the running max m before attend_scores moves m (and
+rescales the output and sum). Most blocks do not move it, and rescaling per head and block (a scalar
+exp, then acc *= correction) was a third of the softmax's time; weights up to e^8 are safe in float32."""
+
+
 @njit(cache=True, nogil=True, inline="always")
 def attend_scores(s, vb, width, acc, m, l):
     """The online-softmax step of attend_block for given scores s [group, >= width] (overwritten
@@ -322,18 +328,20 @@ def attend_scores(s, vb, width, acc, m, l):
         for t in range(width):
             x = s[g, t]
             new_m = x if x > new_m else new_m
-        correction = exp_nonpositive(m[g] - new_m)
-        for d in range(head_dim):
-            acc[g, d] *= correction
-        total = np.float32(0.0)
+        if new_m > m[g] + _STALE_MAX:  # else m stays: weights up to e^_STALE_MAX, no rescaling of acc
+            correction = fast_exp(m[g] - new_m)
+            for d in range(head_dim):
+                acc[g, d] *= correction
+            l[g] *= correction
+            m[g] = new_m
+        top, total = m[g], np.float32(0.0)
         for t in range(width):
             x = s[g, t]
-            p = exp_nonpositive(x - new_m)
+            p = fast_exp(x - top)
             p = p if x > -np.inf else np.float32(0.0)
             s[g, t] = p
             total += p
-        l[g] = l[g] * correction + total
-        m[g] = new_m
+        l[g] += total
     if head_dim % (8 * _ROW_VECTORS) == 0:
         _add_weighted_rows(acc, s, vb, width)
         return
@@ -365,7 +373,7 @@ def attend_merge(parts, m, l, out, lse):
         out[g, :] = 0.0
         total = np.float32(0.0)
         for s in range(parts.shape[0]):
-            w = exp_nonpositive(m[s, g] - top) if l[s, g] > 0.0 else np.float32(0.0)
+            w = fast_exp(m[s, g] - top) if l[s, g] > 0.0 else np.float32(0.0)
             total += l[s, g] * w
             for d in range(out.shape[1]):
                 out[g, d] += w * parts[s, g, d]
