@@ -511,8 +511,8 @@ def _add_turned_rows(typingctx, rows, width, c, cos_b, sin_b, cos_o, sin_o, blk,
     C arrays, D a multiple of 16 (OakenKVStore's head_dim is one of 64).
 
     In LLVM IR because Numba's loop, vectorized, ran its aliasing checks and loop set-up again for
-    every 64-value row: here each 8-wide chunk of c and of the block start's angles is loaded once
-    and the rows stream past it."""
+    every 64-value row: here each 8-wide chunk of c is turned to the block start once (the terms
+    that multiply cos b and sin b of the offset) and the rows stream past it, two FMAs a value."""
     if not f32_matrices(rows, c, cos_b, sin_b, cos_o, sin_o) or \
             not all(isinstance(x, types.Integer) for x in (width, blk, off0)):
         return None
@@ -533,16 +533,17 @@ def _add_turned_rows(typingctx, rows, width, c, cos_b, sin_b, cos_o, sin_o, blk,
             lo, hi = builder.shl(i, i64(2)), builder.shl(builder.add(i, half), i64(2))
             c0, c1 = [load(1, i64(0), at) for at in (lo, hi)], [load(1, i64(1), at) for at in (lo, hi)]
             cb, sb = load(2, blk, lo), load(3, blk, lo)
+            # c0 cos(a + b) + c1 sin(a + b) = cos b (c0 cos a + c1 sin a) + sin b (c1 cos a - c0 sin a)
+            on_cos = [builder.call(fmuladd, [c0[j], cb, builder.fmul(c1[j], sb)]) for j in range(2)]
+            on_sin = [builder.call(fmuladd, [c1[j], cb, builder.fneg(builder.fmul(c0[j], sb))]) for j in range(2)]
             with cgutils.for_range(builder, width) as t:
                 off = builder.add(off0, t.index)
                 co, so = load(4, off, lo), load(5, off, lo)
-                cs = builder.call(fmuladd, [cb, co, builder.fneg(builder.fmul(sb, so))])
-                sn = builder.call(fmuladd, [sb, co, builder.fmul(cb, so)])
                 row = builder.add(base[0], builder.mul(t.index, row_bytes[0]))
                 for j, at in enumerate((lo, hi)):
                     ptr = builder.inttoptr(builder.add(row, at), vec.as_pointer())
-                    x = builder.call(fmuladd, [c1[j], sn, builder.load(ptr, align=4)])
-                    builder.store(builder.call(fmuladd, [c0[j], cs, x]), ptr, align=4)
+                    x = builder.call(fmuladd, [on_sin[j], so, builder.load(ptr, align=4)])
+                    builder.store(builder.call(fmuladd, [on_cos[j], co, x]), ptr, align=4)
         return context.get_dummy_value()
     return types.none(rows, width, c, cos_b, sin_b, cos_o, sin_o, blk, off0), codegen
 
