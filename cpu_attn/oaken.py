@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_block, c_array, f32_matrices, fmuladd8,
-                              fp16_to_f32, matrix_args, merge_parts, part_blocks, prefetch, splat)
+                              finish_unit, fp16_to_f32, matrix_args, merge_parts, part_blocks, prefetch, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -595,6 +595,7 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, k_center, block_ta
             add_key_center(kb[unit], j * block_size, width, k_center, kvh)
             load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
             attend_block(q[b, heads], kb[unit], vb[unit], width, scale, scores[unit], acc, m[unit], l[unit])
+        finish_unit(parts, m, l, out, lse, unit, splits, b, heads)
     merge_parts(parts, m, l, out, lse, num_kv_heads)
 
 
