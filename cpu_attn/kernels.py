@@ -291,11 +291,8 @@ def attend_begin(acc, m, l):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
-    """Advance one work item's online softmax by `width` rows of widened K (kb) and V (vb).
-
-    qs: [group, D] queries sharing a kv-head; kb, vb: [block_size, D]; s: [group, block_size]
-    scores scratch; acc: [group, D] unnormalized output; m, l: [group] running max and sum."""
+def block_scores(qs, kb, width, scale, s):
+    """s[g, t] = scale * (qs[g] . kb[t]) for t < width: qs [group, D], kb [block_size, D]."""
     group, head_dim = qs.shape
     if head_dim % 8 == 0 and kb.shape[0] % _SCORE_ROWS == 0:
         _block_scores(s, qs, kb, width, np.float32(scale))
@@ -306,6 +303,15 @@ def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
                 for d in range(head_dim):
                     dot += qs[g, d] * kb[t, d]
                 s[g, t] = dot * scale
+
+
+@njit(cache=True, nogil=True, inline="always")
+def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
+    """Advance one work item's online softmax by `width` rows of widened K (kb) and V (vb).
+
+    qs: [group, D] queries sharing a kv-head; kb, vb: [block_size, D]; s: [group, block_size]
+    scores scratch; acc: [group, D] unnormalized output; m, l: [group] running max and sum."""
+    block_scores(qs, kb, width, scale, s)
     attend_scores(s, vb, width, acc, m, l)
 
 

@@ -141,6 +141,10 @@ class OakenKVStore:
     fixed center). Attention multiplies q by key_scales (q.k is the same, the keys' heavy channels
     are tamed), adds the turned center back to each key as it decodes it, and multiplies outputs by
     value_scales (attention is linear in V). Writes of centered keys need their positions.
+    With a `rotation` ([D, D] orthogonal, calibrate.hadamard), each head's transformed K and V are
+    stored times it (x @ rotation): queries are turned the same way (q.k is unchanged), outputs
+    turned back, and the keys' center, which does not turn with them, is added in the score
+    domain (oaken.add_center_scores; the MagicPIG kernel turns its sampled keys back instead).
 
     With recent_blocks > 0, a block that is still filling (its first row written, not yet its
     last) stays in full precision in one of `recent_blocks` tail slots per layer and is quantized
@@ -153,7 +157,7 @@ class OakenKVStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  thresholds: np.ndarray, sparse_fraction: float = SPARSE_FRACTION, key_scales: np.ndarray | None = None,
                  recent_blocks: int = 0, key_bias: np.ndarray | None = None, value_scales: np.ndarray | None = None,
-                 rope_inv_freq: np.ndarray | None = None):
+                 rope_inv_freq: np.ndarray | None = None, rotation: np.ndarray | None = None):
         if head_dim % oaken.SEGMENT:
             raise ValueError(f"Oaken KV needs head_dim a multiple of {oaken.SEGMENT}, not {head_dim}")
         if thresholds.shape != (num_layers, 2, 4):
@@ -170,11 +174,16 @@ class OakenKVStore:
             np.full(shape, 1, np.float32) if x is None else np.ascontiguousarray(x, np.float32).reshape(shape)
             for x in (key_scales, value_scales))
         self.key_bias = None if key_bias is None else np.ascontiguousarray(key_bias, np.float32).reshape(shape)
+        if rotation is not None and rotation.shape != (head_dim, head_dim):
+            raise ValueError(f"rotation must be [{head_dim}, {head_dim}], not {list(rotation.shape)}")
+        self.rotation = None if rotation is None else np.ascontiguousarray(rotation, np.float32)
+        self._unrotation = np.zeros((0, 0), np.float32) if rotation is None else np.ascontiguousarray(self.rotation.T)
         self._rope_freq = np.zeros(head_dim // 2) if rope_inv_freq is None else np.asarray(rope_inv_freq, np.float64)
         # RoPE tables [P, D / 2] (empty without centering: the kernels then skip it) and, for the
         # kernels, the key center and rotate_half of it in store space: [L, Hkv, 2, D]
         self._cos = self._sin = np.zeros((0, head_dim // 2), np.float32)
         self._block_cos = self._block_sin = self._cos  # the kernels': at block starts (oaken.add_key_center)
+        self._offset_table = np.zeros((block_size, head_dim), np.float32)  # [cos | sin] at a block's offsets
         self.key_center = np.zeros((num_layers, num_kv_heads, 2, head_dim), np.float32)
         if self.key_bias is not None:
             self.key_center[:, :, 0] = self.key_bias / self.key_scales
@@ -222,6 +231,7 @@ class OakenKVStore:
             angle = np.outer(np.arange(max(positions, 2 * len(self._cos), self.block_size), dtype=np.float64),
                              self._rope_freq)
             self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+            self._offset_table = np.ascontiguousarray(np.hstack([self._cos[:self.block_size], self._sin[:self.block_size]]))
             starts = angle[::self.block_size]
             self._block_cos, self._block_sin = np.cos(starts).astype(np.float32), np.sin(starts).astype(np.float32)
 
@@ -234,6 +244,29 @@ class OakenKVStore:
         offsets in a block (the full tables' first block_size rows)."""
         bs = self.block_size
         return self.key_center[layer], self._block_cos, self._block_sin, self._cos[:bs], self._sin[:bs]
+
+    def _center_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
+        """q [B, Hq, D] in store space -> [B, Hq, D]: per query the terms A (first half) and B of
+        q . R(p) c = sum_i A_i cos(w_i p) + B_i sin(w_i p), c the key center (oaken.add_center_scores);
+        [0, 0, 0] when keys are not centered."""
+        if self.key_bias is None:
+            return np.zeros((0, 0, 0), np.float32)
+        b, num_heads, d = q.shape
+        grouped = q.reshape(b, self.num_kv_heads, -1, d)
+        terms = [grouped * self.key_center[layer, None, :, i, None] for i in (0, 1)]  # q * c, q * rotate_half(c)
+        return np.ascontiguousarray(np.concatenate([x[..., :d // 2] + x[..., d // 2:] for x in terms], -1)
+                                    .reshape(q.shape), np.float32)
+
+    def _rotate(self, x: np.ndarray) -> np.ndarray:
+        """[..., Hkv * D] or [..., D] rows -> each head's D values times the rotation (none: as they are)."""
+        if self.rotation is None:
+            return x
+        return (x.reshape(-1, self.head_dim) @ self.rotation).reshape(x.shape)
+
+    def _unrotate(self, x: np.ndarray) -> np.ndarray:
+        if self.rotation is None:
+            return x
+        return (x.reshape(-1, self.head_dim) @ self._unrotation).reshape(x.shape)
 
     def _parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
         return self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv], self.sparse[layer, kv]
@@ -263,7 +296,7 @@ class OakenKVStore:
             positions = np.asarray(positions, np.int64)
             self._rope_tables(int(positions.max()) + 1)
         rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
-        if self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, rows, positions):
+        if self.rotation is None and self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, rows, positions):
             return
         for kv, x in enumerate(rows):
             if not np.isfinite(x).all():
@@ -271,18 +304,24 @@ class OakenKVStore:
         keys = rows[0] / self.key_scales[layer].ravel()
         if self.key_bias is not None:
             keys -= self._centers(layer, positions).reshape(len(keys), -1)
-        rows = (keys, rows[1] / self.value_scales[layer].ravel())
+        rows = (self._rotate(keys), self._rotate(rows[1] / self.value_scales[layer].ravel()))
+        if self.rotation is not None and self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, rows, None):
+            return
         direct = self._route_to_tails(layer, slot_mapping, rows) if self.tail.shape[2] else slice(None)
         self._quantize(layer, slot_mapping[direct], (rows[0][direct], rows[1][direct]))
 
     def _write_decode_rows(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray],
                            positions: np.ndarray | None) -> bool:
         """A decode step's common case in one kernel call: every row (k, v [T, C]) goes on filling
-        its block's tail (oaken.write_tail_rows). False, with nothing written, when a row does not."""
+        its block's tail (oaken.write_tail_rows, which also applies the per-channel transforms; with
+        a rotation, rows come in store space and positions is None). False, with nothing written,
+        when a row does not."""
         c = self.num_kv_heads * self.head_dim
-        centered = self.key_bias is not None
+        centered = self.key_bias is not None and positions is not None
+        ones = np.ones((1, c), np.float32)
         result = oaken.write_tail_rows(
-            *rows, self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
+            *rows, ones if positions is None else self.key_scales[layer].reshape(1, c),
+            ones if positions is None else self.value_scales[layer].reshape(1, c),
             self.key_bias[layer].reshape(1, c) if centered else np.zeros((0, c), np.float32), self._cos, self._sin,
             positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
             self.block_size, self.tail[layer], self.tail_of[layer], self.tail_len[layer], self.tail_stamp[layer],
@@ -350,7 +389,7 @@ class OakenKVStore:
         for kv in (0, 1):
             x = np.empty(shape, np.float32)
             oaken.dequantize_blocks(self._read_parts(layer, kv), self.thresholds[layer, kv], blocks, seq_len, x)
-            x = x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            x = self._unrotate(x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len])
             if kv == 0 and self.key_bias is not None:
                 x = x + self._centers(layer, np.arange(seq_len))
             out.append(x * (self.key_scales if kv == 0 else self.value_scales)[layer])
@@ -363,12 +402,15 @@ class OakenKVStore:
         group, work = num_heads // self.num_kv_heads, num_seqs * self.num_kv_heads
         out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
+        q = self._store_queries(layer, q)
+        scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size))
+        units = len(scratch[0])
         oaken.oaken_decode_attention(
-            self._store_queries(layer, q), self._read_parts(layer, 0), self._read_parts(layer, 1),
-            self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens,
-            np.float32(scale), out, lse, *attention_scratch(work, group, self.block_size, head_dim,
-                                                            split_parts(work, seq_lens, self.block_size)))
-        return self._true_output(layer, out), lse
+            np.ascontiguousarray(self._rotate(q)), self._read_parts(layer, 0), self._read_parts(layer, 1),
+            self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_queries(layer, q),
+            (self._block_cos, self._block_sin, self._offset_table), block_tables, seq_lens, np.float32(scale), out, lse,
+            *scratch, np.empty((units, group, head_dim), np.float32), np.empty((units, group, self.block_size), np.float32))
+        return self._true_output(layer, self._unrotate(out)), lse
 
     def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
         """q [B, Hq, D] -> q * key_scales, so that q'.k' = q.k for keys in store space (k / key_scales)."""
@@ -413,9 +455,9 @@ class OakenKVStore:
             self._store_queries(layer, q), r_store, np.linalg.norm(r, axis=-1).astype(np.float32),
             np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0),
             self._read_parts(layer, 1), self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer),
-            key_scale, mu, block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, min_hits,
+            self._unrotation, key_scale, mu, block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, min_hits,
             np.float32(scale), out, lse, touched, *self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
-        return self._true_output(layer, out), lse, touched
+        return self._true_output(layer, self._unrotate(out)), lse, touched
 
     def _sampled_scratch(self, work: int, group: int, capacity: int) -> tuple[np.ndarray, ...]:
         """lsh.sampled_scratch for `work` items, kept between calls (the kernel leaves its count and marks
@@ -520,7 +562,7 @@ def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int
         if oaken_cal is None:
             raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
         return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales, recent_blocks,
-                            oaken_cal.key_bias, oaken_cal.value_scales, oaken_cal.rope_inv_freq)
+                            oaken_cal.key_bias, oaken_cal.value_scales, oaken_cal.rope_inv_freq, oaken_cal.rotation)
     if kv_format in (*_INT_BITS, "kivi"):
         return SimQuantKVStore(*geometry, kv_format)
     if kv_format in ("fp16", "fp32"):

@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, attend_scores, load_u32, prefetch
-from cpu_attn.oaken import SEGMENT, add_key_center, load_block, load_row, row_entries
+from cpu_attn.oaken import SEGMENT, add_key_center, load_block, load_row, row_entries, unrotate_rows
 
 MAX_KEYS = 65535  # keys one table set can index (uint16 offsets, ids of <= 16 bits); longer contexts take more sets
 LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
@@ -247,8 +247,8 @@ def collect_candidates(q_codes, offsets, ids, num_keys, lo, hi, count, cand, bas
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, lo, hi, scale, s, kb, vb,
-                  acc, m, l):
+def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, unrotation, kvh, table, first_seg, lo, hi, scale, s, kb,
+                  vb, acc, m, l, tmp):
     """Exact attention of the group's queries over positions [lo, hi) of one kv-head."""
     bs = k_parts[0].shape[1]
     if hi <= lo:
@@ -257,6 +257,7 @@ def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first
         block = table[j]
         start, end = max(lo - j * bs, 0), min(hi - j * bs, bs)
         load_block(k_parts, block, thr_k, first_seg, end, kb)
+        unrotate_rows(kb, end, unrotation, tmp)
         add_key_center(kb, j * bs, end, k_center, kvh)
         load_block(v_parts, block, thr_v, first_seg, end, vb)
         attend_block(q, kb[start:], vb[start:], end - start, scale, s, acc, m, l)
@@ -296,7 +297,8 @@ def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg, entr
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr_v, k_center, key_scale, mu, block_tables,
+def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr_v, k_center, unrotation, key_scale, mu,
+                             block_tables,
                              seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, min_hits, scale, out,
                              lse, touched, s, kb, vb, m, l, count, marks, cand, entries):
     """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
@@ -308,7 +310,9 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
     queries that were hashed, in the same space, R per kv-head: R = group (each head retrieves
     its own keys; r is q) or R = 1 (the group's heads share one retrieval by their mean query);
     r_norm [B, Hkv * R] norms of the true hashed queries; r_codes [B, Hkv * R, L] int32; k_parts, v_parts, thr_k, thr_v as in
-    oaken_decode_attention (with tails, and the keys' centers k_center); key_scale [Hkv, D] (ones
+    oaken_decode_attention (with tails, and the keys' centers k_center: oaken.add_key_center); unrotation
+    [D, D] turns the store's rotated keys back (oaken.unrotate_rows; [0, 0]: not rotated; the values stay
+    rotated, the caller turns the outputs back); key_scale [Hkv, D] (ones
     without key smoothing); mu [B, Hkv, D] the keys' centers for LSH in store space; set_of
     [B, Hkv, 2] the range [first, end) of each item's table sets, indexed [S] keys in each set,
     offsets [S, L, 2^K + 1], ids [S, L, >= bytes] (packed for indexed[S] keys); log_u [LOG_U_POINTS]
@@ -336,6 +340,7 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
         heads = slice(kvh * group, (kvh + 1) * group)
         first_seg = kvh * head_dim // SEGMENT
         q_mu = np.zeros(group, np.float32)
+        tmp = np.empty(head_dim, np.float32)
         acc = out[b, heads]
         attend_begin(acc, m[item], l[item])
         n = seq_lens[b]
@@ -346,10 +351,10 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
         for st in range(first_set, end_set):
             num_indexed += indexed[st]
         tail = max(min(num_indexed, n - window, (n - 1) // bs * bs), sinks)  # the last block may still be filling
-        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, 0, sinks, scale,
-                      s[item], kb[item], vb[item], acc, m[item], l[item])
-        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, tail, n, scale,
-                      s[item], kb[item], vb[item], acc, m[item], l[item])
+        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, unrotation, kvh, table, first_seg, 0, sinks,
+                      scale, s[item], kb[item], vb[item], acc, m[item], l[item], tmp)
+        _attend_range(q[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, unrotation, kvh, table, first_seg, tail, n,
+                      scale, s[item], kb[item], vb[item], acc, m[item], l[item], tmp)
         num, heads_of, union = 0, marks[item], cand[item, group * cap:]
         for g in range(num_r):
             h = kvh * num_r + g
@@ -378,6 +383,7 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
             for t in range(width):
                 pos, e = union[c0 + t], entries[item, (c0 + t) % ahead]
                 load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, e[0], kb[item, t])
+                unrotate_rows(kb[item, t:t + 1], 1, unrotation, tmp)
                 add_key_center(kb[item, t:t + 1], pos, 1, k_center, kvh)
                 load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, e[1], vb[item, t])
             for t in range(width):

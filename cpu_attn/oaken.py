@@ -36,8 +36,8 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_block, c_array, f32_matrices, fmuladd8,
-                              finish_unit, fp16_to_f32, matrix_args, merge_parts, part_blocks, prefetch, splat)
+from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_scores, block_scores, c_array, f32_matrices,
+                              fmuladd8, finish_unit, fp16_to_f32, matrix_args, merge_parts, part_blocks, prefetch, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -563,14 +563,56 @@ def add_key_center(rows, pos0, width, center, kvh):
         _add_turned_rows(rows, width, c[kvh], cos_b, sin_b, cos_o, sin_o, pos0 // bs, pos0 % bs)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def unrotate_rows(rows, width, unrotation, tmp):
+    """rows[t] = rows[t] @ unrotation for t < width (rows [>= width, D], unrotation [D, D], tmp [D]);
+    a no-op when unrotation is empty (the store does not rotate)."""
+    dim = unrotation.shape[0]
+    if dim == 0:
+        return
+    for t in range(width):
+        for i in range(dim):
+            tmp[i] = 0.0
+        for e in range(dim):
+            x = rows[t, e]
+            for i in range(dim):
+                tmp[i] += x * unrotation[e, i]
+        for i in range(dim):
+            rows[t, i] = tmp[i]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
+    """s[g, t] += scale * (q_g . the key center turned to position j * bs + t), for the rows t <
+    width of block j, in the score domain: the store's keys stay as decoded (they may be rotated,
+    their center is not). qc [group, D] holds, for each query, the terms A (first half) and B
+    (second) of q . R(p) c = sum_i A_i cos(w_i p) + B_i sin(w_i p) (OakenKVStore._center_queries);
+    center = (cos_b, sin_b [> j, D / 2] at the block starts, cs [bs, D] = [cos | sin] at the
+    offsets in a block). Turning A and B to the block start once makes the rest one dot product per
+    row against the fixed table cs, as q . k is (block_scores). Scratch qcb [group, D], sc [group, bs]."""
+    cos_b, sin_b, cs = center
+    half = qcb.shape[1] // 2
+    for g in range(qcb.shape[0]):
+        for i in range(half):
+            a, b, c, t = qc[g, i], qc[g, half + i], cos_b[j, i], sin_b[j, i]
+            qcb[g, i] = a * c + b * t
+            qcb[g, half + i] = b * c - a * t
+    block_scores(qcb, cs, width, scale, sc)
+    for g in range(qcb.shape[0]):
+        for t in range(width):
+            s[g, t] += sc[g, t]
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, k_center, block_tables, seq_lens, scale, out, lse,
-                           scores, kb, vb, m, l, parts):
+def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, block_tables, seq_lens, scale, out,
+                           lse, scores, kb, vb, m, l, parts, qcb, sc):
     """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
     of one kv-head are decoded into small scratch (kb, vb: [U, block_size, D], L1-sized) and used
     at once; no full-precision copy of the cache is ever made.
     k_parts, v_parts: (dense, scales, counts, sparse, tail, tail_of) of one layer (see load_block);
-    thr_k, thr_v: [4]; k_center: the keys' centers (see add_key_center)."""
+    thr_k, thr_v: [4]; q_center [B, Hq, D] and center: the keys' centers in the score domain (see
+    add_center_scores; q_center [0, 0, 0]: keys not centered); scratch qcb [U, group, D], sc
+    [U, group, bs]."""
     num_seqs, num_heads, head_dim = q.shape
     block_size = k_parts[0].shape[1]
     num_kv_heads = k_parts[0].shape[2] * 2 // head_dim
@@ -592,9 +634,11 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, k_center, block_ta
                 prefetch_block(k_parts, block_tables[b, j + 1], first_seg, head_dim)
                 prefetch_block(v_parts, block_tables[b, j + 1], first_seg, head_dim)
             load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
-            add_key_center(kb[unit], j * block_size, width, k_center, kvh)
             load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
-            attend_block(q[b, heads], kb[unit], vb[unit], width, scale, scores[unit], acc, m[unit], l[unit])
+            block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
+            if q_center.shape[0]:
+                add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
+            attend_scores(scores[unit], vb[unit], width, acc, m[unit], l[unit])
         finish_unit(parts, m, l, out, lse, unit, splits, b, heads)
     merge_parts(parts, m, l, out, lse, num_kv_heads)
 

@@ -124,12 +124,14 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"share of values in the outer group (default: {OUTER_RATIO})")
     p.add_argument("--inner-ratio", type=float, default=INNER_RATIO,
                    help=f"share of values in the inner group (default: {INNER_RATIO})")
-    p.add_argument("--key-smoothing", type=float, default=0.75,
-                   help="alpha of the per-channel key smoothing, 0 (off) to 1 (default: 0.75)")
+    p.add_argument("--key-smoothing", type=float, default=0.0,
+                   help="alpha of the per-channel key smoothing, 0 (off) to 1 (default: 0; it hurts with the rotation)")
     p.add_argument("--no-key-centering", dest="key_centering", action="store_false",
                    help="do not subtract each key channel's mean before quantizing (default: subtract it)")
-    p.add_argument("--value-smoothing", type=float, default=0.5,
-                   help="alpha of the per-channel value smoothing, 0 (off) to 1 (default: 0.5)")
+    p.add_argument("--value-smoothing", type=float, default=0.0,
+                   help="alpha of the per-channel value smoothing, 0 (off) to 1 (default: 0)")
+    p.add_argument("--no-rotation", dest="rotate", action="store_false",
+                   help="do not turn each head's stored K and V by a Hadamard rotation (default: turn them)")
     p.add_argument("--context-tokens", type=int,
                    help="spread the windows over positions up to this context (default: the model's maximum)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -160,7 +162,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text())
     windows = text_windows(ids, args.num_windows, args.window_tokens)
     result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing, args.key_centering,
-                       args.value_smoothing, args.context_tokens)
+                       args.value_smoothing, args.context_tokens, rotate=args.rotate)
     out = Path(args.out) if args.out else model_dir / thresholds_file(model.dtype)
     result.save(out)
     v = result.values

@@ -1,5 +1,6 @@
 """Oaken threshold profiling on a tiny random model and on the real CLI."""
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
     ids = list(np.random.default_rng(1).integers(0, 101, 400))
     windows = text_windows(ids, num_windows=5, window_tokens=64)
     assert len(windows) == 5 and all(len(w) == 64 for w in windows)
-    result = calibrate(model, windows, progress=False)
+    result = calibrate(model, windows, key_smoothing=0.75, value_smoothing=0.5, progress=False)
     v = result.values
     assert v.shape == (2, 2, 4)
     assert (np.diff(v, axis=-1) > 0).all()  # outer_lo < inner_lo < inner_hi < outer_hi
@@ -35,21 +36,28 @@ def test_calibrate_tiny_model_orders_thresholds_and_roundtrips(tmp_path):
     for kind in (0, 1):
         outer, _, inner = result.group_fractions(1, kind, result.stored(1, kind, kv[1][kind], starts[0] + np.arange(64)))
         assert abs(outer - 0.04) < 0.03 and abs(inner - 0.06) < 0.03
-    # the per-channel transforms: keys centered on their mean, then smoothed; values smoothed
+    # the per-channel transforms: keys centered on their mean, then smoothed; values smoothed; then
+    # each head turned by the rotation (orthogonal: it keeps each head's norm)
     positions = np.concatenate([s + np.arange(len(w)) for w, s in zip(windows, starts)])
     raw = np.concatenate([collect_kv(model, w, s)[1][0] for w, s in zip(windows, starts)])
     k = result.stored(1, 0, raw, positions)
     assert np.abs(k.mean(0)).max() < 0.1 * np.abs(k).max()
+    rot = result.rotation
+    np.testing.assert_allclose(rot @ rot.T, np.eye(len(rot)), atol=1e-6)
+    plain = replace(result, rotation=None).stored(1, 0, raw, positions)
+    np.testing.assert_allclose(k, (plain.reshape(len(k), -1, len(rot)) @ rot).reshape(k.shape), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.linalg.norm(k.reshape(len(k), -1, len(rot)), axis=-1),
+                               np.linalg.norm(plain.reshape(len(k), -1, len(rot)), axis=-1), rtol=1e-4)
     assert result.key_scales.shape == result.key_bias.shape == result.value_scales.shape == (2, k.shape[1])
     result.save(tmp_path / "t.json")
     back = OakenThresholds.load(tmp_path / "t.json")
     np.testing.assert_allclose(back.values, v)
-    for name in ("key_scales", "key_bias", "value_scales", "rope_inv_freq"):
+    for name in ("key_scales", "key_bias", "value_scales", "rope_inv_freq", "rotation"):
         np.testing.assert_allclose(getattr(back, name), getattr(result, name))
     assert back.version == CALIBRATION_VERSION and back.context_tokens == model.cfg.max_position_embeddings
     # files of versions 2-3 hold one post-RoPE mean: it loads as a center that does not turn
     data = json.loads((tmp_path / "t.json").read_text())
-    del data["rope_inv_freq"]
+    del data["rope_inv_freq"], data["rotation"]
     (tmp_path / "v3.json").write_text(json.dumps(data | {"version": 3}))
     old = OakenThresholds.load(tmp_path / "v3.json")
     assert old.version == 3 and not old.rope_inv_freq.any()

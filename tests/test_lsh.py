@@ -138,14 +138,16 @@ def sampled(store, q, q_codes, tables_per_seq, seq_lens, block_tables, mu, log_u
                                           q.shape[-1]**-0.5, tables, mu, log_u, sinks, window, m)
 
 
-@pytest.mark.parametrize("key_smoothing,block_size", [(False, 16), (True, 16), (False, 48), (True, 128)])
-def test_every_key_sampled_with_u_one_is_exact_attention(key_smoothing, block_size):
+@pytest.mark.parametrize("key_smoothing,block_size,rotated", [(False, 16, False), (True, 16, False), (False, 48, False),
+                                                               (True, 128, False), (True, 16, True)])
+def test_every_key_sampled_with_u_one_is_exact_attention(key_smoothing, block_size, rotated):
     """All codes equal (every key collides in every table) and ln u = 0: the estimator must be
     exact attention over the dequantized store. Up to 138 sampled rows a kv-head: several of the
     kernel's ROWS_AHEAD chunks, and with a block size above it or not dividing it."""
     rng = np.random.default_rng(2)
     key_scales = rng.uniform(0.5, 4, (2, 3 * 64)).astype(np.float32) if key_smoothing else None
-    store = oaken_store(key_scales=key_scales, block_size=block_size)
+    store = oaken_store(key_scales=key_scales, block_size=block_size,
+                        **channel_transforms(np.random.default_rng(7), 3, 64, ("bias", "rotate") if rotated else ()))
     seq_lens = [1, 40, 150, 97]
     block_tables, _ = write_sequences(store, rng, seq_lens)
     num_tables, k = 6, 4
@@ -163,14 +165,14 @@ def test_every_key_sampled_with_u_one_is_exact_attention(key_smoothing, block_si
 
 
 @pytest.mark.parametrize("retrieval,m", [("head", 2), ("group", 2), ("group", 3)])
-@pytest.mark.parametrize("transforms", [False, True])
+@pytest.mark.parametrize("transforms", [(), ("smooth", "bias"), ("bias", "rotate")])
 def test_sampled_attention_follows_the_estimator(transforms, retrieval, m):
     """Real codes: the kernel's output equals the estimator computed in NumPy from the same
     retrieved sets (exact sinks and window, e^s / u weights for the keys colliding in >= m tables,
     u from the angle between the hashed query and k - mu), with and without the store's
     per-channel transforms; the hashed query is each head's own or its GQA group's mean query."""
     rng = np.random.default_rng(3)
-    tf = channel_transforms(np.random.default_rng(4), 3, 64, ("smooth", "bias") if transforms else ())
+    tf = channel_transforms(np.random.default_rng(4), 3, 64, transforms)
     store = oaken_store(num_blocks=80, **tf)
     seq_lens = [300, 200]
     offset = tf["key_bias"][0].reshape(3, 64) if transforms else 0.0
