@@ -7,9 +7,10 @@ For every (context, batch): ms per layer for the Oaken, fp16 and fp32 paged kern
 SDPA; bytes each kernel reads; achieved GB/s and GFLOP/s (4 * D flops per query head and
 context token: q.k and p.v); the bound each limit sets (bytes / bandwidth, flops / FMA rate)
 and which one binds. Oaken's K/V are real SmolLM2 statistics (Gaussian with a heavy channel,
-calibrated-like thresholds), so its sparse share is realistic (~10%); `oaken` centers keys as
-served (a pre-RoPE mean turned to each key's position, added back per decoded key),
-`oaken_nocenter` does not (the cost of the centering).
+calibrated-like thresholds), so its sparse share is realistic (~10%); `oaken` is the store as
+served: keys centered on a pre-RoPE mean turned to each key's position (added back in the score
+domain), K and V turned by the Hadamard rotation (queries turned, outputs turned back);
+`oaken_nocenter` does neither (their cost).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from numba import get_num_threads, njit, prange
 
 from benchmarks.common import machine, print_table, write_json
+from cpu_attn.calibrate import hadamard
 from cpu_attn.kv_store import OakenKVStore, PagedKVStore
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M, one layer
@@ -110,10 +112,11 @@ def fill(store, rng, batch: int, context: int) -> np.ndarray:
 
 def served_oaken(num_blocks: int, rng) -> OakenKVStore:
     """One layer's Oaken store as served: keys centered on a pre-RoPE mean turned to each
-    position by SmolLM2's RoPE (theta 100000)."""
+    position by SmolLM2's RoPE (theta 100000), K and V turned by the Hadamard rotation."""
     return OakenKVStore(1, KV_HEADS, HEAD_DIM, BLOCK, num_blocks, np.tile(THR, (1, 2, 1)),
                         key_bias=rng.uniform(-1, 1, (1, KV_HEADS * HEAD_DIM)).astype(np.float32),
-                        rope_inv_freq=100000.0 ** -(np.arange(HEAD_DIM // 2) * 2 / HEAD_DIM))
+                        rope_inv_freq=100000.0 ** -(np.arange(HEAD_DIM // 2) * 2 / HEAD_DIM),
+                        rotation=hadamard(HEAD_DIM))
 
 
 def oaken_bytes(store: OakenKVStore, tables: np.ndarray, context: int) -> int:
