@@ -172,6 +172,14 @@ def matrix_args(context, builder, signature, args, which):
             [cgutils.unpack_tuple(builder, a.shape, 2) for a in arrays])
 
 
+def row_kernel_args(context, builder, signature, args):
+    """LLVM IR of the row kernels, whose arguments are three float32 matrices and a row count: the
+    8-wide float vector type, llvm.fmuladd on it, matrix_args of the three, the row count (i64)."""
+    base, row_bytes, shapes = matrix_args(context, builder, signature, args, (0, 1, 2))
+    width = context.cast(builder, args[3], signature.args[3], types.intp)
+    return ir.VectorType(ir.FloatType(), 8), fmuladd8(builder), base, row_bytes, shapes, width
+
+
 def fmuladd8(builder):
     """LLVM IR: llvm.fmuladd on <8 x float>, a * b + c, fused where the CPU has FMA."""
     vec = ir.VectorType(ir.FloatType(), 8)
@@ -195,11 +203,8 @@ def _add_weighted_rows(typingctx, acc, s, rows, width):
 
     def codegen(context, builder, signature, args):
         f32, i64 = ir.FloatType(), ir.IntType(64)
-        vec = ir.VectorType(f32, 8)
-        fmuladd = fmuladd8(builder)
-        base, row_bytes, shapes = matrix_args(context, builder, signature, args, (0, 1, 2))
+        vec, fmuladd, base, row_bytes, shapes, width = row_kernel_args(context, builder, signature, args)
         groups, dim = shapes[0]
-        width = context.cast(builder, args[3], signature.args[3], types.intp)
         regs = [cgutils.alloca_once(builder, vec) for _ in range(_ROW_VECTORS)]  # promoted to registers
 
         def at(kind, address):
@@ -255,12 +260,9 @@ def _block_scores(typingctx, s, qs, kb, width, scale):
         return None
 
     def codegen(context, builder, signature, args):
-        f32, i64 = ir.FloatType(), ir.IntType(64)
-        vec = ir.VectorType(f32, 8)
-        fmuladd = fmuladd8(builder)
-        base, row_bytes, shapes = matrix_args(context, builder, signature, args, (0, 1, 2))
+        i64 = ir.IntType(64)
+        vec, fmuladd, base, row_bytes, shapes, width = row_kernel_args(context, builder, signature, args)
         groups, dim = shapes[1]
-        width = context.cast(builder, args[3], signature.args[3], types.intp)
         factor = splat(builder, context.cast(builder, args[4], signature.args[4], types.float32), 8)
         sums = [cgutils.alloca_once(builder, vec) for _ in range(_SCORE_ROWS)]  # promoted to registers
 

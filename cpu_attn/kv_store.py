@@ -176,8 +176,9 @@ class OakenKVStore:
         self.key_bias = None if key_bias is None else np.ascontiguousarray(key_bias, np.float32).reshape(shape)
         if rotation is not None and rotation.shape != (head_dim, head_dim):
             raise ValueError(f"rotation must be [{head_dim}, {head_dim}], not {list(rotation.shape)}")
-        self.rotation = None if rotation is None else np.ascontiguousarray(rotation, np.float32)
-        self._unrotation = np.zeros((0, 0), np.float32) if rotation is None else np.ascontiguousarray(self.rotation.T)
+        # [D, D], or [0, 0] when not rotating (as the kernels take it); the transpose turns back
+        self.rotation = np.zeros((0, 0), np.float32) if rotation is None else np.ascontiguousarray(rotation, np.float32)
+        self._unrotation = np.ascontiguousarray(self.rotation.T)
         self._rope_freq = np.zeros(head_dim // 2) if rope_inv_freq is None else np.asarray(rope_inv_freq, np.float64)
         # RoPE tables [P, D / 2] (empty without centering: the kernels then skip it) and, for the
         # kernels, the key center and rotate_half of it in store space: [L, Hkv, 2, D]
@@ -259,12 +260,12 @@ class OakenKVStore:
 
     def _rotate(self, x: np.ndarray) -> np.ndarray:
         """[..., Hkv * D] or [..., D] rows -> each head's D values times the rotation (none: as they are)."""
-        if self.rotation is None:
+        if not self.rotation.size:
             return x
         return (x.reshape(-1, self.head_dim) @ self.rotation).reshape(x.shape)
 
     def _unrotate(self, x: np.ndarray) -> np.ndarray:
-        if self.rotation is None:
+        if not self.rotation.size:
             return x
         return (x.reshape(-1, self.head_dim) @ self._unrotation).reshape(x.shape)
 
@@ -296,7 +297,7 @@ class OakenKVStore:
             positions = np.asarray(positions, np.int64)
             self._rope_tables(int(positions.max()) + 1)
         rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
-        if self.rotation is None and self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, rows, positions):
+        if self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, rows, positions):
             return
         for kv, x in enumerate(rows):
             if not np.isfinite(x).all():
@@ -304,25 +305,24 @@ class OakenKVStore:
         keys = rows[0] / self.key_scales[layer].ravel()
         if self.key_bias is not None:
             keys -= self._centers(layer, positions).reshape(len(keys), -1)
-        rows = (self._rotate(keys), self._rotate(rows[1] / self.value_scales[layer].ravel()))
-        if self.rotation is not None and self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, rows, None):
-            return
+        rows = (keys, rows[1] / self.value_scales[layer].ravel())
+        if self.rotation.size:
+            for x in rows:
+                oaken.turn_heads(x, self.rotation)
         direct = self._route_to_tails(layer, slot_mapping, rows) if self.tail.shape[2] else slice(None)
         self._quantize(layer, slot_mapping[direct], (rows[0][direct], rows[1][direct]))
 
     def _write_decode_rows(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray],
                            positions: np.ndarray | None) -> bool:
         """A decode step's common case in one kernel call: every row (k, v [T, C]) goes on filling
-        its block's tail (oaken.write_tail_rows, which also applies the per-channel transforms; with
-        a rotation, rows come in store space and positions is None). False, with nothing written,
-        when a row does not."""
+        its block's tail (oaken.write_tail_rows, which also applies the per-channel transforms and the
+        rotation). False, with nothing written, when a row does not."""
         c = self.num_kv_heads * self.head_dim
-        centered = self.key_bias is not None and positions is not None
-        ones = np.ones((1, c), np.float32)
+        centered = self.key_bias is not None
         result = oaken.write_tail_rows(
-            *rows, ones if positions is None else self.key_scales[layer].reshape(1, c),
-            ones if positions is None else self.value_scales[layer].reshape(1, c),
-            self.key_bias[layer].reshape(1, c) if centered else np.zeros((0, c), np.float32), self._cos, self._sin,
+            *rows, self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
+            self.key_bias[layer].reshape(1, c) if centered else np.zeros((0, c), np.float32), self.rotation,
+            self._cos, self._sin,
             positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
             self.block_size, self.tail[layer], self.tail_of[layer], self.tail_len[layer], self.tail_stamp[layer],
             self._writes)

@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from cpu_attn.kernels import _FAST, attend_begin, attend_block, attend_end, attend_scores, load_u32, prefetch
-from cpu_attn.oaken import SEGMENT, add_key_center, load_block, load_row, row_entries, unrotate_rows
+from cpu_attn.oaken import SEGMENT, add_key_center, load_block, load_row, row_entries, turn_rows
 
 MAX_KEYS = 65535  # keys one table set can index (uint16 offsets, ids of <= 16 bits); longer contexts take more sets
 LOG_U_POINTS = 4097  # grid over cos(angle) in [-1, 1]
@@ -257,7 +257,7 @@ def _attend_range(q, k_parts, v_parts, thr_k, thr_v, k_center, unrotation, kvh, 
         block = table[j]
         start, end = max(lo - j * bs, 0), min(hi - j * bs, bs)
         load_block(k_parts, block, thr_k, first_seg, end, kb)
-        unrotate_rows(kb, end, unrotation, tmp)
+        turn_rows(kb, end, unrotation, tmp)
         add_key_center(kb, j * bs, end, k_center, kvh)
         load_block(v_parts, block, thr_v, first_seg, end, vb)
         attend_block(q, kb[start:], vb[start:], end - start, scale, s, acc, m, l)
@@ -311,7 +311,7 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
     its own keys; r is q) or R = 1 (the group's heads share one retrieval by their mean query);
     r_norm [B, Hkv * R] norms of the true hashed queries; r_codes [B, Hkv * R, L] int32; k_parts, v_parts, thr_k, thr_v as in
     oaken_decode_attention (with tails, and the keys' centers k_center: oaken.add_key_center); unrotation
-    [D, D] turns the store's rotated keys back (oaken.unrotate_rows; [0, 0]: not rotated; the values stay
+    [D, D] turns the store's rotated keys back (oaken.turn_rows; [0, 0]: not rotated; the values stay
     rotated, the caller turns the outputs back); key_scale [Hkv, D] (ones
     without key smoothing); mu [B, Hkv, D] the keys' centers for LSH in store space; set_of
     [B, Hkv, 2] the range [first, end) of each item's table sets, indexed [S] keys in each set,
@@ -383,7 +383,7 @@ def sampled_decode_attention(q, r, r_norm, r_codes, k_parts, v_parts, thr_k, thr
             for t in range(width):
                 pos, e = union[c0 + t], entries[item, (c0 + t) % ahead]
                 load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, e[0], kb[item, t])
-                unrotate_rows(kb[item, t:t + 1], 1, unrotation, tmp)
+                turn_rows(kb[item, t:t + 1], 1, unrotation, tmp)
                 add_key_center(kb[item, t:t + 1], pos, 1, k_center, kvh)
                 load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, e[1], vb[item, t])
             for t in range(width):

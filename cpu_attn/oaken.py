@@ -230,14 +230,44 @@ def _fp16_bits(x):
     return np.uint16(0) if x == 0.0 else np.uint16((_as_u32(x) >> np.uint32(13)) - np.uint32(112 << 10))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def turn_rows(rows, width, matrix, tmp):
+    """rows[t] = rows[t] @ matrix for t < width (rows [>= width, D], matrix [D, D], tmp [D]): each
+    head's row turned by the store's rotation, or back by its transpose; a no-op when matrix is
+    empty (the store does not rotate)."""
+    dim = matrix.shape[0]
+    if dim == 0:
+        return
+    for t in range(width):
+        for i in range(dim):
+            tmp[i] = 0.0
+        for e in range(dim):
+            x = rows[t, e]
+            for i in range(dim):
+                tmp[i] += x * matrix[e, i]
+        for i in range(dim):
+            rows[t, i] = tmp[i]
+
+
 @njit(cache=True, nogil=True)
-def write_tail_rows(k, v, key_scales, value_scales, key_bias, cos, sin, positions, slot_mapping, block_size, tail,
-                    tail_of, tail_len, tail_stamp, stamp):
+def turn_heads(x, matrix):
+    """x [T, Hkv * D] float32: each head's D values times matrix [D, D], in place, with the same
+    operations as write_tail_rows turns its rows (so both write paths store the same bits)."""
+    dim = matrix.shape[0]
+    tmp = np.empty(dim, np.float32)
+    for t in range(x.shape[0]):
+        turn_rows(x[t].reshape(x.shape[1] // dim, dim), x.shape[1] // dim, matrix, tmp)
+
+
+@njit(cache=True, nogil=True)
+def write_tail_rows(k, v, key_scales, value_scales, key_bias, rotation, cos, sin, positions, slot_mapping, block_size,
+                    tail, tail_of, tail_len, tail_stamp, stamp):
     """A decode step's rows, one per sequence, each going on filling its block's tail slot without
     filling it up, written into one layer's tails in store space: (k - R(p) key_bias) / key_scales
     (key_bias [0]: no centering) and v / value_scales, with the same float32 operations, in the
-    same order, as OakenKVStore.write's NumPy path. k, v, key_scales, value_scales, key_bias
-    [T or 1, Hkv * D]; cos, sin [>= max position + 1, D / 2]; tail [2, slots, bs, Hkv * D];
+    same order, as OakenKVStore.write's NumPy path, then each head times `rotation` ([D, D]; [0, 0]:
+    none). k, v, key_scales, value_scales, key_bias [T or 1, Hkv * D]; cos, sin [>= max position +
+    1, D / 2]; tail [2, slots, bs, Hkv * D];
     tail_of [blocks]; tail_len, tail_stamp [slots] (stamps stamp + 1 ..).
     Returns 0 when written; -1 when a row is not such a row, or the number of rows with NaN or
     inf; then nothing is written."""
@@ -255,6 +285,8 @@ def write_tail_rows(k, v, key_scales, value_scales, key_bias, cos, sin, position
         bad += not finite
     if bad:
         return bad
+    dim = rotation.shape[0]
+    tmp = np.empty(dim, np.float32)
     for i in range(n):
         slot, offset = tail_of[slot_mapping[i] // block_size], slot_mapping[i] % block_size
         p = positions[i]
@@ -267,6 +299,9 @@ def write_tail_rows(k, v, key_scales, value_scales, key_bias, cos, sin, position
                 key -= (key_bias[0, j] * cos[p, t] + turned * sin[p, t]) / key_scales[0, j]
             tail[0, slot, offset, j] = key
             tail[1, slot, offset, j] = v[i, j] / value_scales[0, j]
+        if dim:
+            for kv in range(2):
+                turn_rows(tail[kv, slot, offset].reshape(c // dim, dim), c // dim, rotation, tmp)
         tail_len[slot] = offset + 1
         tail_stamp[slot] = stamp + 1 + i
     return 0
@@ -561,24 +596,6 @@ def add_key_center(rows, pos0, width, center, kvh):
     if cos_b.shape[0]:
         bs = cos_o.shape[0]
         _add_turned_rows(rows, width, c[kvh], cos_b, sin_b, cos_o, sin_o, pos0 // bs, pos0 % bs)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def unrotate_rows(rows, width, unrotation, tmp):
-    """rows[t] = rows[t] @ unrotation for t < width (rows [>= width, D], unrotation [D, D], tmp [D]);
-    a no-op when unrotation is empty (the store does not rotate)."""
-    dim = unrotation.shape[0]
-    if dim == 0:
-        return
-    for t in range(width):
-        for i in range(dim):
-            tmp[i] = 0.0
-        for e in range(dim):
-            x = rows[t, e]
-            for i in range(dim):
-                tmp[i] += x * unrotation[e, i]
-        for i in range(dim):
-            rows[t, i] = tmp[i]
 
 
 @njit(cache=True, nogil=True, inline="always")

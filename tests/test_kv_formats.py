@@ -238,15 +238,16 @@ def test_filling_blocks_stay_exact_in_tails(recent_blocks, exact_tails):
         np.testing.assert_array_equal(store.gather(0, tables[b], n)[1], reference_roundtrip(v))
 
 
-def test_decode_rows_into_tails_in_one_kernel_equal_the_numpy_path(monkeypatch):
+@pytest.mark.parametrize("rotated", [False, True])
+def test_decode_rows_into_tails_in_one_kernel_equal_the_numpy_path(monkeypatch, rotated):
     """A batch of decode rows (centered, smoothed keys) takes oaken.write_tail_rows when every row
     goes on filling its tail: the store ends bit for bit as the NumPy path leaves it, blocks that
-    start or fill included; a NaN anywhere is refused with nothing written."""
+    start or fill included; a NaN anywhere is refused with nothing written. With a rotation too."""
     rng = np.random.default_rng(7)
     c = 3 * 64
     transforms = dict(key_bias=rng.standard_normal((2, c)).astype(np.float32),
                       value_scales=rng.uniform(0.5, 2, (2, c)).astype(np.float32),
-                      rope_inv_freq=10000.0 ** -(np.arange(32) / 32))
+                      rope_inv_freq=10000.0 ** -(np.arange(32) / 32), rotation=hadamard(64) if rotated else None)
     key_scales = rng.uniform(0.5, 2, (2, c)).astype(np.float32)
     stores = [oaken_store(recent_blocks=4, key_scales=key_scales, **transforms) for _ in range(2)]
     calls = []
