@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "int5", "int6", "kivi")  # the same tuple as cpu_attn.kv_store's, without numba
-SPARSE_FRACTION = 0.16  # cpu_attn.calibrate.SPARSE_FRACTION, without numba
+SPARSE_FRACTION = 0.125  # cpu_attn.calibrate.SPARSE_FRACTION, without numba
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
