@@ -232,15 +232,15 @@ def _add_weighted_rows(typingctx, acc, s, rows, width):
 _SCORE_ROWS = 8  # rows _block_scores scores at once, into one vector of 8 scores
 
 
-def _lane_sums(builder, vectors):
-    """LLVM IR: eight <8 x float> vectors -> one whose lane r is the sum of vector r's lanes: three
-    rounds of pairwise shuffles and adds, spans of 1, 2 and 4 lanes (21 operations for the eight
-    sums, where each sum alone takes ~6)."""
-    span = 1
+def lane_sums(builder, vectors):
+    """LLVM IR: n vectors of n lanes (n a power of two) -> one whose lane r is the sum of vector r's
+    lanes: log2(n) rounds of pairwise shuffles and adds, spans of 1, 2, 4, ... lanes (for eight, 21
+    operations for the eight sums, where each sum alone takes ~6)."""
+    n, span = len(vectors), 1
     while len(vectors) > 1:
-        lo = [k - k % (2 * span) + (k % (2 * span) if k % (2 * span) < span else 8 + k % (2 * span) - span)
-              for k in range(8)]
-        masks = [ir.Constant(ir.VectorType(ir.IntType(32), 8), [i + shift for i in lo]) for shift in (0, span)]
+        lo = [k - k % (2 * span) + (k % (2 * span) if k % (2 * span) < span else n + k % (2 * span) - span)
+              for k in range(n)]
+        masks = [ir.Constant(ir.VectorType(ir.IntType(32), n), [i + shift for i in lo]) for shift in (0, span)]
         vectors = [builder.fadd(*(builder.shuffle_vector(a, b, mask) for mask in masks))
                    for a, b in zip(vectors[::2], vectors[1::2])]
         span *= 2
@@ -254,7 +254,7 @@ def _block_scores(typingctx, s, qs, kb, width, scale):
     float32 C arrays, D a multiple of 8 (attend_block checks).
 
     In LLVM IR so that eight rows are scored at once: eight independent chains of fused
-    multiply-adds, then their eight horizontal sums in one shuffle tree (_lane_sums). Numba's loop
+    multiply-adds, then their eight horizontal sums in one shuffle tree (lane_sums). Numba's loop
     summed each row's vector on its own and stored one score at a time."""
     if not f32_matrices(s, qs, kb) or not isinstance(width, types.Integer) or not isinstance(scale, types.Float):
         return None
@@ -279,7 +279,7 @@ def _block_scores(typingctx, s, qs, kb, width, scale):
                     for r, acc in enumerate(sums):
                         k = builder.load(at(2, builder.add(t0, i64(r)), d), align=4)
                         builder.store(builder.call(fmuladd, [q, k, builder.load(acc)]), acc)
-                scores = _lane_sums(builder, [builder.load(acc) for acc in sums])
+                scores = lane_sums(builder, [builder.load(acc) for acc in sums])
                 builder.store(builder.fmul(scores, factor), at(0, g.index, t0), align=4)
         return context.get_dummy_value()
     return types.none(s, qs, kb, width, scale), codegen

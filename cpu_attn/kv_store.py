@@ -191,6 +191,7 @@ class OakenKVStore:
             self.key_center[:, :, 1] = rotate_half(self.key_bias) / self.key_scales
             self._rope_tables(1)
         self.budget = self.sparse_budget(num_kv_heads, head_dim, block_size, sparse_fraction)
+        self.int_keys = oaken.VNNI and block_size == oaken.ROWS  # keys scored in int16 dot products (oaken.vnni_block_scores)
         lead = (num_layers, 2, num_blocks, block_size)
         self.dense = zeros_aligned(lead + (c // 2,), np.uint8)
         self.scales = zeros_aligned(lead + (3,), np.uint16)
@@ -405,11 +406,16 @@ class OakenKVStore:
         q = self._store_queries(layer, q)
         scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size))
         units = len(scratch[0])
+        turned = np.ascontiguousarray(self._rotate(q))
+        if self.int_keys:
+            q_codes, kacc = oaken.query_codes(turned), np.empty((units, group, self.block_size, 16), np.float32)
+        else:
+            q_codes, kacc = (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.float32)), np.empty((0, 0, 0, 0), np.float32)
         oaken.oaken_decode_attention(
-            np.ascontiguousarray(self._rotate(q)), self._read_parts(layer, 0), self._read_parts(layer, 1),
-            self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_queries(layer, q),
-            (self._block_cos, self._block_sin, self._offset_table), block_tables, seq_lens, np.float32(scale), out, lse,
-            *scratch, np.empty((units, group, head_dim), np.float32), np.empty((units, group, self.block_size), np.float32))
+            turned, self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
+            self.thresholds[layer, 1], self._center_queries(layer, q), (self._block_cos, self._block_sin, self._offset_table),
+            q_codes, block_tables, seq_lens, np.float32(scale), out, lse, *scratch,
+            np.empty((units, group, head_dim), np.float32), np.empty((units, group, self.block_size), np.float32), kacc)
         return self._true_output(layer, self._unrotate(out)), lse
 
     def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
@@ -510,7 +516,7 @@ class SimQuantKVStore(PagedKVStore):
     int4: per token, one min/scale over all KV heads of a layer (the same unit as Oaken's scales),
           no outlier handling.
     int5, int6: the same with 5 and 6 bits: 5.17 and 6.17 bits per value at SmolLM2's shape, around
-          Oaken's realized 5.17 (the paper's ratios) and 5.49 (the default ratios 0.06 / 0.08), so Oaken compares
+          Oaken's realized 5.17 (the paper's ratios, the default) and 5.49 (the ratios 0.06 / 0.08), so Oaken compares
           with a per-token INT at equal and at more bits.
     kivi: KIVI-style; keys per channel and values per token (per head) over each full block, the
           block being filled (the most recent < block_size tokens) kept in full precision.

@@ -37,7 +37,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_scores, block_scores, c_array, f32_matrices,
-                              fmuladd8, finish_unit, fp16_to_f32, matrix_args, merge_parts, part_blocks, prefetch, splat)
+                              fmuladd8, finish_unit, fp16_to_f32, lane_sums, matrix_args, merge_parts, part_blocks, prefetch,
+                              splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -537,6 +538,207 @@ def load_row(parts, block, thr, first_seg, offset, e, out):
     decode_token(dense[block, offset], scales[block, offset], counts[block, offset], sparse[block], e, thr, first_seg, out)
 
 
+def _host_has(*features: str) -> bool:
+    """Whether Numba compiles for this CPU (NUMBA_CPU_NAME unset) and the CPU has `features`."""
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return False
+    import llvmlite.binding as llvm
+    host = llvm.get_host_cpu_features()
+    return all(host.get(f, False) for f in features)
+
+
+VNNI = _host_has("avx512bw", "avx512vnni")
+"""Whether the exact kernel scores keys in int16 dot products (vnni_block_scores); elsewhere it decodes them to floats."""
+CODE_MAX = 16383
+"""|code| and |query code| bound of vnni_block_scores: a product is < 2^28, six per lane and segment stay < 2^31."""
+ROWS = 16  # rows of a block vnni_block_scores scores: the lanes of its vectors
+
+
+def query_codes(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q [..., D] float32 -> (codes int16 [..., D], scales float32 [...]): q ~ codes * scales, |codes| <= CODE_MAX."""
+    top = np.maximum(np.abs(q).max(-1), np.float32(1e-30)).astype(np.float32)
+    scales = (top / np.float32(CODE_MAX)).astype(np.float32)
+    return np.rint(q / scales[..., None]).astype(np.int16), scales
+
+
+@intrinsic
+def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, thr, first_seg, scale, acc):
+    """s[g, t] = scale * q_g . k_t for the 16 rows of one full, quantized block and one kv-head, in
+    integer dot products on the store's codes: no row is decoded to floats.
+
+    Each row's 16 levels (8 middle magnitudes either side, dequantize_token) and its sparse values
+    are written as int16 multiples of a per-row unit (its largest possible |value| / CODE_MAX); the
+    queries as int16 multiples of their own scale (qi, qscale: query_codes). A row's nibbles index
+    its levels (vpermw), and one vpdpwssd per 32 values multiplies them with the query's codes. The
+    sparse entries (up to 16 at a time) add their pairs (true code, -level code) times the query's
+    codes at their indices, gathered from registers (vpermi2w), with one more vpdpwssd: the
+    level's product comes out, the true value's goes in. Each row's 16 partial sums go to acc
+    [G, 16, 16]; one shuffle tree (kernels.lane_sums) sums the 16 rows at once, and they are scaled
+    by the rows' units. Both roundings are to 1 / 16383 of the row's or the query's largest value
+    (scores within ~2e-4 of the largest one, tests/test_kv_formats.py).
+
+    s [G, 16], qi [G, D] int16, qscale [G], dense [16, C/2], scales [16, 3] (fp16 bits), counts
+    [16, C/64], sparse [budget] (the block's), thr [4]; D a multiple of 64. Needs AVX512-BW and
+    -VNNI (VNNI); compiled elsewhere it traps, and the kernel never calls it there."""
+    if not (c_array(s, 2, types.float32) and c_array(qi, 2, types.int16) and c_array(qscale, 1, types.float32)
+            and c_array(dense, 2, types.uint8) and c_array(scales, 2, types.uint16) and c_array(counts, 2, types.uint8)
+            and c_array(sparse, 1, types.uint8) and c_array(thr, 1, types.float32) and c_array(acc, 3, types.float32)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f16, f32, i1, i8, i16, i32, i64 = (ir.HalfType(), ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16),
+                                           ir.IntType(32), ir.IntType(64))
+        vec = ir.VectorType
+
+        def fn(name, ret, params):
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
+
+        if not VNNI:
+            builder.call(fn("llvm.trap", ir.VoidType(), []), [])
+            return context.get_dummy_value()
+        permw = fn("llvm.x86.avx512.permvar.hi.512", vec(i16, 32), [vec(i16, 32)] * 2)
+        perm2w = fn("llvm.x86.avx512.vpermi2var.hi.512", vec(i16, 32), [vec(i16, 32)] * 3)
+        dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", vec(i32, 16), [vec(i32, 16)] * 3)
+        rint = fn("llvm.rint.v16f32", vec(f32, 16), [vec(f32, 16)])
+        fabs = fn("llvm.fabs.v16f32", vec(f32, 16), [vec(f32, 16)])
+        masked_load = fn("llvm.masked.load.v16i8.p0", vec(i8, 16), [i8.as_pointer(), i32, vec(i1, 16), vec(i8, 16)])
+
+        sig = signature.args
+        arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)}
+        base = {i: builder.ptrtoint(a.data, i64) for i, a in arrays.items()}
+        groups, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
+        dense_row, counts_row, s_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (3, 5, 0))
+        num_counts = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[1]
+        first_seg = context.cast(builder, args[8], sig[8], types.intp)
+        scale = context.cast(builder, args[9], sig[9], types.float32)
+
+        def at(address, kind):
+            return builder.inttoptr(address, kind.as_pointer())
+
+        def const(kind, values):
+            return ir.Constant(kind, values)
+
+        def full(kind, n, x):
+            return ir.Constant(vec(kind, n), [x] * n)
+
+        def lanes(x):
+            return splat(builder, x, ROWS)
+
+        def vmax(a, b):
+            return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+        def to_codes(x):  # <16 x float> already in units -> <16 x i16>
+            return builder.trunc(builder.fptosi(builder.call(rint, [x]), vec(i32, 16)), vec(i16, 16))
+
+        # every row's scalars at once, a row a lane: scales, level bases, the unit and its inverse
+        s_lo, t_lo, t_hi, s_hi = (lanes(builder.load(builder.gep(arrays[7].data, [i64(i)]))) for i in range(4))
+        raw = builder.load(at(base[4], vec(i16, 3 * ROWS)), align=2)
+        s0, s1, s2 = (builder.fpext(builder.bitcast(builder.shuffle_vector(raw, raw, const(vec(i32, ROWS), list(
+            range(k, 3 * ROWS, 3)))), vec(f16, ROWS)), vec(f32, ROWS)) for k in range(3))
+        hi_base = builder.fadd(t_hi, builder.fmul(full(f32, 16, float(MIDDLE_OFFSET)), s0))  # levels (m + offset) * step
+        lo_base = builder.fsub(t_lo, builder.fmul(full(f32, 16, float(MIDDLE_OFFSET)), s0))
+        s0_7, s2_15 = builder.fmul(full(f32, 16, 7.0), s0), builder.fmul(full(f32, 16, 15.0), s2)
+        top = full(f32, 16, 1e-30)
+        for x in (hi_base, builder.fadd(hi_base, s0_7), lo_base, builder.fsub(lo_base, s0_7), builder.fadd(s_hi, s2_15),
+                  builder.fsub(s_lo, s2_15)):
+            top = vmax(top, builder.call(fabs, [x]))
+        top = vmax(top, builder.fmul(full(f32, 16, 15.0), s1))
+        inv = builder.fdiv(full(f32, 16, float(CODE_MAX)), top)
+        unit = builder.fdiv(top, full(f32, 16, float(CODE_MAX)))
+        per_row = [builder.fmul(x, inv) for x in (hi_base, lo_base, s0, s1, s2, s_lo, s_hi)]
+
+        steps = const(vec(f32, 16), [float(n % 8) for n in range(16)])
+        negative_level = const(vec(i1, 16), [n >= 8 for n in range(16)])
+        ramp = const(vec(i64, 16), list(range(16)))
+        zero16 = full(i16, 16, 0)
+        widen = const(vec(i32, 32), list(range(16)) + [16] * 16)  # <16 x i16> -> <32 x i16>, the rest 0
+        first16 = const(vec(i32, 16), list(range(16)))
+        pairs = const(vec(i32, 32), [x for i in range(16) for x in (i, 16 + i)])
+        twice = const(vec(i32, 32), [i for i in range(16) for _ in (0, 1)])
+        q_row = builder.shl(dim, i64(1))
+        entry_of_row = cgutils.alloca_once_value(builder, i64(0))
+        for t in range(ROWS):
+            hb, lb, st, st1, st2, sl, sh = (lanes(builder.extract_element(x, i32(t))) for x in per_row)
+            levels = to_codes(builder.select(negative_level, builder.fsub(lb, builder.fmul(steps, st)),
+                                             builder.fadd(hb, builder.fmul(steps, st))))
+            levels = builder.shuffle_vector(levels, zero16, widen)
+            # where this row's entries for the kv-head start: after the rows before and its earlier segments
+            counts_at = builder.add(base[5], builder.mul(i64(t), counts_row))
+            row_start = builder.load(entry_of_row)
+            entry = cgutils.alloca_once_value(builder, row_start)
+            with cgutils.for_range(builder, num_counts) as c:
+                n = builder.zext(builder.load(at(builder.add(counts_at, c.index), i8)), i64)
+                builder.store(builder.add(builder.load(entry_of_row), n), entry_of_row)
+                earlier = builder.icmp_unsigned("<", c.index, first_seg)
+                builder.store(builder.add(builder.load(entry), builder.select(earlier, n, i64(0))), entry)
+
+            def entries(where, left, low, high, code0, code1):
+                """Up to 16 sparse entries at `where` -> (pairs of their true code and minus their level's
+                code, their indices twice), for one vpdpwssd against the query's codes at the indices."""
+                mask = builder.icmp_signed("<", ramp, lanes(left))
+                e = builder.zext(builder.call(masked_load, [at(where, i8), i32(1), mask, full(i8, 16, 0)]), vec(i16, 16))
+                j = builder.and_(e, full(i16, 16, 63))
+                outer = builder.icmp_unsigned("!=", builder.and_(e, full(i16, 16, 64)), zero16)
+                negative = builder.icmp_unsigned("!=", builder.and_(e, full(i16, 16, 128)), zero16)
+                j32 = builder.shuffle_vector(j, zero16, widen)
+                y = builder.call(perm2w, [low, j32, high])  # the nibbles at the indices
+                y = builder.uitofp(builder.shuffle_vector(y, y, first16), vec(f32, 16))
+                step = builder.select(outer, st2, st1)
+                true = builder.fadd(builder.select(outer, builder.select(negative, sl, sh), full(f32, 16, 0.0)),
+                                    builder.fmul(y, builder.select(negative, builder.fneg(step), step)))
+                level = builder.call(perm2w, [code0, j32, code1])
+                level = builder.sub(zero16, builder.shuffle_vector(level, level, first16))
+                both = builder.shuffle_vector(builder.select(mask, to_codes(true), zero16),
+                                              builder.select(mask, level, zero16), pairs)
+                return builder.bitcast(both, vec(i32, 16)), builder.shuffle_vector(j, j, twice)
+
+            def query(seg, g):
+                q_at = builder.add(builder.add(base[1], builder.mul(g, q_row)), builder.shl(seg, i64(7)))
+                return [builder.load(at(builder.add(q_at, i64(64 * h)), vec(i16, 32)), align=2) for h in (0, 1)]
+
+            def acc_at(g):
+                return at(builder.add(base[10], builder.shl(builder.add(builder.mul(g, i64(ROWS)), i64(t)), i64(6))),
+                          vec(f32, 16))
+
+            row_at = builder.add(base[3], builder.mul(i64(t), dense_row))
+            with cgutils.for_range(builder, builder.udiv(dim, i64(SEGMENT))) as seg_loop:
+                seg = seg_loop.index
+                nibbles = builder.load(at(builder.add(row_at, builder.shl(builder.add(first_seg, seg), i64(5))),
+                                          vec(i8, 32)), align=1)
+                low = builder.zext(builder.and_(nibbles, full(i8, 32, 15)), vec(i16, 32))  # values 0..31 of the segment
+                high = builder.zext(builder.lshr(nibbles, full(i8, 32, 4)), vec(i16, 32))  # values 32..63
+                code0, code1 = builder.call(permw, [levels, low]), builder.call(permw, [levels, high])
+                n = builder.zext(builder.load(at(builder.add(counts_at, builder.add(first_seg, seg)), i8)), i64)
+                start = builder.add(base[6], builder.load(entry))
+                both, jj = entries(start, n, low, high, code0, code1)
+                first = builder.icmp_unsigned("==", seg, i64(0))
+                with cgutils.for_range(builder, groups) as g:
+                    q0, q1 = query(seg, g.index)
+                    dot = builder.call(dpwssd, [full(i32, 16, 0), builder.bitcast(code0, vec(i32, 16)),
+                                                builder.bitcast(q0, vec(i32, 16))])
+                    dot = builder.call(dpwssd, [dot, builder.bitcast(code1, vec(i32, 16)), builder.bitcast(q1, vec(i32, 16))])
+                    dot = builder.call(dpwssd, [dot, both, builder.bitcast(builder.call(perm2w, [q0, jj, q1]), vec(i32, 16))])
+                    earlier = builder.select(first, full(f32, 16, 0.0), builder.load(acc_at(g.index), align=4))
+                    builder.store(builder.fadd(builder.sitofp(dot, vec(f32, 16)), earlier), acc_at(g.index), align=4)
+                with cgutils.for_range_slice(builder, i64(16), n, i64(16)) as (k, _):  # a segment with more entries
+                    both, jj = entries(builder.add(start, k), builder.sub(n, k), low, high, code0, code1)
+                    with cgutils.for_range(builder, groups) as g:
+                        q0, q1 = query(seg, g.index)
+                        dot = builder.call(dpwssd, [full(i32, 16, 0), both,
+                                                    builder.bitcast(builder.call(perm2w, [q0, jj, q1]), vec(i32, 16))])
+                        builder.store(builder.fadd(builder.sitofp(dot, vec(f32, 16)), builder.load(acc_at(g.index), align=4)),
+                                      acc_at(g.index), align=4)
+                builder.store(builder.add(builder.load(entry), n), entry)
+        with cgutils.for_range(builder, groups) as g:
+            rows = [builder.load(at(builder.add(base[10], builder.shl(builder.add(builder.mul(g.index, i64(ROWS)), i64(t)),
+                                                                        i64(6))), vec(f32, 16)), align=4) for t in range(ROWS)]
+            factor = builder.fmul(scale, builder.load(builder.gep(arrays[2].data, [g.index])))
+            scores = builder.fmul(builder.fmul(lane_sums(builder, rows), unit), lanes(factor))
+            builder.store(scores, at(builder.add(base[0], builder.mul(g.index, s_row)), vec(f32, 16)), align=4)
+        return context.get_dummy_value()
+    return types.none(s, qi, qscale, dense, scales, counts, sparse, thr, first_seg, scale, acc), codegen
+
+
 @intrinsic
 def _add_turned_rows(typingctx, rows, width, c, cos_b, sin_b, cos_o, sin_o, blk, off0):
     """rows[t] += c[0] * [cos(p), cos(p)] + c[1] * [sin(p), sin(p)] for t < width, at the positions
@@ -621,20 +823,24 @@ def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, block_tables, seq_lens, scale, out,
-                           lse, scores, kb, vb, m, l, parts, qcb, sc):
+def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, q_codes, block_tables, seq_lens, scale,
+                           out, lse, scores, kb, vb, m, l, parts, qcb, sc, kacc):
     """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
     of one kv-head are decoded into small scratch (kb, vb: [U, block_size, D], L1-sized) and used
     at once; no full-precision copy of the cache is ever made.
     k_parts, v_parts: (dense, scales, counts, sparse, tail, tail_of) of one layer (see load_block);
     thr_k, thr_v: [4]; q_center [B, Hq, D] and center: the keys' centers in the score domain (see
     add_center_scores; q_center [0, 0, 0]: keys not centered); scratch qcb [U, group, D], sc
-    [U, group, bs]."""
+    [U, group, bs]. q_codes = (codes [B, Hq, D] int16, scales [B, Hq]): the queries as
+    vnni_block_scores takes them, which then scores the keys of every full quantized block
+    (scratch kacc [U, group, 16, 16]); codes [0, 0, 0]: every block's keys are decoded."""
     num_seqs, num_heads, head_dim = q.shape
     block_size = k_parts[0].shape[1]
     num_kv_heads = k_parts[0].shape[2] * 2 // head_dim
     group = num_heads // num_kv_heads
     splits = parts.shape[0] // (num_seqs * num_kv_heads)
+    qi, qscale = q_codes
+    int_keys = qi.shape[0] > 0
     for unit in prange(parts.shape[0]):
         item, part = unit // splits, unit % splits
         b, kvh = item // num_kv_heads, item % num_kv_heads
@@ -650,9 +856,13 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
             if j + 1 < end:
                 prefetch_block(k_parts, block_tables[b, j + 1], first_seg, head_dim)
                 prefetch_block(v_parts, block_tables[b, j + 1], first_seg, head_dim)
-            load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
+            if int_keys and width == block_size and k_parts[5][block] < 0:
+                vnni_block_scores(scores[unit], qi[b, heads], qscale[b, heads], k_parts[0][block], k_parts[1][block],
+                                  k_parts[2][block], k_parts[3][block], thr_k, first_seg, scale, kacc[unit])
+            else:
+                load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
+                block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
             load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
-            block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
             if q_center.shape[0]:
                 add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
             attend_scores(scores[unit], vb[unit], width, acc, m[unit], l[unit])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpu_attn.calibrate import SPARSE_FRACTION, hadamard, rotate
-from cpu_attn import kv_store
+from cpu_attn import kv_store, oaken
 from cpu_attn.kernels import split_parts
 from cpu_attn.kv_store import KV_FORMATS, OakenKVStore, PagedKVStore, SimQuantKVStore, bytes_per_block, make_store
 from cpu_attn.oaken import INNER, MIDDLE, OUTER, dequantize, quantize
@@ -18,9 +18,13 @@ THR = np.array([-2.0, -0.1, 0.1, 2.0], np.float32)
 
 def oaken_store(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=40, sparse_fraction=SPARSE_FRACTION,
                 key_scales=None, recent_blocks=0, **transforms):
+    """An Oaken store whose exact kernel decodes every key to floats (int_keys off), so that tests can
+    hold it tightly to references; test_oaken_decode_attention checks the int16 key scores."""
     thresholds = np.tile(THR, (num_layers, 2, 1))
-    return OakenKVStore(num_layers, num_kv_heads, head_dim, block_size, num_blocks, thresholds, sparse_fraction,
-                        key_scales, recent_blocks, **transforms)
+    store = OakenKVStore(num_layers, num_kv_heads, head_dim, block_size, num_blocks, thresholds, sparse_fraction,
+                         key_scales, recent_blocks, **transforms)
+    store.int_keys = False
+    return store
 
 
 def write_sequences(store, rng, seq_lens, layer=0, prefill=None, scale=1.0, offset=0.0, rope_inv_freq=None):
@@ -135,8 +139,15 @@ def channel_transforms(rng, num_kv_heads, head_dim, kinds):
 
 
 @pytest.mark.parametrize("transforms", [(), ("smooth",), ("smooth", "bias"), ("bias", "rotate"), ("smooth", "bias", "rotate")])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 2, 128, 8), (2, 1, 64, 1)])
-def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, transforms):
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,int_keys",
+                         [(9, 3, 64, 16, False), (9, 3, 64, 16, True), (4, 2, 128, 16, True), (4, 2, 128, 8, False),
+                          (2, 1, 64, 1, False)])
+def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, int_keys, transforms):
+    """int_keys: full blocks' keys scored in int16 dot products (oaken.vnni_block_scores), each
+    key row and query rounded to 1 / 16383 of its largest value: the outputs move by up to ~1e-4 of
+    their largest value (measured <= 3.5e-4 here), so the bound against the dequantized values is looser."""
+    if int_keys and not oaken.VNNI:
+        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
     rng = np.random.default_rng(1)
     seq_lens = [1, 20, 77, 200]
     # per-channel transforms: the store keeps (K - R(p) b) / s and V / s_v (each head times the
@@ -149,16 +160,22 @@ def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, t
     tables, kv = write_sequences(store, rng, seq_lens, offset=offset, rope_inv_freq=tf.get("rope_inv_freq"))
     q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float32)
     scale = head_dim**-0.5
+    store.int_keys = int_keys
     out, lse = store.decode_attention(0, q, tables, np.array(seq_lens, np.int32), scale)
     for b, n in enumerate(seq_lens):
         # tight against attention over the dequantized values: the kernel reads exactly those
         kd, vd = store.gather(0, tables[b], n)
         ref_out, ref_lse = naive_attention(q[b], kd, vd, scale)
-        np.testing.assert_allclose(out[b], ref_out, atol=2e-5, rtol=1e-4)
-        np.testing.assert_allclose(lse[b], ref_lse, atol=2e-5, rtol=1e-5)
-        # against full precision: 4/5-bit error, a few percent of the output's spread
+        if int_keys:
+            np.testing.assert_allclose(out[b], ref_out, atol=5e-4 * np.abs(ref_out).max())
+            np.testing.assert_allclose(lse[b], ref_lse, atol=5e-4)
+        else:
+            np.testing.assert_allclose(out[b], ref_out, atol=2e-5, rtol=1e-4)
+            np.testing.assert_allclose(lse[b], ref_lse, atol=2e-5, rtol=1e-5)
+        # against full precision: 4/5-bit error, a few percent of the output's spread (up to 0.16 of
+        # its largest value measured, with 128-wide heads in blocks of 16 and smoothing)
         exact, _ = naive_attention(q[b], *kv[b], scale)
-        assert np.abs(out[b] - exact).max() <= 0.15 * max(np.abs(exact).max(), 0.1), b
+        assert np.abs(out[b] - exact).max() <= 0.2 * max(np.abs(exact).max(), 0.1), b
 
 
 def test_key_center_turns_with_the_position():
