@@ -120,6 +120,33 @@ def test_oaken_store_decodes_segments_full_of_entries():
     np.testing.assert_array_equal(k, reference_roundtrip(x))
     np.testing.assert_array_equal(v, reference_roundtrip(x[::-1].copy()))
 
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_int_key_scores_with_segments_full_of_entries(head_dim):
+    """The int16 key scores (oaken.vnni_block_scores) on full blocks whose rows have every value
+    sparse (64 entries a segment: four passes of sixteen), none, or one, next to ordinary rows:
+    attention as over the dequantized keys, within the int16 rounding."""
+    if not oaken.VNNI:
+        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
+    store = oaken_store(num_kv_heads=2, head_dim=head_dim, sparse_fraction=1.0)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((48, 2, head_dim)).astype(np.float32)
+    x[::5] = rng.choice([-1, 1], (10, 2, head_dim)) * rng.uniform(2.5, 6, (10, 2, head_dim))  # all outer
+    x[1::5] = rng.uniform(-0.09, 0.09, (10, 2, head_dim))  # all inner
+    x[2::7] = 0.0
+    x[2::7, 1, -1] = 5.0  # zeros but one outer value
+    slots = np.arange(48, dtype=np.int64)
+    store.write(0, slots, x, rng.standard_normal(x.shape).astype(np.float32), slots)
+    q = rng.standard_normal((1, 6, head_dim)).astype(np.float32)
+    table, lens = np.arange(3, dtype=np.int32)[None], np.array([48], np.int32)
+    store.int_keys = True
+    out, lse = store.decode_attention(0, q, table, lens, head_dim**-0.5)
+    k, v = store.gather(0, table[0], 48)
+    ref_out, ref_lse = naive_attention(q[0], k, v, head_dim**-0.5)
+    np.testing.assert_allclose(out[0], ref_out, atol=5e-4 * np.abs(ref_out).max())
+    np.testing.assert_allclose(lse[0], ref_lse, atol=5e-4)
+
+
 def channel_transforms(rng, num_kv_heads, head_dim, kinds):
     """Store transforms as calibrate finds them for write_sequences' keys (heavy channel 5 of
     every head, offset by `bias`), plus random value scales."""
