@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 import numba
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -542,8 +542,7 @@ def _host_has(*features: str) -> bool:
     """Whether Numba compiles for this CPU (NUMBA_CPU_NAME unset) and the CPU has `features`."""
     if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
         return False
-    import llvmlite.binding as llvm
-    host = llvm.get_host_cpu_features()
+    host = binding.get_host_cpu_features()
     return all(host.get(f, False) for f in features)
 
 
