@@ -328,6 +328,23 @@ def attend_scores(s, vb, width, acc, m, l):
     """The online-softmax step of attend_block for given scores s [group, >= width] (overwritten
     with their weights). A score of -inf gets weight 0 (the sampled kernel marks rows a head did
     not retrieve so), but must not be a head's first: m[g] has to be finite."""
+    softmax_weights(s, width, acc, m, l)
+    group, head_dim = acc.shape
+    if head_dim % (8 * _ROW_VECTORS) == 0:
+        _add_weighted_rows(acc, s, vb, width)
+        return
+    for t in range(width):
+        for g in range(group):
+            p = s[g, t]
+            if p != 0.0:
+                for d in range(head_dim):
+                    acc[g, d] += p * vb[t, d]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def softmax_weights(s, width, acc, m, l):
+    """The softmax half of attend_scores: s [group, >= width] -> the rows' weights (in place), the
+    running max m, sum l and output acc moved on; acc += weights @ rows is left to the caller."""
     group, head_dim = acc.shape
     for g in range(group):
         # written so that LLVM vectorizes the max and the exponentials: a compare and select for max
@@ -350,15 +367,6 @@ def attend_scores(s, vb, width, acc, m, l):
             s[g, t] = p
             total += p
         l[g] += total
-    if head_dim % (8 * _ROW_VECTORS) == 0:
-        _add_weighted_rows(acc, s, vb, width)
-        return
-    for t in range(width):
-        for g in range(group):
-            p = s[g, t]
-            if p != 0.0:
-                for d in range(head_dim):
-                    acc[g, d] += p * vb[t, d]
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -191,7 +191,7 @@ class OakenKVStore:
             self.key_center[:, :, 1] = rotate_half(self.key_bias) / self.key_scales
             self._rope_tables(1)
         self.budget = self.sparse_budget(num_kv_heads, head_dim, block_size, sparse_fraction)
-        self.int_keys = oaken.VNNI and block_size == oaken.ROWS  # keys scored in int16 dot products (oaken.vnni_block_scores)
+        self.int_dots = oaken.VNNI and block_size == oaken.ROWS  # full blocks in int16 dot products (oaken.vnni_*)
         lead = (num_layers, 2, num_blocks, block_size)
         self.dense = zeros_aligned(lead + (c // 2,), np.uint8)
         self.scales = zeros_aligned(lead + (3,), np.uint16)
@@ -407,7 +407,7 @@ class OakenKVStore:
         scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size))
         units = len(scratch[0])
         turned = np.ascontiguousarray(self._rotate(q))
-        if self.int_keys:
+        if self.int_dots:
             q_codes, kacc = oaken.query_codes(turned), np.empty((units, group, self.block_size, 16), np.float32)
         else:
             q_codes, kacc = (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.float32)), np.empty((0, 0, 0, 0), np.float32)

@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, attend_begin, attend_scores, block_scores, c_array, f32_matrices,
                               fmuladd8, finish_unit, fp16_to_f32, lane_sums, matrix_args, merge_parts, part_blocks, prefetch,
-                              splat)
+                              softmax_weights, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -560,182 +560,323 @@ def query_codes(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(q / scales[..., None]).astype(np.int16), scales
 
 
+class _RowCodes:
+    """LLVM IR shared by vnni_block_scores and vnni_add_weighted_rows: one full block's rows of one
+    kv-head as int16 codes. Each row's 16 levels (8 middle magnitudes either side, dequantize_token)
+    and its sparse values are int16 multiples of a per-row unit, its largest possible |value| /
+    CODE_MAX; the per-row scalars are computed for all 16 rows at once, a row a lane."""
+
+    def __init__(self, context, builder, dense, scales, counts, sparse, thr, first_seg):
+        """dense, scales, counts, sparse, thr: the arrays' structs (make_array); first_seg: i64."""
+        self.builder = b = builder
+        f32, i1, i8, i16, i32, i64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
+                                      ir.IntType(64))
+        self.types = f32, i1, i8, i16, i32, i64
+        vec = ir.VectorType
+        self.permw = self.fn("llvm.x86.avx512.permvar.hi.512", vec(i16, 32), [vec(i16, 32)] * 2)
+        self.perm2w = self.fn("llvm.x86.avx512.vpermi2var.hi.512", vec(i16, 32), [vec(i16, 32)] * 3)
+        self.rint = self.fn("llvm.rint.v16f32", vec(f32, 16), [vec(f32, 16)])
+        fabs = self.fn("llvm.fabs.v16f32", vec(f32, 16), [vec(f32, 16)])
+        self.masked_load = self.fn("llvm.masked.load.v16i8.p0", vec(i8, 16), [i8.as_pointer(), i32, vec(i1, 16), vec(i8, 16)])
+        self.dense, self.counts = b.ptrtoint(dense.data, i64), b.ptrtoint(counts.data, i64)
+        self.sparse = b.ptrtoint(sparse.data, i64)
+        self.dense_row, self.counts_row = (cgutils.unpack_tuple(b, a.strides, 2)[0] for a in (dense, counts))
+        self.num_counts = cgutils.unpack_tuple(b, counts.shape, 2)[1]
+        self.first_seg = first_seg
+        s_lo, t_lo, t_hi, s_hi = (self.lanes(b.load(b.gep(thr.data, [i64(i)]))) for i in range(4))
+        raw = b.load(self.at(b.ptrtoint(scales.data, i64), vec(i16, 3 * ROWS)), align=2)
+        s0, s1, s2 = (b.fpext(b.bitcast(b.shuffle_vector(raw, raw, ir.Constant(vec(i32, ROWS), list(range(k, 3 * ROWS, 3)))),
+                                        vec(ir.HalfType(), ROWS)), vec(f32, ROWS)) for k in range(3))
+        hi_base = b.fadd(t_hi, b.fmul(self.full(f32, float(MIDDLE_OFFSET)), s0))  # levels (m + offset) * step
+        lo_base = b.fsub(t_lo, b.fmul(self.full(f32, float(MIDDLE_OFFSET)), s0))
+        s0_7, s2_15 = b.fmul(self.full(f32, 7.0), s0), b.fmul(self.full(f32, 15.0), s2)
+        top = self.full(f32, 1e-30)
+        for x in (hi_base, b.fadd(hi_base, s0_7), lo_base, b.fsub(lo_base, s0_7), b.fadd(s_hi, s2_15), b.fsub(s_lo, s2_15)):
+            top = self.vmax(top, b.call(fabs, [x]))
+        top = self.vmax(top, b.fmul(self.full(f32, 15.0), s1))
+        self.inv = b.fdiv(self.full(f32, float(CODE_MAX)), top)
+        self.unit = b.fdiv(top, self.full(f32, float(CODE_MAX)))  # [16] the rows' units
+        self.per_row = [b.fmul(x, self.inv) for x in (hi_base, lo_base, s0, s1, s2, s_lo, s_hi)]
+        self.zero16 = self.full(i16, 0)
+        self.widen = ir.Constant(vec(i32, 32), list(range(16)) + [16] * 16)  # <16 x i16> -> <32 x i16>, the rest 0
+        self.first16 = ir.Constant(vec(i32, 16), list(range(16)))
+
+    def fn(self, name, ret, params):
+        return cgutils.get_or_insert_function(self.builder.module, ir.FunctionType(ret, params), name)
+
+    def at(self, address, kind):
+        return self.builder.inttoptr(address, kind.as_pointer())
+
+    def full(self, kind, x, n=ROWS):
+        return ir.Constant(ir.VectorType(kind, n), [x] * n)
+
+    def lanes(self, x):
+        return splat(self.builder, x, ROWS)
+
+    def vmax(self, a, b):
+        return self.builder.select(self.builder.fcmp_ordered(">", a, b), a, b)
+
+    def to_codes(self, x):  # <16 x float> in units -> <16 x i16>
+        f32, i1, i8, i16, i32, i64 = self.types
+        b = self.builder
+        return b.trunc(b.fptosi(b.call(self.rint, [x]), ir.VectorType(i32, 16)), ir.VectorType(i16, 16))
+
+    def row(self, t):
+        """Row t's state: its levels as codes (<32 x i16>, lanes 16.. unused), where its entries for
+        the kv-head start in the block's budget (an alloca of i64, for each segment to move on by its
+        count), its scalars, its counts' and nibbles' addresses. Rows in order (a running start)."""
+        f32, i1, i8, i16, i32, i64 = self.types
+        b = self.builder
+        scalars = [self.lanes(b.extract_element(x, i32(t))) for x in self.per_row]
+        hb, lb, st = scalars[:3]
+        steps = ir.Constant(ir.VectorType(f32, 16), [float(n % 8) for n in range(16)])
+        negative = ir.Constant(ir.VectorType(i1, 16), [n >= 8 for n in range(16)])
+        levels = self.to_codes(b.select(negative, b.fsub(lb, b.fmul(steps, st)), b.fadd(hb, b.fmul(steps, st))))
+        if t == 0:
+            self.entry_of_row = cgutils.alloca_once_value(b, i64(0))
+        counts_at = b.add(self.counts, b.mul(i64(t), self.counts_row))
+        entry = cgutils.alloca_once_value(b, b.load(self.entry_of_row))
+        with cgutils.for_range(b, self.num_counts) as c:
+            n = b.zext(b.load(self.at(b.add(counts_at, c.index), i8)), i64)
+            b.store(b.add(b.load(self.entry_of_row), n), self.entry_of_row)
+            earlier = b.icmp_unsigned("<", c.index, self.first_seg)
+            b.store(b.add(b.load(entry), b.select(earlier, n, i64(0))), entry)
+        row_at = b.add(self.dense, b.mul(i64(t), self.dense_row))
+        return b.shuffle_vector(levels, self.zero16, self.widen), entry, scalars, counts_at, row_at
+
+    def segment(self, row, seg):
+        """Segment seg of the kv-head in the current row -> (its nibbles: values 0..31 and 32..63 as
+        <32 x i16>, the same as level codes, its entry count as i64)."""
+        f32, i1, i8, i16, i32, i64 = self.types
+        b = self.builder
+        levels, _, _, counts_at, row_at = row
+        nibbles = b.load(self.at(b.add(row_at, b.shl(b.add(self.first_seg, seg), i64(5))), ir.VectorType(i8, 32)),
+                         align=1)
+        low = b.zext(b.and_(nibbles, self.full(i8, 15, 32)), ir.VectorType(i16, 32))
+        high = b.zext(b.lshr(nibbles, self.full(i8, 4, 32)), ir.VectorType(i16, 32))
+        n = b.zext(b.load(self.at(b.add(counts_at, b.add(self.first_seg, seg)), i8)), i64)
+        return low, high, b.call(self.permw, [levels, low]), b.call(self.permw, [levels, high]), n
+
+    def entries(self, row, where, left, low, high):
+        """Up to 16 sparse entries at address `where` (left of them) -> (lanes in use <16 x i1>, their
+        indices j <16 x i16>, their true values' codes <16 x i16>, 0 past `left`)."""
+        f32, i1, i8, i16, i32, i64 = self.types
+        b = self.builder
+        vec = ir.VectorType
+        st1, st2, sl, sh = row[2][3:]
+        mask = b.icmp_signed("<", ir.Constant(vec(i64, 16), list(range(16))), self.lanes(left))
+        e = b.zext(b.call(self.masked_load, [self.at(where, i8), i32(1), mask, self.full(i8, 0)]), vec(i16, 16))
+        j = b.and_(e, self.full(i16, 63))
+        outer = b.icmp_unsigned("!=", b.and_(e, self.full(i16, 64)), self.zero16)
+        negative = b.icmp_unsigned("!=", b.and_(e, self.full(i16, 128)), self.zero16)
+        y = b.call(self.perm2w, [low, b.shuffle_vector(j, self.zero16, self.widen), high])  # the nibbles at the indices
+        y = b.uitofp(b.shuffle_vector(y, y, self.first16), vec(f32, 16))
+        step = b.select(outer, st2, st1)
+        true = b.fadd(b.select(outer, b.select(negative, sl, sh), self.full(f32, 0.0)),
+                      b.fmul(y, b.select(negative, b.fneg(step), step)))
+        return mask, j, b.select(mask, self.to_codes(true), self.zero16)
+
+
 @intrinsic
 def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, thr, first_seg, scale, acc):
     """s[g, t] = scale * q_g . k_t for the 16 rows of one full, quantized block and one kv-head, in
     integer dot products on the store's codes: no row is decoded to floats.
 
-    Each row's 16 levels (8 middle magnitudes either side, dequantize_token) and its sparse values
-    are written as int16 multiples of a per-row unit (its largest possible |value| / CODE_MAX); the
-    queries as int16 multiples of their own scale (qi, qscale: query_codes). A row's nibbles index
-    its levels (vpermw), and one vpdpwssd per 32 values multiplies them with the query's codes. The
-    sparse entries (up to 16 at a time) add their pairs (true code, -level code) times the query's
-    codes at their indices, gathered from registers (vpermi2w), with one more vpdpwssd: the
-    level's product comes out, the true value's goes in. Each row's 16 partial sums go to acc
-    [G, 16, 16]; one shuffle tree (kernels.lane_sums) sums the 16 rows at once, and they are scaled
-    by the rows' units. Both roundings are to 1 / 16383 of the row's or the query's largest value
-    (scores within ~2e-4 of the largest one, tests/test_kv_formats.py).
+    The rows as _RowCodes writes them; the queries as int16 multiples of their own scale (qi,
+    qscale: query_codes). A row's nibbles index its levels (vpermw), and one vpdpwssd per 32 values
+    multiplies them with the query's codes. The sparse entries (up to 16 at a time) add their pairs
+    (true code, -level code) times the query's codes at their indices, gathered from registers
+    (vpermi2w), with one more vpdpwssd: the level's product comes out, the true value's goes in.
+    Each row's 16 partial sums go to acc [G, 16, 16]; one shuffle tree (kernels.lane_sums) sums the
+    16 rows at once, and they are scaled by the rows' units. Both roundings are to 1 / 16383 of the
+    row's or the query's largest value (scores within ~2e-4 of the largest one, tests/test_kv_formats.py).
 
     s [G, 16], qi [G, D] int16, qscale [G], dense [16, C/2], scales [16, 3] (fp16 bits), counts
     [16, C/64], sparse [budget] (the block's), thr [4]; D a multiple of 64. Needs AVX512-BW and
     -VNNI (VNNI); compiled elsewhere it traps, and the kernel never calls it there."""
     if not (c_array(s, 2, types.float32) and c_array(qi, 2, types.int16) and c_array(qscale, 1, types.float32)
-            and c_array(dense, 2, types.uint8) and c_array(scales, 2, types.uint16) and c_array(counts, 2, types.uint8)
-            and c_array(sparse, 1, types.uint8) and c_array(thr, 1, types.float32) and c_array(acc, 3, types.float32)):
+            and _block_arrays(dense, scales, counts, sparse, thr) and c_array(acc, 3, types.float32)):
         return None
 
     def codegen(context, builder, signature, args):
-        f16, f32, i1, i8, i16, i32, i64 = (ir.HalfType(), ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16),
-                                           ir.IntType(32), ir.IntType(64))
+        f32, i16, i32, i64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
         vec = ir.VectorType
-
-        def fn(name, ret, params):
-            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
-
         if not VNNI:
-            builder.call(fn("llvm.trap", ir.VoidType(), []), [])
-            return context.get_dummy_value()
-        permw = fn("llvm.x86.avx512.permvar.hi.512", vec(i16, 32), [vec(i16, 32)] * 2)
-        perm2w = fn("llvm.x86.avx512.vpermi2var.hi.512", vec(i16, 32), [vec(i16, 32)] * 3)
-        dpwssd = fn("llvm.x86.avx512.vpdpwssd.512", vec(i32, 16), [vec(i32, 16)] * 3)
-        rint = fn("llvm.rint.v16f32", vec(f32, 16), [vec(f32, 16)])
-        fabs = fn("llvm.fabs.v16f32", vec(f32, 16), [vec(f32, 16)])
-        masked_load = fn("llvm.masked.load.v16i8.p0", vec(i8, 16), [i8.as_pointer(), i32, vec(i1, 16), vec(i8, 16)])
-
+            return _trap(context, builder)
         sig = signature.args
         arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)}
         base = {i: builder.ptrtoint(a.data, i64) for i, a in arrays.items()}
         groups, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
-        dense_row, counts_row, s_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (3, 5, 0))
-        num_counts = cgutils.unpack_tuple(builder, arrays[5].shape, 2)[1]
+        s_row = cgutils.unpack_tuple(builder, arrays[0].strides, 2)[0]
         first_seg = context.cast(builder, args[8], sig[8], types.intp)
         scale = context.cast(builder, args[9], sig[9], types.float32)
-
-        def at(address, kind):
-            return builder.inttoptr(address, kind.as_pointer())
-
-        def const(kind, values):
-            return ir.Constant(kind, values)
-
-        def full(kind, n, x):
-            return ir.Constant(vec(kind, n), [x] * n)
-
-        def lanes(x):
-            return splat(builder, x, ROWS)
-
-        def vmax(a, b):
-            return builder.select(builder.fcmp_ordered(">", a, b), a, b)
-
-        def to_codes(x):  # <16 x float> already in units -> <16 x i16>
-            return builder.trunc(builder.fptosi(builder.call(rint, [x]), vec(i32, 16)), vec(i16, 16))
-
-        # every row's scalars at once, a row a lane: scales, level bases, the unit and its inverse
-        s_lo, t_lo, t_hi, s_hi = (lanes(builder.load(builder.gep(arrays[7].data, [i64(i)]))) for i in range(4))
-        raw = builder.load(at(base[4], vec(i16, 3 * ROWS)), align=2)
-        s0, s1, s2 = (builder.fpext(builder.bitcast(builder.shuffle_vector(raw, raw, const(vec(i32, ROWS), list(
-            range(k, 3 * ROWS, 3)))), vec(f16, ROWS)), vec(f32, ROWS)) for k in range(3))
-        hi_base = builder.fadd(t_hi, builder.fmul(full(f32, 16, float(MIDDLE_OFFSET)), s0))  # levels (m + offset) * step
-        lo_base = builder.fsub(t_lo, builder.fmul(full(f32, 16, float(MIDDLE_OFFSET)), s0))
-        s0_7, s2_15 = builder.fmul(full(f32, 16, 7.0), s0), builder.fmul(full(f32, 16, 15.0), s2)
-        top = full(f32, 16, 1e-30)
-        for x in (hi_base, builder.fadd(hi_base, s0_7), lo_base, builder.fsub(lo_base, s0_7), builder.fadd(s_hi, s2_15),
-                  builder.fsub(s_lo, s2_15)):
-            top = vmax(top, builder.call(fabs, [x]))
-        top = vmax(top, builder.fmul(full(f32, 16, 15.0), s1))
-        inv = builder.fdiv(full(f32, 16, float(CODE_MAX)), top)
-        unit = builder.fdiv(top, full(f32, 16, float(CODE_MAX)))
-        per_row = [builder.fmul(x, inv) for x in (hi_base, lo_base, s0, s1, s2, s_lo, s_hi)]
-
-        steps = const(vec(f32, 16), [float(n % 8) for n in range(16)])
-        negative_level = const(vec(i1, 16), [n >= 8 for n in range(16)])
-        ramp = const(vec(i64, 16), list(range(16)))
-        zero16 = full(i16, 16, 0)
-        widen = const(vec(i32, 32), list(range(16)) + [16] * 16)  # <16 x i16> -> <32 x i16>, the rest 0
-        first16 = const(vec(i32, 16), list(range(16)))
-        pairs = const(vec(i32, 32), [x for i in range(16) for x in (i, 16 + i)])
-        twice = const(vec(i32, 32), [i for i in range(16) for _ in (0, 1)])
+        rc = _RowCodes(context, builder, *(arrays[i] for i in (3, 4, 5, 6, 7)), first_seg)
+        dpwssd = rc.fn("llvm.x86.avx512.vpdpwssd.512", vec(i32, 16), [vec(i32, 16)] * 3)
+        pairs = ir.Constant(vec(i32, 32), [x for i in range(16) for x in (i, 16 + i)])
+        twice = ir.Constant(vec(i32, 32), [i for i in range(16) for _ in (0, 1)])
         q_row = builder.shl(dim, i64(1))
-        entry_of_row = cgutils.alloca_once_value(builder, i64(0))
+
+        def dot(x, y, acc=None):
+            return builder.call(dpwssd, [acc or rc.full(i32, 0), builder.bitcast(x, vec(i32, 16)),
+                                         builder.bitcast(y, vec(i32, 16))])
+
         for t in range(ROWS):
-            hb, lb, st, st1, st2, sl, sh = (lanes(builder.extract_element(x, i32(t))) for x in per_row)
-            levels = to_codes(builder.select(negative_level, builder.fsub(lb, builder.fmul(steps, st)),
-                                             builder.fadd(hb, builder.fmul(steps, st))))
-            levels = builder.shuffle_vector(levels, zero16, widen)
-            # where this row's entries for the kv-head start: after the rows before and its earlier segments
-            counts_at = builder.add(base[5], builder.mul(i64(t), counts_row))
-            row_start = builder.load(entry_of_row)
-            entry = cgutils.alloca_once_value(builder, row_start)
-            with cgutils.for_range(builder, num_counts) as c:
-                n = builder.zext(builder.load(at(builder.add(counts_at, c.index), i8)), i64)
-                builder.store(builder.add(builder.load(entry_of_row), n), entry_of_row)
-                earlier = builder.icmp_unsigned("<", c.index, first_seg)
-                builder.store(builder.add(builder.load(entry), builder.select(earlier, n, i64(0))), entry)
+            row = rc.row(t)
 
-            def entries(where, left, low, high, code0, code1):
-                """Up to 16 sparse entries at `where` -> (pairs of their true code and minus their level's
-                code, their indices twice), for one vpdpwssd against the query's codes at the indices."""
-                mask = builder.icmp_signed("<", ramp, lanes(left))
-                e = builder.zext(builder.call(masked_load, [at(where, i8), i32(1), mask, full(i8, 16, 0)]), vec(i16, 16))
-                j = builder.and_(e, full(i16, 16, 63))
-                outer = builder.icmp_unsigned("!=", builder.and_(e, full(i16, 16, 64)), zero16)
-                negative = builder.icmp_unsigned("!=", builder.and_(e, full(i16, 16, 128)), zero16)
-                j32 = builder.shuffle_vector(j, zero16, widen)
-                y = builder.call(perm2w, [low, j32, high])  # the nibbles at the indices
-                y = builder.uitofp(builder.shuffle_vector(y, y, first16), vec(f32, 16))
-                step = builder.select(outer, st2, st1)
-                true = builder.fadd(builder.select(outer, builder.select(negative, sl, sh), full(f32, 16, 0.0)),
-                                    builder.fmul(y, builder.select(negative, builder.fneg(step), step)))
-                level = builder.call(perm2w, [code0, j32, code1])
-                level = builder.sub(zero16, builder.shuffle_vector(level, level, first16))
-                both = builder.shuffle_vector(builder.select(mask, to_codes(true), zero16),
-                                              builder.select(mask, level, zero16), pairs)
-                return builder.bitcast(both, vec(i32, 16)), builder.shuffle_vector(j, j, twice)
+            def pairs_and_indices(where, left, low, high, code0, code1):
+                """Up to 16 entries -> (their (true code, -level code) pairs, their indices twice)."""
+                mask, j, true = rc.entries(row, where, left, low, high)
+                level = builder.call(rc.perm2w, [code0, builder.shuffle_vector(j, rc.zero16, rc.widen), code1])
+                level = builder.select(mask, builder.sub(rc.zero16, builder.shuffle_vector(level, level, rc.first16)),
+                                       rc.zero16)
+                return builder.shuffle_vector(true, level, pairs), builder.shuffle_vector(j, j, twice)
 
-            def query(seg, g):
+            def query(seg, g):  # the 64 query codes of segment seg, as two vectors
                 q_at = builder.add(builder.add(base[1], builder.mul(g, q_row)), builder.shl(seg, i64(7)))
-                return [builder.load(at(builder.add(q_at, i64(64 * h)), vec(i16, 32)), align=2) for h in (0, 1)]
+                return [builder.load(rc.at(builder.add(q_at, i64(64 * h)), vec(i16, 32)), align=2) for h in (0, 1)]
 
             def acc_at(g):
-                return at(builder.add(base[10], builder.shl(builder.add(builder.mul(g, i64(ROWS)), i64(t)), i64(6))),
-                          vec(f32, 16))
+                return rc.at(builder.add(base[10], builder.shl(builder.add(builder.mul(g, i64(ROWS)), i64(t)), i64(6))),
+                             vec(f32, 16))
 
-            row_at = builder.add(base[3], builder.mul(i64(t), dense_row))
             with cgutils.for_range(builder, builder.udiv(dim, i64(SEGMENT))) as seg_loop:
                 seg = seg_loop.index
-                nibbles = builder.load(at(builder.add(row_at, builder.shl(builder.add(first_seg, seg), i64(5))),
-                                          vec(i8, 32)), align=1)
-                low = builder.zext(builder.and_(nibbles, full(i8, 32, 15)), vec(i16, 32))  # values 0..31 of the segment
-                high = builder.zext(builder.lshr(nibbles, full(i8, 32, 4)), vec(i16, 32))  # values 32..63
-                code0, code1 = builder.call(permw, [levels, low]), builder.call(permw, [levels, high])
-                n = builder.zext(builder.load(at(builder.add(counts_at, builder.add(first_seg, seg)), i8)), i64)
-                start = builder.add(base[6], builder.load(entry))
-                both, jj = entries(start, n, low, high, code0, code1)
+                low, high, code0, code1, n = rc.segment(row, seg)
+                start = builder.add(rc.sparse, builder.load(row[1]))
+                both, jj = pairs_and_indices(start, n, low, high, code0, code1)
                 first = builder.icmp_unsigned("==", seg, i64(0))
                 with cgutils.for_range(builder, groups) as g:
                     q0, q1 = query(seg, g.index)
-                    dot = builder.call(dpwssd, [full(i32, 16, 0), builder.bitcast(code0, vec(i32, 16)),
-                                                builder.bitcast(q0, vec(i32, 16))])
-                    dot = builder.call(dpwssd, [dot, builder.bitcast(code1, vec(i32, 16)), builder.bitcast(q1, vec(i32, 16))])
-                    dot = builder.call(dpwssd, [dot, both, builder.bitcast(builder.call(perm2w, [q0, jj, q1]), vec(i32, 16))])
-                    earlier = builder.select(first, full(f32, 16, 0.0), builder.load(acc_at(g.index), align=4))
-                    builder.store(builder.fadd(builder.sitofp(dot, vec(f32, 16)), earlier), acc_at(g.index), align=4)
+                    total = dot(both, builder.call(rc.perm2w, [q0, jj, q1]), dot(code1, q1, dot(code0, q0)))
+                    earlier = builder.select(first, rc.full(f32, 0.0), builder.load(acc_at(g.index), align=4))
+                    builder.store(builder.fadd(builder.sitofp(total, vec(f32, 16)), earlier), acc_at(g.index), align=4)
                 with cgutils.for_range_slice(builder, i64(16), n, i64(16)) as (k, _):  # a segment with more entries
-                    both, jj = entries(builder.add(start, k), builder.sub(n, k), low, high, code0, code1)
+                    both, jj = pairs_and_indices(builder.add(start, k), builder.sub(n, k), low, high, code0, code1)
                     with cgutils.for_range(builder, groups) as g:
                         q0, q1 = query(seg, g.index)
-                        dot = builder.call(dpwssd, [full(i32, 16, 0), both,
-                                                    builder.bitcast(builder.call(perm2w, [q0, jj, q1]), vec(i32, 16))])
-                        builder.store(builder.fadd(builder.sitofp(dot, vec(f32, 16)), builder.load(acc_at(g.index), align=4)),
-                                      acc_at(g.index), align=4)
-                builder.store(builder.add(builder.load(entry), n), entry)
+                        total = builder.sitofp(dot(both, builder.call(rc.perm2w, [q0, jj, q1])), vec(f32, 16))
+                        builder.store(builder.fadd(total, builder.load(acc_at(g.index), align=4)), acc_at(g.index), align=4)
+                builder.store(builder.add(builder.load(row[1]), n), row[1])
         with cgutils.for_range(builder, groups) as g:
-            rows = [builder.load(at(builder.add(base[10], builder.shl(builder.add(builder.mul(g.index, i64(ROWS)), i64(t)),
-                                                                        i64(6))), vec(f32, 16)), align=4) for t in range(ROWS)]
+            rows = [builder.load(rc.at(builder.add(base[10], builder.shl(builder.add(builder.mul(g.index, i64(ROWS)), i64(t)),
+                                                                           i64(6))), vec(f32, 16)), align=4) for t in range(ROWS)]
             factor = builder.fmul(scale, builder.load(builder.gep(arrays[2].data, [g.index])))
-            scores = builder.fmul(builder.fmul(lane_sums(builder, rows), unit), lanes(factor))
-            builder.store(scores, at(builder.add(base[0], builder.mul(g.index, s_row)), vec(f32, 16)), align=4)
+            scores = builder.fmul(builder.fmul(lane_sums(builder, rows), rc.unit), rc.lanes(factor))
+            builder.store(scores, rc.at(builder.add(base[0], builder.mul(g.index, s_row)), vec(f32, 16)), align=4)
         return context.get_dummy_value()
     return types.none(s, qi, qscale, dense, scales, counts, sparse, thr, first_seg, scale, acc), codegen
+
+
+WEIGHT_MAX = 8191
+"""|weight code| bound of vnni_add_weighted_rows: a product with a value code is < 2^27; the eight a lane gets from
+four row pairs stay < 2^30, and each four pairs' sums are added as floats."""
+
+
+@intrinsic
+def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr, first_seg):
+    """acc[g] += sum_t w[g, t] * v_t over the 16 rows of one full, quantized block and one kv-head
+    (the p.v of attend_scores), in integer dot products on the store's codes: no row is decoded to floats.
+
+    Each row is built in registers as _RowCodes's int16 codes: its nibbles look up its levels
+    (vpermw), and its sparse values, in index order as the quantizer writes them, are put in their
+    lanes by masked expanding loads (vpexpandw) whose mask has a bit at each entry's index. Each
+    query's weights times the rows' units are rounded to int16 multiples of their largest value /
+    WEIGHT_MAX; two rows' codes interleaved channel by channel make vpdpwssd add w_t v_t + w_t+1
+    v_t+1 into each channel's lane. acc [G, D], w [G, 16] float32; the rest as vnni_block_scores."""
+    if not (c_array(acc, 2, types.float32) and c_array(w, 2, types.float32)
+            and _block_arrays(dense, scales, counts, sparse, thr)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32, i1, i16, i32, i64 = ir.FloatType(), ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        vec = ir.VectorType
+        if not VNNI:
+            return _trap(context, builder)
+        sig = signature.args
+        arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in range(7)}
+        groups, dim = cgutils.unpack_tuple(builder, arrays[0].shape, 2)
+        acc_row, w_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (0, 1))
+        acc_base, w_base = (builder.ptrtoint(arrays[i].data, i64) for i in (0, 1))
+        first_seg = context.cast(builder, args[7], sig[7], types.intp)
+        rc = _RowCodes(context, builder, *(arrays[i] for i in (2, 3, 4, 5, 6)), first_seg)
+        dpwssd = rc.fn("llvm.x86.avx512.vpdpwssd.512", vec(i32, 16), [vec(i32, 16)] * 3)
+        expand = rc.fn("llvm.masked.expandload.v32i16", vec(i16, 32), [i16.as_pointer(), vec(i1, 32), vec(i16, 32)])
+        any_bits = rc.fn("llvm.vector.reduce.or.v16i64", i64, [vec(i64, 16)])
+        popcount = rc.fn("llvm.ctpop.i64", i64, [i64])
+        interleaved = cgutils.alloca_once(builder, ir.ArrayType(vec(i32, 16), 2 * ROWS))  # row pairs x 4 vectors
+        true_codes = cgutils.alloca_once(builder, vec(i16, 16))
+        code = [cgutils.alloca_once(builder, vec(i16, 32)) for _ in (0, 1)]
+        rows = [rc.row(t) for t in range(ROWS)]
+        one, zero64 = rc.full(i64, 1), rc.full(i64, 0)
+        channels = [ir.Constant(vec(i32, 32), [x for i in range(16) for x in (16 * h + i, 32 + 16 * h + i)]) for h in (0, 1)]
+        with cgutils.for_range(builder, builder.udiv(dim, i64(SEGMENT))) as seg_loop:
+            seg = seg_loop.index
+            earlier = None
+            for t, row in enumerate(rows):
+                low, high, code0, code1, n = rc.segment(row, seg)
+                builder.store(code0, code[0])
+                builder.store(code1, code[1])
+                start = builder.add(rc.sparse, builder.load(row[1]))
+                with cgutils.for_range_slice(builder, i64(0), n, i64(16)) as (k, _):
+                    mask, j, true = rc.entries(row, builder.add(start, k), builder.sub(n, k), low, high)
+                    bits = builder.call(any_bits, [builder.select(mask, builder.shl(one, builder.zext(j, vec(i64, 16))),
+                                                                  zero64)])
+                    builder.store(true, true_codes)
+                    first = builder.bitcast(true_codes, i16.as_pointer())
+                    for h, (at, part) in enumerate(((first, bits), (None, builder.lshr(bits, i64(32))))):
+                        if at is None:  # the second half's values follow the first half's
+                            at = builder.gep(first, [builder.call(popcount, [builder.and_(bits, i64(0xFFFFFFFF))])])
+                        lanes = builder.bitcast(builder.trunc(part, i32), vec(i1, 32))
+                        builder.store(builder.call(expand, [at, lanes, builder.load(code[h])]), code[h])
+                builder.store(builder.add(builder.load(row[1]), n), row[1])
+                current = [builder.load(c) for c in code]
+                if t % 2:
+                    for h in (0, 1):
+                        for k, lanes in enumerate(channels):
+                            pair = builder.shuffle_vector(earlier[h], current[h], lanes)
+                            slot = builder.gep(interleaved, [i32(0), i32((t // 2) * 4 + 2 * h + k)])
+                            builder.store(builder.bitcast(pair, vec(i32, 16)), slot)
+                earlier = current
+            with cgutils.for_range(builder, groups) as g:
+                weights = builder.load(rc.at(builder.add(w_base, builder.mul(g.index, w_row)), vec(f32, 16)), align=4)
+                weights = builder.fmul(weights, rc.unit)
+                top = weights
+                for span in (8, 4, 2, 1):
+                    top = rc.vmax(top, builder.shuffle_vector(top, top, ir.Constant(vec(i32, 16), [
+                        (i + span) % 16 for i in range(16)])))
+                top = rc.vmax(builder.extract_element(top, i32(0)), f32(1e-30))
+                codes = rc.to_codes(builder.fmul(weights, rc.lanes(builder.fdiv(f32(float(WEIGHT_MAX)), top))))
+                codes = builder.bitcast(codes, vec(i32, 8))
+                sums = [None] * 4
+                for pairs in (range(ROWS // 4), range(ROWS // 4, ROWS // 2)):  # two integer sums: no overflow
+                    part = [rc.full(i32, 0)] * 4
+                    for p in pairs:
+                        both = splat(builder, builder.extract_element(codes, i32(p)), 16)
+                        for k in range(4):
+                            x = builder.load(builder.gep(interleaved, [i32(0), i32(4 * p + k)]))
+                            part[k] = builder.call(dpwssd, [part[k], x, both])
+                    part = [builder.sitofp(x, vec(f32, 16)) for x in part]
+                    sums = part if sums[0] is None else [builder.fadd(x, y) for x, y in zip(sums, part)]
+                unit = rc.lanes(builder.fdiv(top, f32(float(WEIGHT_MAX))))
+                row_at = builder.add(acc_base, builder.mul(g.index, acc_row))
+                for k in range(4):
+                    out = rc.at(builder.add(row_at, builder.shl(builder.add(builder.mul(seg, i64(SEGMENT)), i64(16 * k)),
+                                                                i64(2))), vec(f32, 16))
+                    total = builder.fadd(builder.load(out, align=4), builder.fmul(sums[k], unit))
+                    builder.store(total, out, align=4)
+        return context.get_dummy_value()
+    return types.none(acc, w, dense, scales, counts, sparse, thr, first_seg), codegen
+
+
+def _block_arrays(dense, scales, counts, sparse, thr) -> bool:
+    return (c_array(dense, 2, types.uint8) and c_array(scales, 2, types.uint16) and c_array(counts, 2, types.uint8)
+            and c_array(sparse, 1, types.uint8) and c_array(thr, 1, types.float32))
+
+
+def _trap(context, builder):
+    trap = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
+    builder.call(trap, [])
+    return context.get_dummy_value()
 
 
 @intrinsic
@@ -831,15 +972,16 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
     thr_k, thr_v: [4]; q_center [B, Hq, D] and center: the keys' centers in the score domain (see
     add_center_scores; q_center [0, 0, 0]: keys not centered); scratch qcb [U, group, D], sc
     [U, group, bs]. q_codes = (codes [B, Hq, D] int16, scales [B, Hq]): the queries as
-    vnni_block_scores takes them, which then scores the keys of every full quantized block
-    (scratch kacc [U, group, 16, 16]); codes [0, 0, 0]: every block's keys are decoded."""
+    vnni_block_scores takes them; then every full quantized block is not decoded: its keys are
+    scored by vnni_block_scores (scratch kacc [U, group, 16, 16]) and its values summed by
+    vnni_add_weighted_rows. codes [0, 0, 0]: every block is decoded."""
     num_seqs, num_heads, head_dim = q.shape
     block_size = k_parts[0].shape[1]
     num_kv_heads = k_parts[0].shape[2] * 2 // head_dim
     group = num_heads // num_kv_heads
     splits = parts.shape[0] // (num_seqs * num_kv_heads)
     qi, qscale = q_codes
-    int_keys = qi.shape[0] > 0
+    int_dots = qi.shape[0] > 0
     for unit in prange(parts.shape[0]):
         item, part = unit // splits, unit % splits
         b, kvh = item // num_kv_heads, item % num_kv_heads
@@ -855,16 +997,22 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
             if j + 1 < end:
                 prefetch_block(k_parts, block_tables[b, j + 1], first_seg, head_dim)
                 prefetch_block(v_parts, block_tables[b, j + 1], first_seg, head_dim)
-            if int_keys and width == block_size and k_parts[5][block] < 0:
+            full = int_dots and width == block_size and k_parts[5][block] < 0  # quantized, K and V alike
+            if full:
                 vnni_block_scores(scores[unit], qi[b, heads], qscale[b, heads], k_parts[0][block], k_parts[1][block],
                                   k_parts[2][block], k_parts[3][block], thr_k, first_seg, scale, kacc[unit])
             else:
                 load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
                 block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
-            load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
             if q_center.shape[0]:
                 add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
-            attend_scores(scores[unit], vb[unit], width, acc, m[unit], l[unit])
+            if full:
+                softmax_weights(scores[unit], width, acc, m[unit], l[unit])
+                vnni_add_weighted_rows(acc, scores[unit], v_parts[0][block], v_parts[1][block], v_parts[2][block],
+                                       v_parts[3][block], thr_v, first_seg)
+            else:
+                load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
+                attend_scores(scores[unit], vb[unit], width, acc, m[unit], l[unit])
         finish_unit(parts, m, l, out, lse, unit, splits, b, heads)
     merge_parts(parts, m, l, out, lse, num_kv_heads)
 

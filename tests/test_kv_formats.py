@@ -18,12 +18,12 @@ THR = np.array([-2.0, -0.1, 0.1, 2.0], np.float32)
 
 def oaken_store(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=40, sparse_fraction=SPARSE_FRACTION,
                 key_scales=None, recent_blocks=0, **transforms):
-    """An Oaken store whose exact kernel decodes every key to floats (int_keys off), so that tests can
-    hold it tightly to references; test_oaken_decode_attention checks the int16 key scores."""
+    """An Oaken store whose exact kernel decodes every row to floats (int_dots off), so that tests can
+    hold it tightly to references; test_oaken_decode_attention checks the int16 dot products."""
     thresholds = np.tile(THR, (num_layers, 2, 1))
     store = OakenKVStore(num_layers, num_kv_heads, head_dim, block_size, num_blocks, thresholds, sparse_fraction,
                          key_scales, recent_blocks, **transforms)
-    store.int_keys = False
+    store.int_dots = False
     return store
 
 
@@ -122,9 +122,9 @@ def test_oaken_store_decodes_segments_full_of_entries():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_int_key_scores_with_segments_full_of_entries(head_dim):
-    """The int16 key scores (oaken.vnni_block_scores) on full blocks whose rows have every value
-    sparse (64 entries a segment: four passes of sixteen), none, or one, next to ordinary rows:
+def test_int16_dots_with_segments_full_of_entries(head_dim):
+    """The int16 dot products (oaken.vnni_block_scores, vnni_add_weighted_rows) on full blocks of K
+    and V whose rows have every value sparse (64 entries a segment: four passes of sixteen), none, or one, next to ordinary rows:
     attention as over the dequantized keys, within the int16 rounding."""
     if not oaken.VNNI:
         pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
@@ -139,12 +139,12 @@ def test_int_key_scores_with_segments_full_of_entries(head_dim):
     store.write(0, slots, x, rng.standard_normal(x.shape).astype(np.float32), slots)
     q = rng.standard_normal((1, 6, head_dim)).astype(np.float32)
     table, lens = np.arange(3, dtype=np.int32)[None], np.array([48], np.int32)
-    store.int_keys = True
+    store.int_dots = True
     out, lse = store.decode_attention(0, q, table, lens, head_dim**-0.5)
     k, v = store.gather(0, table[0], 48)
     ref_out, ref_lse = naive_attention(q[0], k, v, head_dim**-0.5)
-    np.testing.assert_allclose(out[0], ref_out, atol=5e-4 * np.abs(ref_out).max())
-    np.testing.assert_allclose(lse[0], ref_lse, atol=5e-4)
+    np.testing.assert_allclose(out[0], ref_out, atol=1e-3 * np.abs(ref_out).max())
+    np.testing.assert_allclose(lse[0], ref_lse, atol=1e-3)
 
 
 def channel_transforms(rng, num_kv_heads, head_dim, kinds):
@@ -166,14 +166,15 @@ def channel_transforms(rng, num_kv_heads, head_dim, kinds):
 
 
 @pytest.mark.parametrize("transforms", [(), ("smooth",), ("smooth", "bias"), ("bias", "rotate"), ("smooth", "bias", "rotate")])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,int_keys",
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,int_dots",
                          [(9, 3, 64, 16, False), (9, 3, 64, 16, True), (4, 2, 128, 16, True), (4, 2, 128, 8, False),
                           (2, 1, 64, 1, False)])
-def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, int_keys, transforms):
-    """int_keys: full blocks' keys scored in int16 dot products (oaken.vnni_block_scores), each
-    key row and query rounded to 1 / 16383 of its largest value: the outputs move by up to ~1e-4 of
-    their largest value (measured <= 3.5e-4 here), so the bound against the dequantized values is looser."""
-    if int_keys and not oaken.VNNI:
+def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, int_dots, transforms):
+    """int_dots: full blocks in int16 dot products (oaken.vnni_block_scores for q.k, rows and queries
+    rounded to 1 / 16383 of their largest value; vnni_add_weighted_rows for p.v, weights rounded to
+    1 / 8191 of the block's largest): outputs move by up to ~1e-4 of their largest value (measured
+    <= 3.3e-4 here), so the bound against the dequantized values is looser."""
+    if int_dots and not oaken.VNNI:
         pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
     rng = np.random.default_rng(1)
     seq_lens = [1, 20, 77, 200]
@@ -187,15 +188,15 @@ def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, i
     tables, kv = write_sequences(store, rng, seq_lens, offset=offset, rope_inv_freq=tf.get("rope_inv_freq"))
     q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float32)
     scale = head_dim**-0.5
-    store.int_keys = int_keys
+    store.int_dots = int_dots
     out, lse = store.decode_attention(0, q, tables, np.array(seq_lens, np.int32), scale)
     for b, n in enumerate(seq_lens):
         # tight against attention over the dequantized values: the kernel reads exactly those
         kd, vd = store.gather(0, tables[b], n)
         ref_out, ref_lse = naive_attention(q[b], kd, vd, scale)
-        if int_keys:
-            np.testing.assert_allclose(out[b], ref_out, atol=5e-4 * np.abs(ref_out).max())
-            np.testing.assert_allclose(lse[b], ref_lse, atol=5e-4)
+        if int_dots:
+            np.testing.assert_allclose(out[b], ref_out, atol=1e-3 * np.abs(ref_out).max())
+            np.testing.assert_allclose(lse[b], ref_lse, atol=1e-3)
         else:
             np.testing.assert_allclose(out[b], ref_out, atol=2e-5, rtol=1e-4)
             np.testing.assert_allclose(lse[b], ref_lse, atol=2e-5, rtol=1e-5)
