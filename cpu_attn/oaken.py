@@ -546,8 +546,9 @@ def _host_has(*features: str) -> bool:
     return all(host.get(f, False) for f in features)
 
 
-VNNI = _host_has("avx512bw", "avx512vnni")
-"""Whether the exact kernel scores keys in int16 dot products (vnni_block_scores); elsewhere it decodes them to floats."""
+VNNI = _host_has("avx512bw", "avx512vnni", "avx512vbmi2")
+"""Whether the exact kernel works on full blocks in int16 dot products (vnni_block_scores, vnni_add_weighted_rows;
+VBMI2 for vpexpandw); elsewhere it decodes them to floats."""
 CODE_MAX = 16383
 """|code| and |query code| bound of vnni_block_scores: a product is < 2^28, six per lane and segment stay < 2^31."""
 ROWS = 16  # rows of a block vnni_block_scores scores: the lanes of its vectors
