@@ -185,6 +185,7 @@ class OakenKVStore:
         self._cos = self._sin = np.zeros((0, head_dim // 2), np.float32)
         self._block_cos = self._block_sin = self._cos  # the kernels': at block starts (oaken.add_key_center)
         self._offset_table = np.zeros((block_size, head_dim), np.float32)  # [cos | sin] at a block's offsets
+        self._offset_pairs = np.zeros((head_dim // 2, 2 * block_size), np.int16)  # the same for oaken.vnni_center_scores
         self.key_center = np.zeros((num_layers, num_kv_heads, 2, head_dim), np.float32)
         if self.key_bias is not None:
             self.key_center[:, :, 0] = self.key_bias / self.key_scales
@@ -234,6 +235,8 @@ class OakenKVStore:
                              self._rope_freq)
             self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
             self._offset_table = np.ascontiguousarray(np.hstack([self._cos[:self.block_size], self._sin[:self.block_size]]))
+            pairs = self._offset_table.T.reshape(self.head_dim // 2, 2, self.block_size).transpose(0, 2, 1)
+            self._offset_pairs = np.rint(pairs * oaken.CODE_MAX).astype(np.int16).reshape(self.head_dim // 2, -1)
             starts = angle[::self.block_size]
             self._block_cos, self._block_sin = np.cos(starts).astype(np.float32), np.sin(starts).astype(np.float32)
 
@@ -409,13 +412,16 @@ class OakenKVStore:
         turned = np.ascontiguousarray(self._rotate(q))
         if self.int_dots:
             q_codes, kacc = oaken.query_codes(turned), np.empty((units, group, self.block_size, 16), np.float32)
+            centers = (np.empty((units, group, head_dim), np.int16), np.empty((units, group), np.float32),
+                       np.empty((units, group), np.float32))
         else:
             q_codes, kacc = (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.float32)), np.empty((0, 0, 0, 0), np.float32)
+            centers = np.empty((0, 0, 0), np.int16), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)
         oaken.oaken_decode_attention(
             turned, self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
-            self.thresholds[layer, 1], self._center_queries(layer, q), (self._block_cos, self._block_sin, self._offset_table),
+            self.thresholds[layer, 1], self._center_queries(layer, q), (self._block_cos, self._block_sin, self._offset_table, self._offset_pairs),
             q_codes, block_tables, seq_lens, np.float32(scale), out, lse, *scratch,
-            np.empty((units, group, head_dim), np.float32), np.empty((units, group, self.block_size), np.float32), kacc)
+            np.empty((units, group, head_dim), np.float32), np.empty((units, group, self.block_size), np.float32), kacc, centers)
         return self._true_output(layer, self._unrotate(out)), lse
 
     def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:

@@ -948,9 +948,10 @@ def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
     their center is not). qc [group, D] holds, for each query, the terms A (first half) and B
     (second) of q . R(p) c = sum_i A_i cos(w_i p) + B_i sin(w_i p) (OakenKVStore._center_queries);
     center = (cos_b, sin_b [> j, D / 2] at the block starts, cs [bs, D] = [cos | sin] at the
-    offsets in a block). Turning A and B to the block start once makes the rest one dot product per
-    row against the fixed table cs, as q . k is (block_scores). Scratch qcb [group, D], sc [group, bs]."""
-    cos_b, sin_b, cs = center
+    offsets in a block, then the same as vnni_center_scores's pairs). Turning A and B to the block
+    start once makes the rest one dot product per row against the fixed table cs, as q . k is
+    (block_scores). Scratch qcb [group, D], sc [group, bs]."""
+    cos_b, sin_b, cs = center[0], center[1], center[2]
     half = qcb.shape[1] // 2
     for g in range(qcb.shape[0]):
         for i in range(half):
@@ -963,9 +964,81 @@ def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
             s[g, t] += sc[g, t]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def center_scales(qc, scale, inv, factor):
+    """For center_codes, per query: inv = CODE_MAX / r, r the largest |(A_i, B_i)| of its center terms
+    qc [group, D] (no turn changes it), and factor = scale * r / CODE_MAX^2 (the offsets' codes are
+    multiples of 1 / CODE_MAX): once per (sequence, kv-head)."""
+    half = qc.shape[1] // 2
+    for g in range(qc.shape[0]):
+        r = np.float32(1e-30)
+        for i in range(half):
+            r = max(r, np.sqrt(qc[g, i] * qc[g, i] + qc[g, half + i] * qc[g, half + i]))
+        inv[g] = np.float32(CODE_MAX) / r
+        factor[g] = scale * r / (np.float32(CODE_MAX) * np.float32(CODE_MAX))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def center_codes(qc, center, j, inv, abq):
+    """add_center_scores's A and B turned to block j's start, as vnni_center_scores takes them: abq
+    [group, D] int16, multiples of 1 / inv (center_scales)."""
+    cos_b, sin_b = center[0], center[1]
+    half = abq.shape[1] // 2
+    for g in range(abq.shape[0]):
+        for i in range(half):
+            a, b, c, t = qc[g, i], qc[g, half + i], cos_b[j, i], sin_b[j, i]
+            abq[g, i] = np.int16(np.floor((a * c + b * t) * inv[g] + np.float32(0.5)))
+            abq[g, half + i] = np.int16(np.floor((b * c - a * t) * inv[g] + np.float32(0.5)))
+
+
+_CENTER_PAIRS = 4  # channel pairs vnni_center_scores sums in integers before adding them as floats (< 2^31)
+
+
+@intrinsic
+def vnni_center_scores(typingctx, s, abq, factor, pairs):
+    """s[g, t] += factor[g] * sum_i abq[g, i] * offsets[t, i] for the 16 rows of a block: the keys'
+    centers in the score domain (add_center_scores) in int16 dot products. pairs [D / 2, 32] int16:
+    for each two channels, the 16 rows' codes of both side by side (OakenKVStore._offset_pairs), so
+    one vpdpwssd against the query's two codes, broadcast, adds both channels to every row's lane.
+    s [G, 16] float32, abq [G, D] int16, factor [G]."""
+    if not (c_array(s, 2, types.float32) and c_array(abq, 2, types.int16) and c_array(factor, 1, types.float32)
+            and c_array(pairs, 2, types.int16)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+        vec = ir.VectorType(i32, 16)
+        if not VNNI:
+            return _trap(context, builder)
+        sig = signature.args
+        arrays = [context.make_array(sig[i])(context, builder, args[i]) for i in range(4)]
+        base = [builder.ptrtoint(a.data, i64) for a in arrays]
+        groups, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
+        s_row, q_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (0, 1))
+        dpwssd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), "llvm.x86.avx512.vpdpwssd.512")
+        total = cgutils.alloca_once(builder, ir.VectorType(f32, 16))
+        with cgutils.for_range(builder, groups) as g:
+            q_at = builder.add(base[1], builder.mul(g.index, q_row))
+            builder.store(ir.Constant(ir.VectorType(f32, 16), [0.0] * 16), total)
+            with cgutils.for_range_slice(builder, i64(0), builder.lshr(dim, i64(1)), i64(_CENTER_PAIRS)) as (p, _):
+                acc = ir.Constant(vec, [0] * 16)
+                for k in range(_CENTER_PAIRS):
+                    pair = builder.add(p, i64(k))
+                    both = builder.load(builder.inttoptr(builder.add(q_at, builder.shl(pair, i64(2))), i32.as_pointer()), align=2)
+                    rows = builder.load(builder.inttoptr(builder.add(base[3], builder.shl(pair, i64(6))), vec.as_pointer()),
+                                        align=2)
+                    acc = builder.call(dpwssd, [acc, rows, splat(builder, both, 16)])
+                builder.store(builder.fadd(builder.load(total), builder.sitofp(acc, ir.VectorType(f32, 16))), total)
+            out = builder.inttoptr(builder.add(base[0], builder.mul(g.index, s_row)), ir.VectorType(f32, 16).as_pointer())
+            f = splat(builder, builder.load(builder.gep(arrays[2].data, [g.index])), 16)
+            builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(builder.load(total), f)), out, align=4)
+        return context.get_dummy_value()
+    return types.none(s, abq, factor, pairs), codegen
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, q_codes, block_tables, seq_lens, scale,
-                           out, lse, scores, kb, vb, m, l, parts, qcb, sc, kacc):
+                           out, lse, scores, kb, vb, m, l, parts, qcb, sc, kacc, centers):
     """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
     of one kv-head are decoded into small scratch (kb, vb: [U, block_size, D], L1-sized) and used
     at once; no full-precision copy of the cache is ever made.
@@ -974,8 +1047,9 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
     add_center_scores; q_center [0, 0, 0]: keys not centered); scratch qcb [U, group, D], sc
     [U, group, bs]. q_codes = (codes [B, Hq, D] int16, scales [B, Hq]): the queries as
     vnni_block_scores takes them; then every full quantized block is not decoded: its keys are
-    scored by vnni_block_scores (scratch kacc [U, group, 16, 16]) and its values summed by
-    vnni_add_weighted_rows. codes [0, 0, 0]: every block is decoded."""
+    scored by vnni_block_scores (scratch kacc [U, group, 16, 16]), their centers by
+    vnni_center_scores (scratch centers = (codes [U, group, D] int16, factor, inv [U, group]); see
+    center_codes) and its values summed by vnni_add_weighted_rows. codes [0, 0, 0]: every block is decoded."""
     num_seqs, num_heads, head_dim = q.shape
     block_size = k_parts[0].shape[1]
     num_kv_heads = k_parts[0].shape[2] * 2 // head_dim
@@ -992,6 +1066,8 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
         attend_begin(acc, m[unit], l[unit])
         n = seq_lens[b]
         first, end = part_blocks(n, block_size, splits, part)
+        if int_dots and q_center.shape[0]:
+            center_scales(q_center[b, heads], scale, centers[2][unit], centers[1][unit])
         for j in range(first, end):
             block = block_tables[b, j]
             width = min(block_size, n - j * block_size)
@@ -1005,7 +1081,10 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
             else:
                 load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
                 block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
-            if q_center.shape[0]:
+            if q_center.shape[0] and full:
+                center_codes(q_center[b, heads], center, j, centers[2][unit], centers[0][unit])
+                vnni_center_scores(scores[unit], centers[0][unit], centers[1][unit], center[3])
+            elif q_center.shape[0]:
                 add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
             if full:
                 softmax_weights(scores[unit], width, acc, m[unit], l[unit])
