@@ -410,18 +410,16 @@ class OakenKVStore:
         scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size))
         units = len(scratch[0])
         turned = np.ascontiguousarray(self._rotate(q))
-        if self.int_dots:
-            q_codes, kacc = oaken.query_codes(turned), np.empty((units, group, self.block_size, 16), np.float32)
-            centers = (np.empty((units, group, head_dim), np.int16), np.empty((units, group), np.float32),
-                       np.empty((units, group), np.float32))
-        else:
-            q_codes, kacc = (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.float32)), np.empty((0, 0, 0, 0), np.float32)
-            centers = np.empty((0, 0, 0), np.int16), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)
+        int_units = units if self.int_dots else 0  # no int16 scratch (and empty query codes) when decoding every block
+        q_codes = oaken.query_codes(turned) if self.int_dots else (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.float32))
         oaken.oaken_decode_attention(
             turned, self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
-            self.thresholds[layer, 1], self._center_queries(layer, q), (self._block_cos, self._block_sin, self._offset_table, self._offset_pairs),
-            q_codes, block_tables, seq_lens, np.float32(scale), out, lse, *scratch,
-            np.empty((units, group, head_dim), np.float32), np.empty((units, group, self.block_size), np.float32), kacc, centers)
+            self.thresholds[layer, 1], self._center_queries(layer, q),
+            (self._block_cos, self._block_sin, self._offset_table, self._offset_pairs), q_codes, block_tables, seq_lens,
+            np.float32(scale), out, lse, *scratch, np.empty((units, group, head_dim), np.float32),
+            np.empty((units, group, self.block_size), np.float32), np.empty((int_units, group, oaken.ROWS, 16), np.float32),
+            (np.empty((int_units, group, head_dim), np.int16), np.empty((int_units, group), np.float32),
+             np.empty((int_units, group), np.float32)))
         return self._true_output(layer, self._unrotate(out)), lse
 
     def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:

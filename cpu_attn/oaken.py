@@ -561,18 +561,25 @@ def query_codes(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(q / scales[..., None]).astype(np.int16), scales
 
 
+_F32, _I1, _I8, _I16, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
+                                    ir.IntType(64))
+
+
+def _llvm_fn(builder, name, ret, params):
+    """LLVM IR: the intrinsic `name` (declared in the module on first use)."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
+
+
 class _RowCodes:
     """LLVM IR shared by vnni_block_scores and vnni_add_weighted_rows: one full block's rows of one
     kv-head as int16 codes. Each row's 16 levels (8 middle magnitudes either side, dequantize_token)
     and its sparse values are int16 multiples of a per-row unit, its largest possible |value| /
     CODE_MAX; the per-row scalars are computed for all 16 rows at once, a row a lane."""
 
-    def __init__(self, context, builder, dense, scales, counts, sparse, thr, first_seg):
+    def __init__(self, builder, dense, scales, counts, sparse, thr, first_seg):
         """dense, scales, counts, sparse, thr: the arrays' structs (make_array); first_seg: i64."""
         self.builder = b = builder
-        f32, i1, i8, i16, i32, i64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
-                                      ir.IntType(64))
-        self.types = f32, i1, i8, i16, i32, i64
+        f32, i1, i8, i16, i32, i64 = _F32, _I1, _I8, _I16, _I32, _I64
         vec = ir.VectorType
         self.permw = self.fn("llvm.x86.avx512.permvar.hi.512", vec(i16, 32), [vec(i16, 32)] * 2)
         self.perm2w = self.fn("llvm.x86.avx512.vpermi2var.hi.512", vec(i16, 32), [vec(i16, 32)] * 3)
@@ -603,7 +610,7 @@ class _RowCodes:
         self.first16 = ir.Constant(vec(i32, 16), list(range(16)))
 
     def fn(self, name, ret, params):
-        return cgutils.get_or_insert_function(self.builder.module, ir.FunctionType(ret, params), name)
+        return _llvm_fn(self.builder, name, ret, params)
 
     def at(self, address, kind):
         return self.builder.inttoptr(address, kind.as_pointer())
@@ -618,15 +625,14 @@ class _RowCodes:
         return self.builder.select(self.builder.fcmp_ordered(">", a, b), a, b)
 
     def to_codes(self, x):  # <16 x float> in units -> <16 x i16>
-        f32, i1, i8, i16, i32, i64 = self.types
         b = self.builder
-        return b.trunc(b.fptosi(b.call(self.rint, [x]), ir.VectorType(i32, 16)), ir.VectorType(i16, 16))
+        return b.trunc(b.fptosi(b.call(self.rint, [x]), ir.VectorType(_I32, 16)), ir.VectorType(_I16, 16))
 
     def row(self, t):
         """Row t's state: its levels as codes (<32 x i16>, lanes 16.. unused), where its entries for
         the kv-head start in the block's budget (an alloca of i64, for each segment to move on by its
         count), its scalars, its counts' and nibbles' addresses. Rows in order (a running start)."""
-        f32, i1, i8, i16, i32, i64 = self.types
+        f32, i1, i8, i32, i64 = _F32, _I1, _I8, _I32, _I64
         b = self.builder
         scalars = [self.lanes(b.extract_element(x, i32(t))) for x in self.per_row]
         hb, lb, st = scalars[:3]
@@ -648,7 +654,7 @@ class _RowCodes:
     def segment(self, row, seg):
         """Segment seg of the kv-head in the current row -> (its nibbles: values 0..31 and 32..63 as
         <32 x i16>, the same as level codes, its entry count as i64)."""
-        f32, i1, i8, i16, i32, i64 = self.types
+        i8, i16, i64 = _I8, _I16, _I64
         b = self.builder
         levels, _, _, counts_at, row_at = row
         nibbles = b.load(self.at(b.add(row_at, b.shl(b.add(self.first_seg, seg), i64(5))), ir.VectorType(i8, 32)),
@@ -661,7 +667,7 @@ class _RowCodes:
     def entries(self, row, where, left, low, high):
         """Up to 16 sparse entries at address `where` (left of them) -> (lanes in use <16 x i1>, their
         indices j <16 x i16>, their true values' codes <16 x i16>, 0 past `left`)."""
-        f32, i1, i8, i16, i32, i64 = self.types
+        f32, i8, i16, i32, i64 = _F32, _I8, _I16, _I32, _I64
         b = self.builder
         vec = ir.VectorType
         st1, st2, sl, sh = row[2][3:]
@@ -711,7 +717,7 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         s_row = cgutils.unpack_tuple(builder, arrays[0].strides, 2)[0]
         first_seg = context.cast(builder, args[8], sig[8], types.intp)
         scale = context.cast(builder, args[9], sig[9], types.float32)
-        rc = _RowCodes(context, builder, *(arrays[i] for i in (3, 4, 5, 6, 7)), first_seg)
+        rc = _RowCodes(builder, *(arrays[i] for i in (3, 4, 5, 6, 7)), first_seg)
         dpwssd = rc.fn("llvm.x86.avx512.vpdpwssd.512", vec(i32, 16), [vec(i32, 16)] * 3)
         pairs = ir.Constant(vec(i32, 32), [x for i in range(16) for x in (i, 16 + i)])
         twice = ir.Constant(vec(i32, 32), [i for i in range(16) for _ in (0, 1)])
@@ -799,7 +805,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         acc_row, w_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (0, 1))
         acc_base, w_base = (builder.ptrtoint(arrays[i].data, i64) for i in (0, 1))
         first_seg = context.cast(builder, args[7], sig[7], types.intp)
-        rc = _RowCodes(context, builder, *(arrays[i] for i in (2, 3, 4, 5, 6)), first_seg)
+        rc = _RowCodes(builder, *(arrays[i] for i in (2, 3, 4, 5, 6)), first_seg)
         dpwssd = rc.fn("llvm.x86.avx512.vpdpwssd.512", vec(i32, 16), [vec(i32, 16)] * 3)
         expand = rc.fn("llvm.masked.expandload.v32i16", vec(i16, 32), [i16.as_pointer(), vec(i1, 32), vec(i16, 32)])
         any_bits = rc.fn("llvm.vector.reduce.or.v16i64", i64, [vec(i64, 16)])
@@ -875,8 +881,7 @@ def _block_arrays(dense, scales, counts, sparse, thr) -> bool:
 
 
 def _trap(context, builder):
-    trap = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
-    builder.call(trap, [])
+    builder.call(_llvm_fn(builder, "llvm.trap", ir.VoidType(), []), [])
     return context.get_dummy_value()
 
 
@@ -942,6 +947,18 @@ def add_key_center(rows, pos0, width, center, kvh):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def turn_center_terms(qc, center, j, qcb):
+    """qcb [group, D] = the center terms qc (A, B) turned to block j's start (see add_center_scores)."""
+    cos_b, sin_b = center[0], center[1]
+    half = qcb.shape[1] // 2
+    for g in range(qcb.shape[0]):
+        for i in range(half):
+            a, b, c, t = qc[g, i], qc[g, half + i], cos_b[j, i], sin_b[j, i]
+            qcb[g, i] = a * c + b * t
+            qcb[g, half + i] = b * c - a * t
+
+
+@njit(cache=True, nogil=True, inline="always")
 def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
     """s[g, t] += scale * (q_g . the key center turned to position j * bs + t), for the rows t <
     width of block j, in the score domain: the store's keys stay as decoded (they may be rotated,
@@ -951,14 +968,8 @@ def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
     offsets in a block, then the same as vnni_center_scores's pairs). Turning A and B to the block
     start once makes the rest one dot product per row against the fixed table cs, as q . k is
     (block_scores). Scratch qcb [group, D], sc [group, bs]."""
-    cos_b, sin_b, cs = center[0], center[1], center[2]
-    half = qcb.shape[1] // 2
-    for g in range(qcb.shape[0]):
-        for i in range(half):
-            a, b, c, t = qc[g, i], qc[g, half + i], cos_b[j, i], sin_b[j, i]
-            qcb[g, i] = a * c + b * t
-            qcb[g, half + i] = b * c - a * t
-    block_scores(qcb, cs, width, scale, sc)
+    turn_center_terms(qc, center, j, qcb)
+    block_scores(qcb, center[2], width, scale, sc)
     for g in range(qcb.shape[0]):
         for t in range(width):
             s[g, t] += sc[g, t]
@@ -979,16 +990,13 @@ def center_scales(qc, scale, inv, factor):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def center_codes(qc, center, j, inv, abq):
-    """add_center_scores's A and B turned to block j's start, as vnni_center_scores takes them: abq
-    [group, D] int16, multiples of 1 / inv (center_scales)."""
-    cos_b, sin_b = center[0], center[1]
-    half = abq.shape[1] // 2
+def center_codes(qc, center, j, inv, qcb, abq):
+    """add_center_scores's A and B turned to block j's start (into scratch qcb), as
+    vnni_center_scores takes them: abq [group, D] int16, multiples of 1 / inv (center_scales)."""
+    turn_center_terms(qc, center, j, qcb)
     for g in range(abq.shape[0]):
-        for i in range(half):
-            a, b, c, t = qc[g, i], qc[g, half + i], cos_b[j, i], sin_b[j, i]
-            abq[g, i] = np.int16(np.floor((a * c + b * t) * inv[g] + np.float32(0.5)))
-            abq[g, half + i] = np.int16(np.floor((b * c - a * t) * inv[g] + np.float32(0.5)))
+        for i in range(abq.shape[1]):
+            abq[g, i] = np.int16(np.floor(qcb[g, i] * inv[g] + np.float32(0.5)))
 
 
 _CENTER_PAIRS = 4  # channel pairs vnni_center_scores sums in integers before adding them as floats (< 2^31)
@@ -1015,7 +1023,7 @@ def vnni_center_scores(typingctx, s, abq, factor, pairs):
         base = [builder.ptrtoint(a.data, i64) for a in arrays]
         groups, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
         s_row, q_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (0, 1))
-        dpwssd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), "llvm.x86.avx512.vpdpwssd.512")
+        dpwssd = _llvm_fn(builder, "llvm.x86.avx512.vpdpwssd.512", vec, [vec] * 3)
         total = cgutils.alloca_once(builder, ir.VectorType(f32, 16))
         with cgutils.for_range(builder, groups) as g:
             q_at = builder.add(base[1], builder.mul(g.index, q_row))
@@ -1082,7 +1090,7 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
                 load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
                 block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
             if q_center.shape[0] and full:
-                center_codes(q_center[b, heads], center, j, centers[2][unit], centers[0][unit])
+                center_codes(q_center[b, heads], center, j, centers[2][unit], qcb[unit], centers[0][unit])
                 vnni_center_scores(scores[unit], centers[0][unit], centers[1][unit], center[3])
             elif q_center.shape[0]:
                 add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
