@@ -67,8 +67,10 @@ def main() -> None:
                 log_u = lsh.log_u_table(args.lsh_k, tables_of[mode], hits_of[mode])
                 sets = [lsh.table_set(simhash(torch.from_numpy(keys[b][0][:indexed, h] - mu[b, h]), w,
                                               args.lsh_k).numpy(), args.lsh_k) for b in range(batch) for h in range(KV_HEADS)]
+                norms = np.stack([np.linalg.norm(keys[b][0][:indexed, h] - mu[b, h], axis=1)
+                                  for b in range(batch) for h in range(KV_HEADS)]).astype(np.float32)
                 table_sets = (np.stack([first, first + 1], -1), np.full(batch * KV_HEADS, indexed, np.int32),
-                              np.stack([s[0] for s in sets]), np.stack([s[1] for s in sets]))
+                              np.stack([s[0] for s in sets]), np.stack([s[1] for s in sets]), norms)
                 del sets
                 q_codes = simhash(torch.from_numpy(hashed[mode]), w, args.lsh_k).numpy()
 

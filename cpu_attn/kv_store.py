@@ -262,16 +262,20 @@ class OakenKVStore:
         return np.ascontiguousarray(np.concatenate([x[..., :d // 2] + x[..., d // 2:] for x in terms], -1)
                                     .reshape(q.shape), np.float32)
 
-    def _rotate(self, x: np.ndarray) -> np.ndarray:
-        """[..., Hkv * D] or [..., D] rows -> each head's D values times the rotation (none: as they are)."""
-        if not self.rotation.size:
+    def _rotate(self, x: np.ndarray, matrix: np.ndarray | None = None) -> np.ndarray:
+        """[..., Hkv * D] or [..., D] rows -> each head's D values times the rotation, or `matrix`
+        (none: as they are). A Numba loop, not a BLAS matmul: OpenBLAS's threads spin on for a while
+        after one, on the cores the next kernel needs (exact attention at head_dim 128 took 2.4x as
+        long on 2 cores)."""
+        matrix = self.rotation if matrix is None else matrix
+        if not matrix.size:
             return x
-        return (x.reshape(-1, self.head_dim) @ self.rotation).reshape(x.shape)
+        rows = np.array(x, np.float32).reshape(-1, self.head_dim)
+        oaken.turn_heads(rows, matrix)
+        return rows.reshape(x.shape)
 
     def _unrotate(self, x: np.ndarray) -> np.ndarray:
-        if not self.rotation.size:
-            return x
-        return (x.reshape(-1, self.head_dim) @ self._unrotation).reshape(x.shape)
+        return self._rotate(x, self._unrotation)
 
     def _parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
         return self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv], self.sparse[layer, kv]
@@ -441,32 +445,34 @@ class OakenKVStore:
         """MagicPIG attention (cpu_attn/lsh.py): q [B, Hq, D], q_codes int32 [B, Hq, L] (each head
         hashed) or [B, Hkv, L] (each GQA group's mean query hashed, gpu_model.lsh); tables =
         (set_of [B, Hkv, 2] each item's range of sets, indexed [S], offsets [S, L, 2^K + 1],
-        ids [S, L, cap], or typed Lists of the per-set 2-D arrays); mu [B, Hkv, D] the
-        keys' centers; log_u from lsh.log_u_table (same min_hits); window >= 1 (the current token is always exact).
+        ids [S, L, cap], norms [S, cap] each key's |k - mu|, or typed Lists of the per-set arrays);
+        mu [B, Hkv, D] the keys' centers; log_u from lsh.log_u_table (same min_hits); window >= 1 (the current token is always exact).
         -> out [B, Hq, D], lse [B, Hq], touched [B, Hq] (keys sampled per query head)."""
         if window < 1:
             raise ValueError("the exact local window must hold at least the current token")
         num_seqs, num_heads, head_dim = q.shape
         group = num_heads // self.num_kv_heads
-        set_of, indexed, offsets, ids = tables
+        set_of, indexed, offsets, ids, norms = tables
         ends = np.concatenate([[0], np.cumsum(indexed, dtype=np.int64)])
         capacity = max(int((ends[set_of[..., 1]] - ends[set_of[..., 0]]).max(initial=0)), 1)  # keys of one item
         key_scale = self.key_scales[layer]
+        q_store = self._store_queries(layer, q)
         if q_codes.shape[1] == num_heads:
-            r, r_store = q, self._store_queries(layer, q)
+            r, r_store = q, q_store
         else:  # the hashed queries are the groups' means
             r = np.asarray(q, np.float32).reshape(num_seqs, self.num_kv_heads, group, head_dim).mean(2)
             r_store = np.ascontiguousarray(r * key_scale)
-        mu = np.ascontiguousarray(mu / key_scale, np.float32)  # in the store's key space
+        per_kv_head = r_store.reshape(num_seqs, self.num_kv_heads, -1, head_dim)
+        r_mu = np.einsum("bhrd,bhd->bhr", per_kv_head, mu / key_scale).reshape(num_seqs, -1).astype(np.float32)
         out = np.empty(q.shape, np.float32)
         lse = np.empty((num_seqs, num_heads), np.float32)
         touched = np.empty((num_seqs, num_heads), np.int64)
         lsh.sampled_decode_attention(
-            self._store_queries(layer, q), r_store, np.linalg.norm(r, axis=-1).astype(np.float32),
-            np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0),
-            self._read_parts(layer, 1), self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer),
-            self._unrotation, key_scale, mu, block_tables, seq_lens, set_of, indexed, offsets, ids, log_u, num_sinks, window, min_hits,
-            np.float32(scale), out, lse, touched, *self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
+            q_store, self._rotate(q_store), r_store, self._rotate(r_store), np.linalg.norm(r, axis=-1).astype(np.float32),
+            r_mu, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0), self._read_parts(layer, 1),
+            self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens,
+            set_of, indexed, offsets, ids, norms, log_u, num_sinks, window, min_hits, np.float32(scale), out, lse,
+            touched, *self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
         return self._true_output(layer, self._unrotate(out)), lse, touched
 
     def _sampled_scratch(self, work: int, group: int, capacity: int) -> tuple[np.ndarray, ...]:
@@ -475,7 +481,7 @@ class OakenKVStore:
         call cost ~0.25 ms a sampled layer at 16 x 8k, and ~10 ms after the server's malloc_trim gave
         their pages back (one layer's captured arguments, replayed)."""
         have = self._sampled.get(threading.get_ident())
-        items, cap = (0, 0) if have is None or have[0].shape[1] != group else (have[0].shape[0], have[5].shape[1])
+        items, cap = (0, 0) if have is None or have[0].shape[1] != group else (have[0].shape[0], have[7].shape[1])
         if items < work or cap < capacity:
             have = lsh.sampled_scratch(max(items, work), group, self.block_size, self.head_dim,
                                        max(cap, capacity + capacity // 4))

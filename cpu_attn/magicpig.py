@@ -8,8 +8,9 @@ hashes q and k next to the projection, keys centered the same way as here.
 Per sequence and layer:
     mu       [Hkv, D]          mean key of the first prefill chunk (for the angle in u)
     tables   per set c (lsh.MAX_KEYS keys each, the last one filling): offsets [Hkv][L, 2^K + 1],
-             packed ids [Hkv][L, bytes]; together keys 0..indexed-1
-    pending  [P, Hkv, L] int32 codes of keys indexed .. indexed + P - 1
+             packed ids [Hkv][L, bytes], norms [Hkv, keys] (|k - mu| of each key as hashed, for
+             its angle to the query); together keys 0..indexed-1
+    pending  [P, Hkv, L] int32 codes (and [P, Hkv] norms) of keys indexed .. indexed + P - 1
 Keys stay pending (and are attended exactly, as the local window) until `merge_every` of them
 lie before the window; then they are merged into the tables in one pass (lsh.merge_tables). A
 decode step merges at most `merges_per_step` (sequence, layer) states: sequences that started
@@ -62,8 +63,10 @@ class _Layer:
     mu: np.ndarray
     offsets: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, 2^K + 1]
     ids: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, bytes] (lsh.table_set)
+    norms: list[np.ndarray] = field(default_factory=list)  # per set [Hkv, keys]: |k - mu|
     indexed: int = 0
     pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L]
+    pending_norms: list[np.ndarray] = field(default_factory=list)  # their norms [P, Hkv]
     version: int = 0  # bumped by every merge (the tables are new arrays)
 
     def set_keys(self, c: int) -> int:
@@ -79,7 +82,7 @@ class MagicPig:
         self.sampled_layers = [layer not in dense for layer in range(num_layers)]
         self.log_u = lsh.log_u_table(cfg.k, cfg.l, cfg.min_collisions)
         self.seqs: dict[int, list[_Layer | None]] = {}
-        self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.uint16), lsh.empty_ids(cfg.l, 0))
+        self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.uint16), lsh.empty_ids(cfg.l, 0), np.zeros(0, np.float32))
         self._lists: dict[int, tuple] = {}  # per layer: the last batch's states, versions and typed Lists
         self._merges_left = cfg.merges_per_step
         self.touched = 0
@@ -106,7 +109,9 @@ class MagicPig:
             if state is None:
                 layers.append(None)
                 continue
-            twin = _Layer(mu=state.mu.copy(), indexed=state.indexed, pending=[p.copy() for p in state.pending])
+            twin = _Layer(mu=state.mu.copy(), norms=[n.copy() for n in state.norms], indexed=state.indexed,
+                          pending=[p.copy() for p in state.pending],
+                          pending_norms=[n.copy() for n in state.pending_norms])
             for c, (offsets, ids) in enumerate(zip(state.offsets, state.ids)):
                 arrays = lsh.table_arrays(len(offsets), self.cfg.l, 2**self.cfg.k, state.set_keys(c))
                 for (o, i), old_o, old_i in zip(arrays, offsets, ids):
@@ -132,6 +137,7 @@ class MagicPig:
         if state is None or start_pos == 0:
             state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
         state.pending.append(k_codes)
+        state.pending_norms.append(torch.linalg.vector_norm(k - torch.from_numpy(state.mu), dim=-1).numpy())
         n = start_pos + len(k)
         upto = n - self.cfg.window
         due = upto - state.indexed
@@ -142,15 +148,20 @@ class MagicPig:
 
     def _merge(self, state: _Layer, upto: int) -> None:
         """Index keys state.indexed .. upto - 1: into the last set while it has room, then new sets."""
-        codes = np.concatenate(state.pending)
-        state.pending = [codes[upto - state.indexed:]]
-        codes = codes[:upto - state.indexed]
+        due = upto - state.indexed
+        codes, norms = np.concatenate(state.pending), np.concatenate(state.pending_norms)
+        state.pending, state.pending_norms = [codes[due:]], [norms[due:]]
+        codes, norms = codes[:due], norms[:due]
         while len(codes):
             in_set = state.indexed % lsh.MAX_KEYS  # keys already in the last set (0: start a new one)
-            take, codes = codes[:lsh.MAX_KEYS - in_set], codes[lsh.MAX_KEYS - in_set:]
+            room = lsh.MAX_KEYS - in_set
+            (take, codes), (take_norms, norms) = (codes[:room], codes[room:]), (norms[:room], norms[room:])
             if in_set == 0:
                 state.offsets.append([])
                 state.ids.append([])
+                state.norms.append(np.ascontiguousarray(take_norms.T))
+            else:
+                state.norms[-1] = np.concatenate([state.norms[-1], take_norms.T], axis=1)
             offsets, ids = state.offsets[-1], state.ids[-1]
             arrays = lsh.table_arrays(self.num_kv_heads, self.cfg.l, 2**self.cfg.k, in_set + len(take))
             for h, (o, i) in enumerate(arrays):
@@ -191,16 +202,16 @@ class MagicPig:
         self.eligible += int(q.shape[1] * (tails - np.minimum(self.cfg.sinks, seq_lens)[:, None]).sum())
         return out, lse
 
-    def _tables(self, layer: int, states: list[_Layer | None]) -> tuple[np.ndarray, np.ndarray, List, List]:
+    def _tables(self, layer: int, states: list[_Layer | None]) -> tuple[np.ndarray, np.ndarray, List, List, List]:
         """The batch's table sets as lsh.sampled_decode_attention takes them: (set_of [B, Hkv, 2],
-        indexed [S], offsets, ids as typed Lists), reused while the batch and its tables stay the
+        indexed [S], offsets, ids, norms as typed Lists), reused while the batch and its tables stay the
         same (filling a List from Python costs ~5 us per item: 30 ms per step at 16 sequences)."""
         versions = [None if s is None else s.version for s in states]
         cached = self._lists.get(layer)
         if cached is not None and len(cached[0]) == len(states) and cached[1] == versions and \
                 all(a is b for a, b in zip(cached[0], states)):
             return cached[2:]
-        offsets, ids, indexed = List(), List(), []
+        offsets, ids, norms, indexed = List(), List(), List(), []
         set_of = np.zeros((len(states), self.num_kv_heads, 2), np.int32)
         for b, state in enumerate(states):
             for h in range(self.num_kv_heads):
@@ -209,13 +220,15 @@ class MagicPig:
                 for c in sets:
                     offsets.append(state.offsets[c][h])
                     ids.append(state.ids[c][h])
+                    norms.append(state.norms[c][h])
                     indexed.append(state.set_keys(c))
                 if not sets:
                     offsets.append(self._empty[0])
                     ids.append(self._empty[1])
+                    norms.append(self._empty[2])
                     indexed.append(0)
                 set_of[b, h, 1] = len(indexed)
-        tables = (set_of, np.array(indexed, np.int32), offsets, ids)
+        tables = (set_of, np.array(indexed, np.int32), offsets, ids, norms)
         self._lists[layer] = (states, versions, *tables)
         return tables
 

@@ -250,14 +250,14 @@ def turn_rows(rows, width, matrix, tmp):
             rows[t, i] = tmp[i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def turn_heads(x, matrix):
     """x [T, Hkv * D] float32: each head's D values times matrix [D, D], in place, with the same
-    operations as write_tail_rows turns its rows (so both write paths store the same bits)."""
+    operations as write_tail_rows turns its rows (so both write paths store the same bits); rows
+    in parallel (a 64k-token prompt of a 32-layer model turns 33 M rows of 128)."""
     dim = matrix.shape[0]
-    tmp = np.empty(dim, np.float32)
-    for t in range(x.shape[0]):
-        turn_rows(x[t].reshape(x.shape[1] // dim, dim), x.shape[1] // dim, matrix, tmp)
+    for t in prange(x.shape[0]):
+        turn_rows(x[t].reshape(x.shape[1] // dim, dim), x.shape[1] // dim, matrix, np.empty(dim, np.float32))
 
 
 @njit(cache=True, nogil=True)

@@ -119,21 +119,31 @@ def test_inclusion_probability_matches_monte_carlo(cos, m):
     assert abs(np.interp(cos, grid, table) - np.log(u)) < 1e-3
 
 
-def stacked(sets):
-    """Table sets of different sizes as the kernel's [S, L, ...] arrays (ids padded with zeros)."""
-    width = max(ids.shape[1] for _, ids in sets)
+def stacked(sets, norms):
+    """Table sets of different sizes and their keys' norms as the kernel's [S, L, ...] and [S, keys]
+    arrays (ids and norms padded with zeros)."""
+    width, keys = max(ids.shape[1] for _, ids in sets), max(len(n) for n in norms)
     return (np.stack([offsets for offsets, _ in sets]),
-            np.stack([np.pad(ids, ((0, 0), (0, width - ids.shape[1]))) for _, ids in sets]))
+            np.stack([np.pad(ids, ((0, 0), (0, width - ids.shape[1]))) for _, ids in sets]),
+            np.stack([np.pad(n, (0, keys - len(n))) for n in norms]).astype(np.float32))
+
+
+def key_norms(store, block_tables, seq_lens, codes, mu):
+    """|k - mu| of the keys each (sequence, kv-head) hashed (codes[b][h] for its first keys): here
+    the stored keys (the server's hashes and norms are of the keys before quantization)."""
+    return [[np.linalg.norm(store.gather(0, block_tables[b], n)[0][:len(codes[b][h]), h] - mu[b, h], axis=1)
+             for h in range(store.num_kv_heads)] for b, n in enumerate(seq_lens)]
 
 
 def sampled(store, q, q_codes, tables_per_seq, seq_lens, block_tables, mu, log_u, sinks, window, k, m=2):
     """Run the store's sampled attention with per-(sequence, kv-head) code arrays."""
     num_seqs, hkv = len(seq_lens), store.num_kv_heads
     sets = [lsh.table_set(c, k) for row in tables_per_seq for c in row]
+    norms = [n for row in key_norms(store, block_tables, seq_lens, tables_per_seq, mu) for n in row]
     first = np.arange(num_seqs * hkv, dtype=np.int32).reshape(num_seqs, hkv)
     set_of = np.stack([first, first + 1], -1)  # one set per (sequence, kv-head)
     indexed = np.array([len(c) for row in tables_per_seq for c in row], np.int32)
-    tables = (set_of, indexed, *stacked(sets))
+    tables = (set_of, indexed, *stacked(sets, norms))
     return store.sampled_decode_attention(0, q, q_codes, block_tables, np.asarray(seq_lens, np.int32),
                                           q.shape[-1]**-0.5, tables, mu, log_u, sinks, window, m)
 
@@ -289,15 +299,17 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
         mp.append(0, 7, n, keys[n:n + 1], codes[n:n + 1])
         expect = 536 + 100 * ((n + 1 - 64 - 536) // 100)
         assert state.indexed == expect, n
-        set_of, indexed, offsets, ids = mp._tables(0, [state])  # cached between merges, never stale
-        assert set_of[0, 1].tolist() == [1, 2] and indexed[1] == expect
+        set_of, indexed, offsets, ids, norms = mp._tables(0, [state])  # cached between merges, never stale
+        assert set_of[0, 1].tolist() == [1, 2] and indexed[1] == expect and len(norms[1]) == expect
         assert offsets[1] is state.offsets[0][1] and ids[1] is state.ids[0][1]
     codes = codes[:state.indexed]
     for h in range(2):
         offsets, ids = lsh.table_set(np.ascontiguousarray(codes[:, h]), cfg.k)
         np.testing.assert_array_equal(state.offsets[0][h], offsets)
         np.testing.assert_array_equal(state.ids[0][h], ids)
-    assert sum(len(p) for p in state.pending) == 1000 - state.indexed
+        np.testing.assert_allclose(state.norms[0][h], np.linalg.norm(keys[:state.indexed, h].numpy() - state.mu[h], axis=1),
+                                   rtol=1e-5)  # |k - mu| of each indexed key, for its angle to the query
+    assert sum(len(p) for p in state.pending) == sum(len(n) for n in state.pending_norms) == 1000 - state.indexed
     mp.append(0, 7, 0, keys[:10], codes[:10])
     assert mp.seqs[7][0].indexed == 0 and mp.seqs[7][0] is not state
     mp.free([7])
@@ -355,7 +367,9 @@ def test_magicpig_indexes_past_max_keys_in_more_table_sets(monkeypatch):
             offsets, ids = lsh.table_set(np.ascontiguousarray(codes[300 * c:min(300 * (c + 1), 936), h]), cfg.k)
             np.testing.assert_array_equal(state.offsets[c][h], offsets)
             np.testing.assert_array_equal(state.ids[c][h], ids)
-    set_of, indexed, _, _ = mp._tables(0, [state, None])
+            np.testing.assert_allclose(state.norms[c][h], np.linalg.norm(
+                keys[300 * c:min(300 * (c + 1), 936), h].numpy() - state.mu[h], axis=1), rtol=1e-5)
+    set_of, indexed, _, _, _ = mp._tables(0, [state, None])
     assert set_of.tolist() == [[[0, 4], [4, 8]], [[8, 9], [9, 10]]]
     assert indexed.tolist() == [300, 300, 300, 36] * 2 + [0, 0]
     assert sum(len(p) for p in state.pending) == 1000 - 936
@@ -398,14 +412,15 @@ def test_sampled_attention_over_several_table_sets_equals_one_set():
     log_u = lsh.log_u_table(k, num_tables)
     one = sampled(store, q, q_codes, codes, seq_lens, block_tables, mu, log_u, sinks=4, window=8, k=k)
     # the same keys in sets of 40 (the last one partial): 4 sets for 142 keys, 3 for 89
+    norms = key_norms(store, block_tables, seq_lens, codes, mu)
     sets, set_of = [], np.zeros((2, 3, 2), np.int32)
     for b in range(2):
         for h in range(3):
             set_of[b, h, 0] = len(sets)
-            sets += [(lsh.table_set(codes[b][h][i:i + 40], k), len(codes[b][h][i:i + 40]))
+            sets += [(lsh.table_set(codes[b][h][i:i + 40], k), norms[b][h][i:i + 40])
                      for i in range(0, len(codes[b][h]), 40)]
             set_of[b, h, 1] = len(sets)
-    tables = (set_of, np.array([n for _, n in sets], np.int32), *stacked([t for t, _ in sets]))
+    tables = (set_of, np.array([len(n) for _, n in sets], np.int32), *stacked(*zip(*sets)))
     many = store.sampled_decode_attention(0, q, q_codes, block_tables, np.asarray(seq_lens, np.int32), 64**-0.5,
                                           tables, mu, log_u, 4, 8)
     assert one[2].sum() > 0
@@ -413,7 +428,7 @@ def test_sampled_attention_over_several_table_sets_equals_one_set():
         np.testing.assert_array_equal(a, b)
     # the store keeps the kernel's scratch between calls: it must come back zeroed where the kernel needs
     # zeros, so a repeated call (and one for a single sequence, a smaller batch) gives the same results
-    (_, _, _, _, _, count, marks, _, _), = store._sampled.values()
+    (_, _, _, _, _, _, _, count, marks, _, _), = store._sampled.values()
     assert not count.any() and not marks.any()
     again = sampled(store, q, q_codes, codes, seq_lens, block_tables, mu, log_u, sinks=4, window=8, k=k)
     first = sampled(store, q[:1], q_codes[:1], codes[:1], seq_lens[:1], block_tables[:1], mu[:1], log_u, sinks=4,
@@ -576,7 +591,7 @@ def test_table_arrays_are_separate_zeroed_views_of_one_buffer():
 
 
 def test_magicpig_clone_copies_the_state_into_buffers_of_its_own():
-    """MagicPig.clone: the same tables, pending codes and centers as the source, none of them shared."""
+    """MagicPig.clone: the same tables, key norms, pending codes and centers as the source, none of them shared."""
     from cpu_attn.magicpig import LshConfig, MagicPig
 
     rng = np.random.default_rng(1)
@@ -586,6 +601,6 @@ def test_magicpig_clone_copies_the_state_into_buffers_of_its_own():
     sparse.clone(7, 8)
     src, dst = sparse.seqs[7][1], sparse.seqs[8][1]
     assert sparse.seqs[8][0] is None and dst.indexed == src.indexed == 32
-    for a, b in [(src.mu, dst.mu), *zip(src.pending, dst.pending), *zip(src.offsets[0], dst.offsets[0]),
-                 *zip(src.ids[0], dst.ids[0])]:
+    for a, b in [(src.mu, dst.mu), *zip(src.pending, dst.pending), *zip(src.pending_norms, dst.pending_norms),
+                 *zip(src.offsets[0], dst.offsets[0]), *zip(src.ids[0], dst.ids[0]), *zip(src.norms, dst.norms)]:
         assert np.array_equal(a, b) and not np.shares_memory(a, b)
