@@ -2,6 +2,7 @@
 on contiguous fp32 KV, with the machine's two limits measured in the same run.
 
     python -m benchmarks.bench_decode_attn [--batch 1 4 8 16] [--context 1024 4096 8192 16384 32768]
+                                           [--shape smollm2-135m | llama-3.1-8b]
 
 For every (context, batch): ms per layer for the Oaken, fp16 and fp32 paged kernels and for
 SDPA; bytes each kernel reads; achieved GB/s and GFLOP/s (4 * D flops per query head and
@@ -10,7 +11,8 @@ and which one binds. Oaken's K/V are real SmolLM2 statistics (Gaussian with a he
 thresholds at the default group shares), so its sparse share is that of the defaults; `oaken` is the store as
 served: keys centered on a pre-RoPE mean turned to each key's position (added back in the score
 domain), K and V turned by the Hadamard rotation (queries turned, outputs turned back);
-`oaken_nocenter` does neither (their cost).
+`oaken_nocenter` does neither (their cost). One layer of SmolLM2-135M's shape (9 / 3 heads of 64) by
+default; `--shape llama-3.1-8b` takes 32 / 8 heads of 128.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from cpu_attn.calibrate import INNER_RATIO, OUTER_RATIO, hadamard
 from cpu_attn.kv_store import OakenKVStore, PagedKVStore
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M, one layer
+SHAPES = {"smollm2-135m": (HEADS, KV_HEADS, HEAD_DIM), "llama-3.1-8b": (32, 8, 128)}  # query, kv-heads, head_dim
 
 
 def gaussian_thresholds(outer: float, inner: float) -> np.ndarray:
@@ -113,19 +116,19 @@ def fill(store, rng, batch: int, context: int) -> np.ndarray:
     for b in range(batch):
         slots = (tables[b][pos // BLOCK] * BLOCK + pos % BLOCK).astype(np.int64)
         for s in range(0, context, 4096):
-            k = rng.standard_normal((len(slots[s:s + 4096]), KV_HEADS, HEAD_DIM)).astype(np.float32)
+            k = rng.standard_normal((len(slots[s:s + 4096]), store.num_kv_heads, store.head_dim)).astype(np.float32)
             k[:, :, 5] *= 3
             store.write(0, slots[s:s + 4096], k, rng.standard_normal(k.shape).astype(np.float32), pos[s:s + 4096])
     return tables
 
 
-def served_oaken(num_blocks: int, rng) -> OakenKVStore:
+def served_oaken(num_blocks: int, rng, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> OakenKVStore:
     """One layer's Oaken store as served: keys centered on a pre-RoPE mean turned to each
     position by SmolLM2's RoPE (theta 100000), K and V turned by the Hadamard rotation."""
-    return OakenKVStore(1, KV_HEADS, HEAD_DIM, BLOCK, num_blocks, np.tile(THR, (1, 2, 1)),
-                        key_bias=rng.uniform(-1, 1, (1, KV_HEADS * HEAD_DIM)).astype(np.float32),
-                        rope_inv_freq=100000.0 ** -(np.arange(HEAD_DIM // 2) * 2 / HEAD_DIM),
-                        rotation=hadamard(HEAD_DIM))
+    return OakenKVStore(1, kv_heads, head_dim, BLOCK, num_blocks, np.tile(THR, (1, 2, 1)),
+                        key_bias=rng.uniform(-1, 1, (1, kv_heads * head_dim)).astype(np.float32),
+                        rope_inv_freq=100000.0 ** -(np.arange(head_dim // 2) * 2 / head_dim),
+                        rotation=hadamard(head_dim))
 
 
 def oaken_bytes(store: OakenKVStore, tables: np.ndarray, context: int) -> int:
@@ -139,20 +142,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="one layer of this model's heads")
     ap.add_argument("--out", default="decode_attn.json")
     args = ap.parse_args()
+    heads, kv_heads, head_dim = SHAPES[args.shape]
     rng = np.random.default_rng(0)
     lim = limits()
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     rows = []
     for context in args.context:
         for batch in args.batch:
             lens = np.full(batch, context, np.int32)
-            q = rng.standard_normal((batch, HEADS, HEAD_DIM)).astype(np.float32)
-            flops = 4 * HEAD_DIM * HEADS * context * batch
+            q = rng.standard_normal((batch, heads, head_dim)).astype(np.float32)
+            flops = 4 * head_dim * heads * context * batch
             num_blocks = batch * -(-context // BLOCK)
             row = {"context": context, "batch": batch}
-            fp32 = PagedKVStore(1, KV_HEADS, HEAD_DIM, BLOCK, num_blocks, "float32")
+            fp32 = PagedKVStore(1, kv_heads, head_dim, BLOCK, num_blocks, "float32")
             tables = fill(fp32, rng, batch, context)
             k, v = (torch.from_numpy(np.stack([fp32.gather(0, t, context)[i] for t in tables]).transpose(0, 2, 1, 3).copy())
                     for i in (0, 1))  # contiguous [B, Hkv, S, D]: SDPA's best case
@@ -161,17 +166,17 @@ def main() -> None:
                 sdpa = best_of(lambda: F.scaled_dot_product_attention(qt, k, v, enable_gqa=True))
             del k, v
             stores = {"fp32": (fp32, tables)}
-            fp16 = PagedKVStore(1, KV_HEADS, HEAD_DIM, BLOCK, num_blocks, "float16")
+            fp16 = PagedKVStore(1, kv_heads, head_dim, BLOCK, num_blocks, "float16")
             stores["fp16"] = (fp16, fill(fp16, rng, batch, context))
             # as served: keys centered on a pre-RoPE mean turned to each position (SmolLM2's RoPE)
-            oak = served_oaken(num_blocks, rng)
+            oak = served_oaken(num_blocks, rng, kv_heads, head_dim)
             stores["oaken"] = (oak, fill(oak, rng, batch, context))
-            plain = OakenKVStore(1, KV_HEADS, HEAD_DIM, BLOCK, num_blocks, np.tile(THR, (1, 2, 1)))
+            plain = OakenKVStore(1, kv_heads, head_dim, BLOCK, num_blocks, np.tile(THR, (1, 2, 1)))
             stores["oaken_nocenter"] = (plain, fill(plain, rng, batch, context))
             for name, (store, tabs) in stores.items():
                 t = best_of(lambda: store.decode_attention(0, q, tabs, lens, scale))
                 nbytes = oaken_bytes(store, tabs, context) if name.startswith("oaken") else \
-                    2 * batch * context * KV_HEADS * HEAD_DIM * store.k.itemsize
+                    2 * batch * context * kv_heads * head_dim * store.k.itemsize
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_gb_s"] = nbytes / t / 1e9
                 row[f"{name}_mb"] = nbytes / 1e6
@@ -184,7 +189,7 @@ def main() -> None:
             row["oaken_vs_bound"] = t / max(bw_bound, fma_bound)
             row["oaken_vs_peak"] = t / max(bw_bound, flops / 1e9 / lim["sgemm_gflop_s"])  # against the sgemm rate
             # quantization on append: one decode token per sequence into the Oaken store
-            new = rng.standard_normal((batch, KV_HEADS, HEAD_DIM)).astype(np.float32)
+            new = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
             slots = stores["oaken"][1][:, -1].astype(np.int64) * BLOCK + (context - 1) % BLOCK
             last = np.full(batch, context - 1)
             row["append_ms"] = best_of(lambda: oak.write(0, slots, new, new, last)) * 1e3
@@ -194,7 +199,7 @@ def main() -> None:
             print(f"context {context} batch {batch}: oaken {row['oaken_ms']:.2f} ms, fp16 {row['fp16_ms']:.2f}, "
                   f"fp32 {row['fp32_ms']:.2f}, sdpa {row['sdpa_fp32_ms']:.2f}", flush=True)
     info = machine()
-    print(f"\none layer of SmolLM2-135M (heads {HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK}); "
+    print(f"\none layer of {args.shape} (heads {heads}/{kv_heads}, head_dim {head_dim}, block {BLOCK}); "
           f"{lim['threads']} threads: memory read {lim['read_gb_s']:.1f} GB/s, "
           f"Numba FMA {lim['fma_gflop_s']:.1f} GFLOP/s, "
           f"torch sgemm {lim['sgemm_gflop_s']:.1f} GFLOP/s ({lim['sgemm_threads']} threads)")

@@ -3,9 +3,9 @@ and torch SDPA on fp32 KV, side by side in one run.
 
     python -m benchmarks.bench_sampled_attn [--batch 1 8 16] [--context 4096 8192 16384 32768]
 
-One layer of SmolLM2-135M (9/3 heads, head_dim 64), keys with a heavy channel and values from a
-Gaussian, written through the store; SimHash codes (K bits, L tables) of the centered keys and
-the queries from gpu_model.lsh; 4 sink tokens and a 64-token exact window. Queries are drawn
+One layer of SmolLM2-135M (9/3 heads, head_dim 64; `--shape llama-3.1-8b`: 32/8 of 128), keys with a
+heavy channel and values from a Gaussian, written through the store; SimHash codes (K bits, L tables)
+of the centered keys and the queries from gpu_model.lsh; 4 sink tokens and a 64-token exact window. Queries are drawn
 near a few stored keys (as real attention is peaked), so retrieval finds what it should.
 Reports ms, the share of keys sampled beyond the exact part, and sampled / exact-Oaken time, for
 each query head retrieving its keys (MagicPIG's "head" retrieval as the paper: L = --lsh-l 150, >= 2
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_decode_attn import BLOCK, HEAD_DIM, HEADS, KV_HEADS, best_of, fill, served_oaken
+from benchmarks.bench_decode_attn import BLOCK, SHAPES, best_of, fill, served_oaken
 from benchmarks.common import machine, print_table, write_json
 from cpu_attn import lsh
 from gpu_model.lsh import simhash, simhash_matrix
@@ -38,38 +38,41 @@ def main() -> None:
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--retrieval", nargs="+", choices=["head", "group"], default=["head", "group"])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="one layer of this model's heads")
     ap.add_argument("--out", default="sampled_attn.json")
     args = ap.parse_args()
+    heads, kv_heads, head_dim = SHAPES[args.shape]
     rng = np.random.default_rng(0)
     tables_of = {"head": args.lsh_l, "group": args.group_lsh_l}
     hits_of = {"head": args.min_collisions, "group": args.group_min_collisions}
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     rows = []
     for context in args.context:
         for batch in args.batch:
             num_blocks = batch * -(-context // BLOCK)
-            store = served_oaken(num_blocks, rng)
+            store = served_oaken(num_blocks, rng, kv_heads, head_dim)
             tables = fill(store, rng, batch, context)
             lens = np.full(batch, context, np.int32)
             keys = [store.gather(0, t, context) for t in tables]
             mu = np.stack([k.mean(0) for k, _ in keys]).astype(np.float32)  # [B, Hkv, D]
             # queries: a stored key of the head's kv-head, scaled up, plus noise
-            picks = rng.integers(0, context, (batch, HEADS))
-            q = np.stack([[keys[b][0][picks[b, h], h // 3] * 0.6 + rng.standard_normal(HEAD_DIM) * 0.3
-                           for h in range(HEADS)] for b in range(batch)]).astype(np.float32)
+            picks = rng.integers(0, context, (batch, heads))
+            q = np.stack([[keys[b][0][picks[b, h], h * kv_heads // heads] * 0.6 + rng.standard_normal(head_dim) * 0.3
+                           for h in range(heads)] for b in range(batch)]).astype(np.float32)
             indexed = context - args.window
-            first = np.arange(batch * KV_HEADS, dtype=np.int32).reshape(batch, KV_HEADS)
-            hashed = {"head": q, "group": q.reshape(batch, KV_HEADS, -1, HEAD_DIM).mean(2)}
+            first = np.arange(batch * kv_heads, dtype=np.int32).reshape(batch, kv_heads)
+            hashed = {"head": q, "group": q.reshape(batch, kv_heads, -1, head_dim).mean(2)}
             row = {"context": context, "batch": batch}
             eligible = context - args.sinks - args.window
             for mode in args.retrieval:
-                w = simhash_matrix(HEAD_DIM, args.lsh_k, tables_of[mode])
+                w = simhash_matrix(head_dim, args.lsh_k, tables_of[mode])
                 log_u = lsh.log_u_table(args.lsh_k, tables_of[mode], hits_of[mode])
                 sets = [lsh.table_set(simhash(torch.from_numpy(keys[b][0][:indexed, h] - mu[b, h]), w,
-                                              args.lsh_k).numpy(), args.lsh_k) for b in range(batch) for h in range(KV_HEADS)]
+                                              args.lsh_k).numpy(), args.lsh_k)
+                        for b in range(batch) for h in range(kv_heads)]
                 norms = np.stack([np.linalg.norm(keys[b][0][:indexed, h] - mu[b, h], axis=1)
-                                  for b in range(batch) for h in range(KV_HEADS)]).astype(np.float32)
-                table_sets = (np.stack([first, first + 1], -1), np.full(batch * KV_HEADS, indexed, np.int32),
+                                  for b in range(batch) for h in range(kv_heads)]).astype(np.float32)
+                table_sets = (np.stack([first, first + 1], -1), np.full(batch * kv_heads, indexed, np.int32),
                               np.stack([s[0] for s in sets]), np.stack([s[1] for s in sets]), norms)
                 del sets
                 q_codes = simhash(torch.from_numpy(hashed[mode]), w, args.lsh_k).numpy()
@@ -95,7 +98,7 @@ def main() -> None:
             rows.append(row)
             print(f"context {context} batch {batch}: " + ", ".join(f"{key} {val:.4g}" for key, val in row.items()
                                                                   if key not in ("context", "batch")), flush=True)
-    print(f"\none layer of SmolLM2-135M (heads {HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}); K={args.lsh_k}, "
+    print(f"\none layer of {args.shape} (heads {heads}/{kv_heads}, head_dim {head_dim}); K={args.lsh_k}, "
           f"L={args.lsh_l} (head) / {args.group_lsh_l} (group), >= {args.min_collisions} / {args.group_min_collisions} "
           f"collisions, {args.sinks} sinks, "
           f"{args.window}-token window")

@@ -144,7 +144,7 @@ class OakenKVStore:
     With a `rotation` ([D, D] orthogonal, calibrate.hadamard), each head's transformed K and V are
     stored times it (x @ rotation): queries are turned the same way (q.k is unchanged), outputs
     turned back, and the keys' center, which does not turn with them, is added in the score
-    domain (oaken.add_center_scores; the MagicPIG kernel turns its sampled keys back instead).
+    domain (oaken.add_center_scores; the MagicPIG kernel in a second dot product per row).
 
     With recent_blocks > 0, a block that is still filling (its first row written, not yet its
     last) stays in full precision in one of `recent_blocks` tail slots per layer and is quantized
@@ -446,7 +446,8 @@ class OakenKVStore:
         hashed) or [B, Hkv, L] (each GQA group's mean query hashed, gpu_model.lsh); tables =
         (set_of [B, Hkv, 2] each item's range of sets, indexed [S], offsets [S, L, 2^K + 1],
         ids [S, L, cap], norms [S, cap] each key's |k - mu|, or typed Lists of the per-set arrays);
-        mu [B, Hkv, D] the keys' centers; log_u from lsh.log_u_table (same min_hits); window >= 1 (the current token is always exact).
+        mu [B, Hkv, D] the keys' centers; log_u from lsh.log_u_table (same min_hits); window >= 1 (the
+        current token is always exact).
         -> out [B, Hq, D], lse [B, Hq], touched [B, Hq] (keys sampled per query head)."""
         if window < 1:
             raise ValueError("the exact local window must hold at least the current token")
@@ -468,11 +469,12 @@ class OakenKVStore:
         lse = np.empty((num_seqs, num_heads), np.float32)
         touched = np.empty((num_seqs, num_heads), np.int64)
         lsh.sampled_decode_attention(
-            q_store, self._rotate(q_store), r_store, self._rotate(r_store), np.linalg.norm(r, axis=-1).astype(np.float32),
-            r_mu, np.ascontiguousarray(q_codes, np.int32), self._read_parts(layer, 0), self._read_parts(layer, 1),
-            self.thresholds[layer, 0], self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens,
-            set_of, indexed, offsets, ids, norms, log_u, num_sinks, window, min_hits, np.float32(scale), out, lse,
-            touched, *self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
+            q_store, self._rotate(q_store), r_store, self._rotate(r_store),
+            np.linalg.norm(r, axis=-1).astype(np.float32), r_mu, np.ascontiguousarray(q_codes, np.int32),
+            self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
+            self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens, set_of, indexed, offsets,
+            ids, norms, log_u, num_sinks, window, min_hits, np.float32(scale), out, lse, touched,
+            *self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
         return self._true_output(layer, self._unrotate(out)), lse, touched
 
     def _sampled_scratch(self, work: int, group: int, capacity: int) -> tuple[np.ndarray, ...]:

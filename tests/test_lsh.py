@@ -307,8 +307,8 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
         offsets, ids = lsh.table_set(np.ascontiguousarray(codes[:, h]), cfg.k)
         np.testing.assert_array_equal(state.offsets[0][h], offsets)
         np.testing.assert_array_equal(state.ids[0][h], ids)
-        np.testing.assert_allclose(state.norms[0][h], np.linalg.norm(keys[:state.indexed, h].numpy() - state.mu[h], axis=1),
-                                   rtol=1e-5)  # |k - mu| of each indexed key, for its angle to the query
+        centered = keys[:state.indexed, h].numpy() - state.mu[h]
+        np.testing.assert_allclose(state.norms[0][h], np.linalg.norm(centered, axis=1), rtol=1e-5)  # for u's angle
     assert sum(len(p) for p in state.pending) == sum(len(n) for n in state.pending_norms) == 1000 - state.indexed
     mp.append(0, 7, 0, keys[:10], codes[:10])
     assert mp.seqs[7][0].indexed == 0 and mp.seqs[7][0] is not state

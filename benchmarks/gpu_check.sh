@@ -1,0 +1,33 @@
+#!/bin/bash
+# The checks for a machine with a CUDA GPU (never in CI): the `gpu` tests, then the GPU benchmark
+# (benchmarks/bench_gpu_offload.py) for each context in CTXS while TOTAL seconds last, each context
+# writing gpu_offload_<context>.{json,png} and a log under OUT. Run from the repository root:
+#
+#     OUT=/tmp/gpu CTXS="65536 32768" BATCHES="4 8" bash benchmarks/gpu_check.sh
+#
+# Plan about 7 minutes for one 64k context (session 29, H100 + 16 vCPUs): Numba compiles, a 64k prompt
+# is prefilled and its K, V and tables written to the CPU store (158 s), each batch size copies them
+# per sequence (12 GB a sequence) and decodes STEPS + 2 steps, then GPU-only decodes. A machine
+# without this project's packages takes wheels from .whl/ (README, GPU benchmark).
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  lscpu | grep -E 'Model name|^CPU\(s\)|L3'
+  free -g
+  python3 -c "import numba, numpy, torch; print('numba', numba.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee "$OUT/gpu_env.log"
+[ -z "$SKIP_TESTS" ] && timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py -q 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+for ctx in ${CTXS:-65536}; do
+  left=$(( ${TOTAL:-900} - ($(date +%s) - T0) ))
+  [ $left -lt 60 ] && { echo "no time left for context $ctx"; break; }
+  echo "== context $ctx, $left s left"
+  timeout $left python3 -m benchmarks.bench_gpu_offload --context $ctx --batch ${BATCHES:-4 8} --steps ${STEPS:-8} \
+    --out "$OUT/gpu_offload_$ctx.json" 2>&1 | grep -v '%|' | tee "$OUT/gpu_offload_$ctx.log"
+done
+echo "done in $(( $(date +%s) - T0 )) s"
