@@ -93,12 +93,15 @@ def gpu_prefill(backend, prompt: list[int], blocks: tuple[int, ...]) -> int:
     attn.begin_step([ChunkLayout(n, 0, blocks, 0)])
     x = model.embed(torch.tensor(prompt, device=dev))
     cos, sin = model.rope(torch.arange(n, device=dev))
-    for i in range(model.cfg.num_layers):
+    t0, num_layers = time.perf_counter(), model.cfg.num_layers
+    for i in range(num_layers):
         q, k, v = model.pre_attention(i, x, cos, sin)
         codes = None if coder is None else coder.codes(i, q[-1:], k, [(0, 0, n)])
         attn.append(i, k.float().cpu(), v.float().cpu(), None if codes is None else codes[1])
         o = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], True)[0]
         x = model.post_attention(i, x, o)
+        if (i + 1) % 8 == 0 or i + 1 == num_layers:  # a 64k prompt takes minutes: say how far it is
+            print(f"prefill of {n} tokens: {i + 1}/{num_layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     return int(model.logits(x[-1:]).argmax(-1).item())
 
 
