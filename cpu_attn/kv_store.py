@@ -465,11 +465,13 @@ class OakenKVStore:
             r_store = np.ascontiguousarray(r * key_scale)
         per_kv_head = r_store.reshape(num_seqs, self.num_kv_heads, -1, head_dim)
         r_mu = np.einsum("bhrd,bhd->bhr", per_kv_head, mu / key_scale).reshape(num_seqs, -1).astype(np.float32)
+        q_turned = self._rotate(q_store)
+        r_turned = q_turned if r_store is q_store else self._rotate(r_store)
         out = np.empty(q.shape, np.float32)
         lse = np.empty((num_seqs, num_heads), np.float32)
         touched = np.empty((num_seqs, num_heads), np.int64)
         lsh.sampled_decode_attention(
-            q_store, self._rotate(q_store), r_store, self._rotate(r_store),
+            q_store, q_turned, r_store, r_turned,
             np.linalg.norm(r, axis=-1).astype(np.float32), r_mu, np.ascontiguousarray(q_codes, np.int32),
             self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
             self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens, set_of, indexed, offsets,

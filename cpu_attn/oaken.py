@@ -339,6 +339,8 @@ def write_tokens(x, thr, slot_mapping, runs, dense, scales, counts, sparse, shif
 
 
 _LANES = 16  # sparse entries _scatter_entries decodes at once
+_F32, _I1, _I8, _I16, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
+                                    ir.IntType(64))  # the IR kernels' types
 
 
 @intrinsic
@@ -358,7 +360,7 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
         return None
 
     def codegen(context, builder, signature, args):
-        f32, i1, i8, i32, i64 = ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        f32, i1, i8, i32, i64 = _F32, _I1, _I8, _I32, _I64
         ptr = i8.as_pointer()
         vec = lambda t: ir.VectorType(t, _LANES)
         const = lambda t, x: ir.Constant(vec(t), [x] * _LANES)
@@ -418,7 +420,7 @@ def _decode_middle(typingctx, out, dense, dense_at, s0, lo_base, hi_base):
         return None
 
     def codegen(context, builder, signature, args):
-        f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        f32, i8, i32, i64 = _F32, _I8, _I32, _I64
         lanes = SEGMENT // 2  # a segment's bytes
         bytes_t, ints, floats = ir.VectorType(i8, lanes), ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
         sig = signature.args
@@ -559,10 +561,6 @@ def query_codes(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     top = np.maximum(np.abs(q).max(-1), np.float32(1e-30)).astype(np.float32)
     scales = (top / np.float32(CODE_MAX)).astype(np.float32)
     return np.rint(q / scales[..., None]).astype(np.int16), scales
-
-
-_F32, _I1, _I8, _I16, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
-                                    ir.IntType(64))
 
 
 def _llvm_fn(builder, name, ret, params):
@@ -706,7 +704,7 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         return None
 
     def codegen(context, builder, signature, args):
-        f32, i16, i32, i64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        f32, i16, i32, i64 = _F32, _I16, _I32, _I64
         vec = ir.VectorType
         if not VNNI:
             return _trap(context, builder)
@@ -722,6 +720,10 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         pairs = ir.Constant(vec(i32, 32), [x for i in range(16) for x in (i, 16 + i)])
         twice = ir.Constant(vec(i32, 32), [i for i in range(16) for _ in (0, 1)])
         q_row = builder.shl(dim, i64(1))
+
+        def partials_at(g, t):  # query g's 16 partial sums of row t in acc [G, 16, 16]
+            return rc.at(builder.add(base[10], builder.shl(builder.add(builder.mul(g, i64(ROWS)), i64(t)), i64(6))),
+                         vec(f32, 16))
 
         def dot(x, y, acc=None):
             return builder.call(dpwssd, [acc or rc.full(i32, 0), builder.bitcast(x, vec(i32, 16)),
@@ -742,10 +744,6 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
                 q_at = builder.add(builder.add(base[1], builder.mul(g, q_row)), builder.shl(seg, i64(7)))
                 return [builder.load(rc.at(builder.add(q_at, i64(64 * h)), vec(i16, 32)), align=2) for h in (0, 1)]
 
-            def acc_at(g):
-                return rc.at(builder.add(base[10], builder.shl(builder.add(builder.mul(g, i64(ROWS)), i64(t)), i64(6))),
-                             vec(f32, 16))
-
             with cgutils.for_range(builder, builder.udiv(dim, i64(SEGMENT))) as seg_loop:
                 seg = seg_loop.index
                 low, high, code0, code1, n = rc.segment(row, seg)
@@ -755,18 +753,19 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
                 with cgutils.for_range(builder, groups) as g:
                     q0, q1 = query(seg, g.index)
                     total = dot(both, builder.call(rc.perm2w, [q0, jj, q1]), dot(code1, q1, dot(code0, q0)))
-                    earlier = builder.select(first, rc.full(f32, 0.0), builder.load(acc_at(g.index), align=4))
-                    builder.store(builder.fadd(builder.sitofp(total, vec(f32, 16)), earlier), acc_at(g.index), align=4)
+                    at = partials_at(g.index, t)
+                    earlier = builder.select(first, rc.full(f32, 0.0), builder.load(at, align=4))
+                    builder.store(builder.fadd(builder.sitofp(total, vec(f32, 16)), earlier), at, align=4)
                 with cgutils.for_range_slice(builder, i64(16), n, i64(16)) as (k, _):  # a segment with more entries
                     both, jj = pairs_and_indices(builder.add(start, k), builder.sub(n, k), low, high, code0, code1)
                     with cgutils.for_range(builder, groups) as g:
                         q0, q1 = query(seg, g.index)
                         total = builder.sitofp(dot(both, builder.call(rc.perm2w, [q0, jj, q1])), vec(f32, 16))
-                        builder.store(builder.fadd(total, builder.load(acc_at(g.index), align=4)), acc_at(g.index), align=4)
+                        at = partials_at(g.index, t)
+                        builder.store(builder.fadd(total, builder.load(at, align=4)), at, align=4)
                 builder.store(builder.add(builder.load(row[1]), n), row[1])
         with cgutils.for_range(builder, groups) as g:
-            rows = [builder.load(rc.at(builder.add(base[10], builder.shl(builder.add(builder.mul(g.index, i64(ROWS)), i64(t)),
-                                                                           i64(6))), vec(f32, 16)), align=4) for t in range(ROWS)]
+            rows = [builder.load(partials_at(g.index, t), align=4) for t in range(ROWS)]
             factor = builder.fmul(scale, builder.load(builder.gep(arrays[2].data, [g.index])))
             scores = builder.fmul(builder.fmul(lane_sums(builder, rows), rc.unit), rc.lanes(factor))
             builder.store(scores, rc.at(builder.add(base[0], builder.mul(g.index, s_row)), vec(f32, 16)), align=4)
@@ -795,7 +794,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         return None
 
     def codegen(context, builder, signature, args):
-        f32, i1, i16, i32, i64 = ir.FloatType(), ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        f32, i1, i16, i32, i64 = _F32, _I1, _I16, _I32, _I64
         vec = ir.VectorType
         if not VNNI:
             return _trap(context, builder)
@@ -901,7 +900,7 @@ def _add_turned_rows(typingctx, rows, width, c, cos_b, sin_b, cos_o, sin_o, blk,
         return None
 
     def codegen(context, builder, signature, args):
-        f32, i64 = ir.FloatType(), ir.IntType(64)
+        f32, i64 = _F32, _I64
         vec = ir.VectorType(f32, 8)
         fmuladd = fmuladd8(builder)
         base, row_bytes, shapes = matrix_args(context, builder, signature, args, (0, 2, 3, 4, 5, 6))
@@ -1014,7 +1013,7 @@ def vnni_center_scores(typingctx, s, abq, factor, pairs):
         return None
 
     def codegen(context, builder, signature, args):
-        f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+        f32, i32, i64 = _F32, _I32, _I64
         vec = ir.VectorType(i32, 16)
         if not VNNI:
             return _trap(context, builder)
