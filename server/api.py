@@ -65,6 +65,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(_: Request, err: RequestValidationError) -> Response:
         first = err.errors()[0] if err.errors() else {}
+        if first.get("type") == "json_invalid":  # loc is ("body", offset): not a parameter
+            at = first.get("loc", (None, "?"))[-1]
+            reason = first.get("ctx", {}).get("error", "JSON decode error")
+            return _error_response(APIError(400, f"request body is not valid JSON: {reason} (at character {at})",
+                                            code="json_invalid"))
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "malformed request body"))
         return _error_response(APIError(422, message, param=where, code=first.get("type")))

@@ -9,7 +9,7 @@ CLIENT = httpx.Client(timeout=60)  # one keep-alive client: making one per reque
 
 # (method, path, body, status, error type, error param or None when not checked)
 CASES = [
-    ("POST", C, b"{not json", 422, BAD, None),
+    ("POST", C, b"{not json", 400, BAD, None),  # the parser's reason and position in the message
     ("POST", C, b'{"prompt": "caf\xe9", "max_tokens": 1}', 400, BAD, None),  # Latin-1, not UTF-8
     ("POST", C, b'{"prompt": "\xff\xfe\xfa"}', 400, BAD, None),
     ("POST", C, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 422, BAD, None),  # lone surrogate escape
@@ -85,3 +85,10 @@ def test_server_still_serves_after_bad_requests(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     assert server.engine.blocks.used_bytes == 0
+
+
+def test_malformed_json_says_where(server):
+    r = CLIENT.post(server.url + C, content=b'{"prompt": "hi",, "max_tokens": 2}', headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "json_invalid" and err["param"] is None, r.text
+    assert err["message"].startswith("request body is not valid JSON: ") and "(at character 16)" in err["message"], err
