@@ -602,7 +602,12 @@ class _RowCodes:
         top = self.vmax(top, b.fmul(self.full(f32, 15.0), s1))
         self.inv = b.fdiv(self.full(f32, float(CODE_MAX)), top)
         self.unit = b.fdiv(top, self.full(f32, float(CODE_MAX)))  # [16] the rows' units
-        self.per_row = [b.fmul(x, self.inv) for x in (hi_base, lo_base, s0, s1, s2, s_lo, s_hi)]
+        # in memory, a row's scalars broadcast from there: the kernels loop over rows at run time (16
+        # unrolled rows were ~40 KB of code, more than the L1 instruction cache and the uop cache hold)
+        self.per_row = b.ptrtoint(cgutils.alloca_once(b, ir.ArrayType(vec(f32, ROWS), 7)), i64)
+        for k, x in enumerate((hi_base, lo_base, s0, s1, s2, s_lo, s_hi)):
+            b.store(b.fmul(x, self.inv), self.at(b.add(self.per_row, i64(64 * k)), vec(f32, ROWS)), align=4)
+        self.entry_of_row = cgutils.alloca_once(b, i64)  # where the next row's entries start (rows in order)
         self.zero16 = self.full(i16, 0)
         self.widen = ir.Constant(vec(i32, 32), list(range(16)) + [16] * 16)  # <16 x i16> -> <32 x i16>, the rest 0
         self.first16 = ir.Constant(vec(i32, 16), list(range(16)))
@@ -626,27 +631,32 @@ class _RowCodes:
         b = self.builder
         return b.trunc(b.fptosi(b.call(self.rint, [x]), ir.VectorType(_I32, 16)), ir.VectorType(_I16, 16))
 
-    def row(self, t):
-        """Row t's state: its levels as codes (<32 x i16>, lanes 16.. unused), where its entries for
-        the kv-head start in the block's budget (an alloca of i64, for each segment to move on by its
-        count), its scalars, its counts' and nibbles' addresses. Rows in order (a running start)."""
+    def first_row(self):
+        """Before row 0: its entries start the block's budget."""
+        self.builder.store(_I64(0), self.entry_of_row)
+
+    def row(self, t, upto):
+        """Row t's state (t: i64, rows in order from first_row): its levels as codes (<32 x i16>, lanes
+        16.. unused), where its entries of segment `upto` (i64, of the whole row) start in the block's
+        budget (an alloca of i64, for each later segment to move on by its count), its scalars, its
+        counts' and nibbles' addresses."""
         f32, i1, i8, i32, i64 = _F32, _I1, _I8, _I32, _I64
         b = self.builder
-        scalars = [self.lanes(b.extract_element(x, i32(t))) for x in self.per_row]
+        scalars = [self.lanes(b.load(self.at(b.add(self.per_row, b.add(i64(64 * k), b.shl(t, i64(2)))), f32)))
+                   for k in range(7)]
         hb, lb, st = scalars[:3]
         steps = ir.Constant(ir.VectorType(f32, 16), [float(n % 8) for n in range(16)])
         negative = ir.Constant(ir.VectorType(i1, 16), [n >= 8 for n in range(16)])
         levels = self.to_codes(b.select(negative, b.fsub(lb, b.fmul(steps, st)), b.fadd(hb, b.fmul(steps, st))))
-        if t == 0:
-            self.entry_of_row = cgutils.alloca_once_value(b, i64(0))
-        counts_at = b.add(self.counts, b.mul(i64(t), self.counts_row))
-        entry = cgutils.alloca_once_value(b, b.load(self.entry_of_row))
+        counts_at = b.add(self.counts, b.mul(t, self.counts_row))
+        entry = cgutils.alloca_once(b, i64)
+        b.store(b.load(self.entry_of_row), entry)
         with cgutils.for_range(b, self.num_counts) as c:
             n = b.zext(b.load(self.at(b.add(counts_at, c.index), i8)), i64)
             b.store(b.add(b.load(self.entry_of_row), n), self.entry_of_row)
-            earlier = b.icmp_unsigned("<", c.index, self.first_seg)
+            earlier = b.icmp_unsigned("<", c.index, upto)
             b.store(b.add(b.load(entry), b.select(earlier, n, i64(0))), entry)
-        row_at = b.add(self.dense, b.mul(i64(t), self.dense_row))
+        row_at = b.add(self.dense, b.mul(t, self.dense_row))
         return b.shuffle_vector(levels, self.zero16, self.widen), entry, scalars, counts_at, row_at
 
     def segment(self, row, seg):
@@ -722,15 +732,17 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         q_row = builder.shl(dim, i64(1))
 
         def partials_at(g, t):  # query g's 16 partial sums of row t in acc [G, 16, 16]
-            return rc.at(builder.add(base[10], builder.shl(builder.add(builder.mul(g, i64(ROWS)), i64(t)), i64(6))),
+            return rc.at(builder.add(base[10], builder.shl(builder.add(builder.mul(g, i64(ROWS)), t), i64(6))),
                          vec(f32, 16))
 
         def dot(x, y, acc=None):
             return builder.call(dpwssd, [acc or rc.full(i32, 0), builder.bitcast(x, vec(i32, 16)),
                                          builder.bitcast(y, vec(i32, 16))])
 
-        for t in range(ROWS):
-            row = rc.row(t)
+        rc.first_row()
+        with cgutils.for_range(builder, i64(ROWS)) as rows_loop:
+            t = rows_loop.index
+            row = rc.row(t, first_seg)
 
             def pairs_and_indices(where, left, low, high, code0, code1):
                 """Up to 16 entries -> (their (true code, -level code) pairs, their indices twice)."""
@@ -765,7 +777,7 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
                         builder.store(builder.fadd(total, builder.load(at, align=4)), at, align=4)
                 builder.store(builder.add(builder.load(row[1]), n), row[1])
         with cgutils.for_range(builder, groups) as g:
-            rows = [builder.load(partials_at(g.index, t), align=4) for t in range(ROWS)]
+            rows = [builder.load(partials_at(g.index, i64(t)), align=4) for t in range(ROWS)]
             factor = builder.fmul(scale, builder.load(builder.gep(arrays[2].data, [g.index])))
             scores = builder.fmul(builder.fmul(lane_sums(builder, rows), rc.unit), rc.lanes(factor))
             builder.store(scores, rc.at(builder.add(base[0], builder.mul(g.index, s_row)), vec(f32, 16)), align=4)
@@ -806,43 +818,45 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         first_seg = context.cast(builder, args[7], sig[7], types.intp)
         rc = _RowCodes(builder, *(arrays[i] for i in (2, 3, 4, 5, 6)), first_seg)
         dpwssd = rc.fn("llvm.x86.avx512.vpdpwssd.512", vec(i32, 16), [vec(i32, 16)] * 3)
-        expand = rc.fn("llvm.masked.expandload.v32i16", vec(i16, 32), [i16.as_pointer(), vec(i1, 32), vec(i16, 32)])
+        expand = rc.fn("llvm.x86.avx512.mask.expand.v32i16", vec(i16, 32), [vec(i16, 32), vec(i16, 32), vec(i1, 32)])
         any_bits = rc.fn("llvm.vector.reduce.or.v16i64", i64, [vec(i64, 16)])
         popcount = rc.fn("llvm.ctpop.i64", i64, [i64])
         interleaved = cgutils.alloca_once(builder, ir.ArrayType(vec(i32, 16), 2 * ROWS))  # row pairs x 4 vectors
-        true_codes = cgutils.alloca_once(builder, vec(i16, 16))
+        iota = ir.Constant(vec(i16, 32), list(range(32)))
         code = [cgutils.alloca_once(builder, vec(i16, 32)) for _ in (0, 1)]
-        rows = [rc.row(t) for t in range(ROWS)]
         one, zero64 = rc.full(i64, 1), rc.full(i64, 0)
         channels = [ir.Constant(vec(i32, 32), [x for i in range(16) for x in (16 * h + i, 32 + 16 * h + i)]) for h in (0, 1)]
         with cgutils.for_range(builder, builder.udiv(dim, i64(SEGMENT))) as seg_loop:
             seg = seg_loop.index
-            earlier = None
-            for t, row in enumerate(rows):
-                low, high, code0, code1, n = rc.segment(row, seg)
-                builder.store(code0, code[0])
-                builder.store(code1, code[1])
-                start = builder.add(rc.sparse, builder.load(row[1]))
-                with cgutils.for_range_slice(builder, i64(0), n, i64(16)) as (k, _):
-                    mask, j, true = rc.entries(row, builder.add(start, k), builder.sub(n, k), low, high)
-                    bits = builder.call(any_bits, [builder.select(mask, builder.shl(one, builder.zext(j, vec(i64, 16))),
-                                                                  zero64)])
-                    builder.store(true, true_codes)
-                    first = builder.bitcast(true_codes, i16.as_pointer())
-                    for h, (at, part) in enumerate(((first, bits), (None, builder.lshr(bits, i64(32))))):
-                        if at is None:  # the second half's values follow the first half's
-                            at = builder.gep(first, [builder.call(popcount, [builder.and_(bits, i64(0xFFFFFFFF))])])
-                        lanes = builder.bitcast(builder.trunc(part, i32), vec(i1, 32))
-                        builder.store(builder.call(expand, [at, lanes, builder.load(code[h])]), code[h])
-                builder.store(builder.add(builder.load(row[1]), n), row[1])
-                current = [builder.load(c) for c in code]
-                if t % 2:
-                    for h in (0, 1):
-                        for k, lanes in enumerate(channels):
-                            pair = builder.shuffle_vector(earlier[h], current[h], lanes)
-                            slot = builder.gep(interleaved, [i32(0), i32((t // 2) * 4 + 2 * h + k)])
-                            builder.store(builder.bitcast(pair, vec(i32, 16)), slot)
-                earlier = current
+            rc.first_row()
+            with cgutils.for_range(builder, i64(ROWS // 2)) as pair_loop:
+                p = pair_loop.index
+                for t in (0, 1):  # rows 2p and 2p + 1
+                    row = rc.row(builder.add(builder.shl(p, i64(1)), i64(t)), builder.add(first_seg, seg))
+                    low, high, code0, code1, n = rc.segment(row, seg)
+                    builder.store(code0, code[0])
+                    builder.store(code1, code[1])
+                    start = builder.add(rc.sparse, builder.load(row[1]))
+                    with cgutils.for_range_slice(builder, i64(0), n, i64(16)) as (k, _):
+                        mask, j, true = rc.entries(row, builder.add(start, k), builder.sub(n, k), low, high)
+                        bits = builder.call(any_bits, [builder.select(mask, builder.shl(one, builder.zext(j, vec(i64, 16))),
+                                                                      zero64)])
+                        # in registers: a vpexpandw from memory just stored does not get the store's data
+                        # forwarded; it waits for the store to retire, and rows stopped overlapping
+                        values = builder.shuffle_vector(true, rc.zero16, rc.widen)
+                        past = builder.trunc(builder.call(popcount, [builder.and_(bits, i64(0xFFFFFFFF))]), i16)
+                        later = builder.call(rc.permw, [values, builder.add(iota, splat(builder, past, 32))])
+                        for h, (x, part) in enumerate(((values, bits), (later, builder.lshr(bits, i64(32))))):
+                            lanes = builder.bitcast(builder.trunc(part, i32), vec(i1, 32))
+                            builder.store(builder.call(expand, [x, builder.load(code[h]), lanes]), code[h])
+                    current = [builder.load(c) for c in code]
+                    if t:
+                        for h in (0, 1):
+                            for k, lanes in enumerate(channels):
+                                pair = builder.shuffle_vector(earlier[h], current[h], lanes)
+                                slot = builder.gep(interleaved, [i32(0), builder.add(builder.shl(p, i64(2)), i64(2 * h + k))])
+                                builder.store(builder.bitcast(pair, vec(i32, 16)), slot)
+                    earlier = current
             with cgutils.for_range(builder, groups) as g:
                 weights = builder.load(rc.at(builder.add(w_base, builder.mul(g.index, w_row)), vec(f32, 16)), align=4)
                 weights = builder.fmul(weights, rc.unit)
