@@ -609,6 +609,7 @@ class _RowCodes:
             b.store(b.fmul(x, self.inv), self.at(b.add(self.per_row, i64(64 * k)), vec(f32, ROWS)), align=4)
         self.entry_of_row = cgutils.alloca_once(b, i64)  # where the next row's entries start (rows in order)
         self.zero16 = self.full(i16, 0)
+        self.iota8 = ir.Constant(vec(i8, 16), list(range(16)))
         self.widen = ir.Constant(vec(i32, 32), list(range(16)) + [16] * 16)  # <16 x i16> -> <32 x i16>, the rest 0
         self.first16 = ir.Constant(vec(i32, 16), list(range(16)))
 
@@ -651,8 +652,9 @@ class _RowCodes:
         counts_at = b.add(self.counts, b.mul(t, self.counts_row))
         entry = cgutils.alloca_once(b, i64)
         b.store(b.load(self.entry_of_row), entry)
-        with cgutils.for_range(b, self.num_counts) as c:
-            n = b.zext(b.load(self.at(b.add(counts_at, c.index), i8)), i64)
+        first = self.at(counts_at, i8)
+        with cgutils.for_range(b, self.num_counts) as c:  # a GEP: LLVM vectorizes long rows with loads, not gathers
+            n = b.zext(b.load(b.gep(first, [c.index])), i64)
             b.store(b.add(b.load(self.entry_of_row), n), self.entry_of_row)
             earlier = b.icmp_unsigned("<", c.index, upto)
             b.store(b.add(b.load(entry), b.select(earlier, n, i64(0))), entry)
@@ -679,7 +681,8 @@ class _RowCodes:
         b = self.builder
         vec = ir.VectorType
         st1, st2, sl, sh = row[2][3:]
-        mask = b.icmp_signed("<", ir.Constant(vec(i64, 16), list(range(16))), self.lanes(left))
+        left = b.trunc(b.select(b.icmp_signed("<", left, i64(16)), left, i64(16)), i8)
+        mask = b.icmp_unsigned("<", self.iota8, splat(b, left, 16))
         e = b.zext(b.call(self.masked_load, [self.at(where, i8), i32(1), mask, self.full(i8, 0)]), vec(i16, 16))
         j = b.and_(e, self.full(i16, 63))
         outer = b.icmp_unsigned("!=", b.and_(e, self.full(i16, 64)), self.zero16)
