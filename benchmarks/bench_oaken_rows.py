@@ -1,0 +1,91 @@
+"""Time per row of the exact Oaken kernel's two int16 parts, alone: the key scores of a full block
+(`oaken.vnni_block_scores`) and its values summed by the softmax weights (`oaken.vnni_add_weighted_rows`).
+
+    python -m benchmarks.bench_oaken_rows [--shape smollm2-135m | llama-3.1-8b] [--blocks 64] [--calls 200000]
+
+One thread, one kv-head and its query heads, each part called in a loop over `blocks` blocks (64 stay in
+cache: no memory traffic), so the numbers are the instructions' cost: for work on these kernels, where
+bench_decode_attn's whole-kernel timing moves by the VM's ±5 % noise. Each part is timed as stored and with
+the blocks' sparse entries dropped (counts zeroed; the results then differ): the value side then skips its pass
+over a row's entries; the key side still makes its one pass (over none), so its difference is small.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from numba import njit
+
+from benchmarks.bench_decode_attn import BLOCK, SHAPES, fill, served_oaken
+from benchmarks.common import machine, print_table, write_json
+from cpu_attn import oaken
+
+
+@njit(cache=True)
+def _key_scores(calls, parts, thr, first_seg, qi, qscale, s, acc):
+    blocks = parts[0].shape[0]
+    for r in range(calls):
+        b = r % blocks
+        oaken.vnni_block_scores(s, qi, qscale, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr, first_seg,
+                                np.float32(0.125), acc)
+
+
+@njit(cache=True)
+def _values(calls, parts, thr, first_seg, w, out):
+    blocks = parts[0].shape[0]
+    for r in range(calls):
+        b = r % blocks
+        oaken.vnni_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr, first_seg)
+
+
+def best_ns(fn, calls: int, repeats: int = 5) -> float:
+    fn()
+    best = min(_timed(fn) for _ in range(repeats))
+    return best / calls * 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="one layer of this model's heads")
+    ap.add_argument("--blocks", type=int, default=64, help="blocks cycled through (64: in cache)")
+    ap.add_argument("--calls", type=int, default=200_000, help="calls of each part per timing")
+    ap.add_argument("--out", default="oaken_rows.json")
+    args = ap.parse_args()
+    if not oaken.VNNI:
+        raise SystemExit("the int16 kernels need AVX512-BW, -VNNI and -VBMI2 (and NUMBA_CPU_NAME unset)")
+    heads, kv_heads, head_dim = SHAPES[args.shape]
+    group = heads // kv_heads
+    rng = np.random.default_rng(0)
+    store = served_oaken(args.blocks, rng, kv_heads, head_dim)
+    fill(store, rng, 1, args.blocks * BLOCK)
+    k_parts, v_parts = store._read_parts(0, 0)[:4], store._read_parts(0, 1)[:4]
+    thr_k, thr_v = store.thresholds[0]
+    first_seg = head_dim // oaken.SEGMENT  # kv-head 1 (of 3 or 8): entries before and after its own
+    qi, qscale = oaken.query_codes(rng.standard_normal((group, head_dim)).astype(np.float32))
+    s, acc = np.zeros((group, BLOCK), np.float32), np.zeros((group, oaken.ROWS, 16), np.float32)
+    w, out = rng.random((group, BLOCK)).astype(np.float32), np.zeros((group, head_dim), np.float32)
+    calls = args.calls
+    rows = []
+    for entries in ("stored", "dropped"):
+        if entries == "dropped":
+            store.counts[:] = 0
+        key = best_ns(lambda: _key_scores(calls, k_parts, thr_k, first_seg, qi, qscale, s, acc), calls)
+        value = best_ns(lambda: _values(calls, v_parts, thr_v, first_seg, w, out), calls)
+        rows.append({"sparse_entries": entries, "key_scores_ns_per_row": key / BLOCK,
+                     "values_ns_per_row": value / BLOCK, "both_ns_per_row": (key + value) / BLOCK})
+        print(f"sparse entries {entries}: key scores {key / BLOCK:.2f} ns a row, values {value / BLOCK:.2f}", flush=True)
+    print(f"\n{args.shape}: one kv-head of {head_dim}, {group} query heads, {args.blocks} blocks of {BLOCK} rows, "
+          "one thread")
+    print_table(rows, ["sparse_entries", "key_scores_ns_per_row", "values_ns_per_row", "both_ns_per_row"])
+    print(f"wrote {write_json(args.out, {'machine': machine(), 'args': vars(args), 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
