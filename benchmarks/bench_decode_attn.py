@@ -171,7 +171,8 @@ def main() -> None:
             fp16 = PagedKVStore(1, kv_heads, head_dim, BLOCK, num_blocks, "float16")
             stores["fp16"] = (fp16, fill(fp16, rng, batch, context))
             # as served: keys centered on a pre-RoPE mean turned to each position (SmolLM2's RoPE)
-            oak = served_oaken(num_blocks + batch, rng, kv_heads, head_dim, recent_blocks=batch)  # + a block to append to
+            # one more block per sequence to append to
+            oak = served_oaken(num_blocks + batch, rng, kv_heads, head_dim, recent_blocks=batch)
             stores["oaken"] = (oak, fill(oak, rng, batch, context))
             plain = OakenKVStore(1, kv_heads, head_dim, BLOCK, num_blocks, np.tile(THR, (1, 2, 1)))
             stores["oaken_nocenter"] = (plain, fill(plain, rng, batch, context))

@@ -80,7 +80,8 @@ def main() -> None:
         value = best_ns(lambda: _values(calls, v_parts, thr_v, first_seg, w, out), calls)
         rows.append({"sparse_entries": entries, "key_scores_ns_per_row": key / BLOCK,
                      "values_ns_per_row": value / BLOCK, "both_ns_per_row": (key + value) / BLOCK})
-        print(f"sparse entries {entries}: key scores {key / BLOCK:.2f} ns a row, values {value / BLOCK:.2f}", flush=True)
+        print(f"sparse entries {entries}: key scores {key / BLOCK:.2f} ns a row, values {value / BLOCK:.2f}",
+              flush=True)
     print(f"\n{args.shape}: one kv-head of {head_dim}, {group} query heads, {args.blocks} blocks of {BLOCK} rows, "
           "one thread")
     print_table(rows, ["sparse_entries", "key_scores_ns_per_row", "values_ns_per_row", "both_ns_per_row"])

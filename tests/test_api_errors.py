@@ -88,7 +88,8 @@ def test_server_still_serves_after_bad_requests(server):
 
 
 def test_malformed_json_says_where(server):
-    r = CLIENT.post(server.url + C, content=b'{"prompt": "hi",, "max_tokens": 2}', headers={"content-type": "application/json"})
+    r = CLIENT.post(server.url + C, content=b'{"prompt": "hi",, "max_tokens": 2}',
+                    headers={"content-type": "application/json"})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "json_invalid" and err["param"] is None, r.text
     assert err["message"].startswith("request body is not valid JSON: ") and "(at character 16)" in err["message"], err
