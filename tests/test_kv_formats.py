@@ -206,6 +206,27 @@ def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, i
         assert np.abs(out[b] - exact).max() <= 0.2 * max(np.abs(exact).max(), 0.1), b
 
 
+@pytest.mark.parametrize("num_kv_heads", [8, 9])
+def test_int16_dots_with_many_segments_a_row(num_kv_heads):
+    """Rows of 16 and 18 segments (8 and 9 kv-heads of 128, Llama-3.1-8B's and one more): each
+    row's counts are summed in a loop that LLVM vectorizes from 16 on (with a scalar tail at 18);
+    every kv-head's entries must start where its segment's do."""
+    if not oaken.VNNI:
+        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
+    rng = np.random.default_rng(9)
+    seq_lens, head_dim = [48, 33], 128
+    store = oaken_store(num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=8, sparse_fraction=0.5)
+    tables, _ = write_sequences(store, rng, seq_lens)
+    q = rng.standard_normal((len(seq_lens), 2 * num_kv_heads, head_dim)).astype(np.float32)
+    store.int_dots = True
+    out, lse = store.decode_attention(0, q, tables, np.array(seq_lens, np.int32), head_dim**-0.5)
+    for b, n in enumerate(seq_lens):
+        k, v = store.gather(0, tables[b], n)
+        ref_out, ref_lse = naive_attention(q[b], k, v, head_dim**-0.5)
+        np.testing.assert_allclose(out[b], ref_out, atol=1e-3 * np.abs(ref_out).max())
+        np.testing.assert_allclose(lse[b], ref_lse, atol=1e-3)
+
+
 def test_key_center_turns_with_the_position():
     """Keys that are a large pre-RoPE mean turned to their position plus small noise: the store
     keeps only the noise (so its quantization error is the noise's, not the mean's), gives the keys
