@@ -488,11 +488,11 @@ def dequantize_block(dense, scales, counts, sparse, thr, first_seg, width, out):
 @njit(cache=True, nogil=True, inline="always")
 def row_entries(counts, offset):
     """Where row `offset`'s sparse entries start in its block's budget: the entries of the rows
-    before it (counts [bs, C/64] of the block)."""
+    before it (counts [bs, C/64] of the block), summed as one run of bytes: as rows of segments
+    (a loop of C/64 inside), ~16 ns a row (half of decoding the row) against ~4."""
     e = 0
-    for t in range(offset):
-        for seg in range(counts.shape[1]):
-            e += counts[t, seg]
+    for x in counts[:offset].flat:
+        e += x
     return e
 
 
