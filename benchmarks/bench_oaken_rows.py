@@ -12,12 +12,11 @@ over a row's entries; the key side still makes its one pass (over none), so its 
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 from numba import njit
 
-from benchmarks.bench_decode_attn import BLOCK, SHAPES, fill, served_oaken
+from benchmarks.bench_decode_attn import BLOCK, SHAPES, best_of, fill, served_oaken
 from benchmarks.common import machine, print_table, write_json
 from cpu_attn import oaken
 
@@ -37,18 +36,6 @@ def _values(calls, parts, thr, first_seg, w, out):
     for r in range(calls):
         b = r % blocks
         oaken.vnni_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr, first_seg)
-
-
-def best_ns(fn, calls: int, repeats: int = 5) -> float:
-    fn()
-    best = min(_timed(fn) for _ in range(repeats))
-    return best / calls * 1e9
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -76,8 +63,8 @@ def main() -> None:
     for entries in ("stored", "dropped"):
         if entries == "dropped":
             store.counts[:] = 0
-        key = best_ns(lambda: _key_scores(calls, k_parts, thr_k, first_seg, qi, qscale, s, acc), calls)
-        value = best_ns(lambda: _values(calls, v_parts, thr_v, first_seg, w, out), calls)
+        key = best_of(lambda: _key_scores(calls, k_parts, thr_k, first_seg, qi, qscale, s, acc)) / calls * 1e9
+        value = best_of(lambda: _values(calls, v_parts, thr_v, first_seg, w, out)) / calls * 1e9
         rows.append({"sparse_entries": entries, "key_scores_ns_per_row": key / BLOCK,
                      "values_ns_per_row": value / BLOCK, "both_ns_per_row": (key + value) / BLOCK})
         print(f"sparse entries {entries}: key scores {key / BLOCK:.2f} ns a row, values {value / BLOCK:.2f}",

@@ -633,15 +633,26 @@ class _RowCodes:
         return b.trunc(b.fptosi(b.call(self.rint, [x]), ir.VectorType(_I32, 16)), ir.VectorType(_I16, 16))
 
     def first_row(self):
-        """Before row 0: its entries start the block's budget."""
+        """Before row 0's walk: its entries start the block's budget."""
         self.builder.store(_I64(0), self.entry_of_row)
 
-    def row(self, t, upto):
-        """Row t's state (t: i64, rows in order from first_row): its levels as codes (<32 x i16>, lanes
-        16.. unused), where its entries of segment `upto` (i64, of the whole row) start in the block's
-        budget (an alloca of i64, for each later segment to move on by its count), its scalars, its
-        counts' and nibbles' addresses."""
-        f32, i1, i8, i32, i64 = _F32, _I1, _I8, _I32, _I64
+    def walk(self, t, entry):
+        """Row t's counts (t: i64, rows in order from first_row) -> where the kv-head's entries of the
+        row start in the block's budget, stored at `entry` (an i64 pointer)."""
+        b, i64 = self.builder, _I64
+        b.store(b.load(self.entry_of_row), entry)
+        first = self.at(b.add(self.counts, b.mul(t, self.counts_row)), _I8)
+        with cgutils.for_range(b, self.num_counts) as c:  # a GEP: LLVM vectorizes long rows with loads, not gathers
+            n = b.zext(b.load(b.gep(first, [c.index])), i64)
+            b.store(b.add(b.load(self.entry_of_row), n), self.entry_of_row)
+            earlier = b.icmp_unsigned("<", c.index, self.first_seg)
+            b.store(b.add(b.load(entry), b.select(earlier, n, i64(0))), entry)
+
+    def row(self, t, entry):
+        """Row t's state (t: i64): its levels as codes (<32 x i16>, lanes 16.. unused), where its
+        entries start (`entry`, the i64 pointer walk filled; each segment moves it on by its count),
+        its scalars, its counts' and nibbles' addresses."""
+        f32, i1, i64 = _F32, _I1, _I64
         b = self.builder
         scalars = [self.lanes(b.load(self.at(b.add(self.per_row, b.add(i64(64 * k), b.shl(t, i64(2)))), f32)))
                    for k in range(7)]
@@ -650,14 +661,6 @@ class _RowCodes:
         negative = ir.Constant(ir.VectorType(i1, 16), [n >= 8 for n in range(16)])
         levels = self.to_codes(b.select(negative, b.fsub(lb, b.fmul(steps, st)), b.fadd(hb, b.fmul(steps, st))))
         counts_at = b.add(self.counts, b.mul(t, self.counts_row))
-        entry = cgutils.alloca_once(b, i64)
-        b.store(b.load(self.entry_of_row), entry)
-        first = self.at(counts_at, i8)
-        with cgutils.for_range(b, self.num_counts) as c:  # a GEP: LLVM vectorizes long rows with loads, not gathers
-            n = b.zext(b.load(b.gep(first, [c.index])), i64)
-            b.store(b.add(b.load(self.entry_of_row), n), self.entry_of_row)
-            earlier = b.icmp_unsigned("<", c.index, upto)
-            b.store(b.add(b.load(entry), b.select(earlier, n, i64(0))), entry)
         row_at = b.add(self.dense, b.mul(t, self.dense_row))
         return b.shuffle_vector(levels, self.zero16, self.widen), entry, scalars, counts_at, row_at
 
@@ -742,10 +745,12 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
             return builder.call(dpwssd, [acc or rc.full(i32, 0), builder.bitcast(x, vec(i32, 16)),
                                          builder.bitcast(y, vec(i32, 16))])
 
+        entry = cgutils.alloca_once(builder, i64)
         rc.first_row()
         with cgutils.for_range(builder, i64(ROWS)) as rows_loop:
             t = rows_loop.index
-            row = rc.row(t, first_seg)
+            rc.walk(t, entry)
+            row = rc.row(t, entry)
 
             def pairs_and_indices(where, left, low, high, code0, code1):
                 """Up to 16 entries -> (their (true code, -level code) pairs, their indices twice)."""
@@ -829,13 +834,18 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         code = [cgutils.alloca_once(builder, vec(i16, 32)) for _ in (0, 1)]
         one, zero64 = rc.full(i64, 1), rc.full(i64, 0)
         channels = [ir.Constant(vec(i32, 32), [x for i in range(16) for x in (16 * h + i, 32 + 16 * h + i)]) for h in (0, 1)]
+        starts = cgutils.alloca_once(builder, i64, ROWS)  # each row's next entry: walked once, moved on by segment
+        rc.first_row()
         with cgutils.for_range(builder, builder.udiv(dim, i64(SEGMENT))) as seg_loop:
             seg = seg_loop.index
-            rc.first_row()
             with cgutils.for_range(builder, i64(ROWS // 2)) as pair_loop:
                 p = pair_loop.index
                 for t in (0, 1):  # rows 2p and 2p + 1
-                    row = rc.row(builder.add(builder.shl(p, i64(1)), i64(t)), builder.add(first_seg, seg))
+                    row_index = builder.add(builder.shl(p, i64(1)), i64(t))
+                    start_at = builder.gep(starts, [row_index])
+                    with builder.if_then(builder.icmp_unsigned("==", seg, i64(0))):  # rows in order, once
+                        rc.walk(row_index, start_at)
+                    row = rc.row(row_index, start_at)
                     low, high, code0, code1, n = rc.segment(row, seg)
                     builder.store(code0, code[0])
                     builder.store(code1, code[1])
@@ -852,6 +862,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                         for h, (x, part) in enumerate(((values, bits), (later, builder.lshr(bits, i64(32))))):
                             lanes = builder.bitcast(builder.trunc(part, i32), vec(i1, 32))
                             builder.store(builder.call(expand, [x, builder.load(code[h]), lanes]), code[h])
+                    builder.store(builder.add(builder.load(row[1]), n), row[1])
                     current = [builder.load(c) for c in code]
                     if t:
                         for h in (0, 1):
