@@ -26,6 +26,7 @@ from cpu_attn.kernels import attention_scratch, paged_decode_attention, split_pa
 _STORAGE = {"float16": np.uint16, "float32": np.float32}
 _ITEMSIZE = {"float16": 2, "float32": 4}
 _LINE = 64
+_FEW_MACS = 1 << 17  # rows x D^2 OakenKVStore turns on one thread (oaken.turn_few): ~30 rows of 64, where threads win
 
 
 def zeros_aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -251,16 +252,12 @@ class OakenKVStore:
         return self.key_center[layer], self._block_cos, self._block_sin, self._cos[:bs], self._sin[:bs]
 
     def _center_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """q [B, Hq, D] in store space -> [B, Hq, D]: per query the terms A (first half) and B of
-        q . R(p) c = sum_i A_i cos(w_i p) + B_i sin(w_i p), c the key center (oaken.add_center_scores);
-        [0, 0, 0] when keys are not centered."""
+        """q [B, Hq, D] in store space -> its center terms (oaken.center_terms), [0, 0, 0] when keys are not centered."""
         if self.key_bias is None:
             return np.zeros((0, 0, 0), np.float32)
-        b, num_heads, d = q.shape
-        grouped = q.reshape(b, self.num_kv_heads, -1, d)
-        terms = [grouped * self.key_center[layer, None, :, i, None] for i in (0, 1)]  # q * c, q * rotate_half(c)
-        return np.ascontiguousarray(np.concatenate([x[..., :d // 2] + x[..., d // 2:] for x in terms], -1)
-                                    .reshape(q.shape), np.float32)
+        out = np.empty(q.shape, np.float32)
+        oaken.center_terms(np.ascontiguousarray(q, np.float32), self.key_center[layer], out)
+        return out
 
     def _rotate(self, x: np.ndarray, matrix: np.ndarray | None = None) -> np.ndarray:
         """[..., Hkv * D] or [..., D] rows -> each head's D values times the rotation, or `matrix`
@@ -271,7 +268,7 @@ class OakenKVStore:
         if not matrix.size:
             return x
         rows = np.array(x, np.float32).reshape(-1, self.head_dim)
-        oaken.turn_heads(rows, matrix)
+        (oaken.turn_few if rows.size * self.head_dim <= _FEW_MACS else oaken.turn_heads)(rows, matrix)
         return rows.reshape(x.shape)
 
     def _unrotate(self, x: np.ndarray) -> np.ndarray:
