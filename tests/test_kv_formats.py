@@ -251,6 +251,45 @@ def test_key_center_turns_with_the_position():
         store.write(0, slots, k, k)
 
 
+@pytest.mark.parametrize("dim", [48, 64, 128])
+def test_turned_rows_are_numpys_sums_in_order(dim):
+    """turn_rows (every path that rotates: queries, outputs, prefill and decode writes) against NumPy
+    adding rows[e] * matrix[e] in float32 in order of e, bit for bit: at 64 and 128 the sums run in
+    registers (_turn_row), at 48 in the plain loop; turn_few and turn_heads (one thread, all) alike."""
+    rng = np.random.default_rng(11)
+    matrix = hadamard(dim) if dim % 64 == 0 else rng.standard_normal((dim, dim)).astype(np.float32)
+    x = (rng.standard_normal((37, 2 * dim)) * np.logspace(-3, 3, 37)[:, None]).astype(np.float32)
+    want = np.zeros((37, 2, dim), np.float32)
+    for e in range(dim):
+        want = want + x.reshape(37, 2, dim)[:, :, e, None] * matrix[e]
+    for turn in (oaken.turn_few, oaken.turn_heads):
+        got = x.copy()
+        turn(got, matrix)
+        assert np.array_equal(got, want.reshape(37, 2 * dim))
+    assert np.allclose(want, x.reshape(37, 2, dim).astype(np.float64) @ matrix, rtol=1e-5, atol=1e-5 * np.abs(x).max())
+
+
+def test_query_codes_and_center_terms_against_numpy():
+    """The decode step's query codes (|codes| <= CODE_MAX, ties to even as np.rint) and the keys' center
+    terms A_i = q_i c_i + q_i+D/2 c_i+D/2 (B with rotate_half(c)) as NumPy computes them."""
+    rng = np.random.default_rng(12)
+    q = (rng.standard_normal((4, 9, 64)) * rng.choice([1e-3, 1.0, 1e3], (4, 9, 1))).astype(np.float32)
+    q[0, 0] = 0.0
+    q[1, 1, :2] = [8.5, -8.5]
+    codes, scales = oaken.query_codes(q)
+    top = np.maximum(np.abs(q).max(-1), np.float32(1e-30))
+    want_scales = (top / np.float32(oaken.CODE_MAX)).astype(np.float32)
+    assert np.array_equal(scales, want_scales)
+    assert np.array_equal(codes, np.rint(q / want_scales[..., None]).astype(np.int16))
+    assert np.abs(codes).max() <= oaken.CODE_MAX and not codes[0, 0].any()
+    center = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    got = np.empty_like(q)
+    oaken.center_terms(q, center, got)
+    c = center[np.arange(9) // 3]  # [Hq, 2, D]: each query head's kv-head
+    terms = [q * c[None, :, i] for i in (0, 1)]
+    assert np.array_equal(got, np.concatenate([t[..., :32] + t[..., 32:] for t in terms], -1))
+
+
 def test_rotation_spreads_a_heavy_channel():
     """Keys with one channel 6x the others (write_sequences): its values land in the outer group
     or stretch the token's middle scale. Turned by the Hadamard rotation, every channel carries a
