@@ -26,7 +26,6 @@ from cpu_attn.kernels import attention_scratch, paged_decode_attention, split_pa
 _STORAGE = {"float16": np.uint16, "float32": np.float32}
 _ITEMSIZE = {"float16": 2, "float32": 4}
 _LINE = 64
-_FEW_MACS = 1 << 17  # rows x D^2 OakenKVStore turns on one thread (oaken.turn_few): ~30 rows of 64, where threads win
 
 
 def zeros_aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -268,7 +267,7 @@ class OakenKVStore:
         if not matrix.size:
             return x
         rows = np.array(x, np.float32).reshape(-1, self.head_dim)
-        (oaken.turn_few if rows.size * self.head_dim <= _FEW_MACS else oaken.turn_heads)(rows, matrix)
+        oaken.turn_heads(rows, matrix)
         return rows.reshape(x.shape)
 
     def _unrotate(self, x: np.ndarray) -> np.ndarray:

@@ -288,20 +288,27 @@ def _turn_row(typingctx, row, matrix, out):
     return types.none(row, matrix, out), codegen
 
 
-@njit(cache=True, nogil=True, parallel=True)
 def turn_heads(x, matrix):
     """x [T, Hkv * D] float32: each head's D values times matrix [D, D], in place, with the same
-    operations as write_tail_rows turns its rows (so both write paths store the same bits); rows
-    in parallel (a 64k-token prompt of a 32-layer model turns 33 M rows of 128)."""
+    operations as write_tail_rows turns its rows (so every write path stores the same bits): a
+    decode step's few rows on one thread (_turn_few; below ~30 rows of 64 waking the threads took
+    longer than turning them), more in parallel (_turn_all: a 64k-token prompt of a 32-layer model
+    turns 33 M rows of 128)."""
+    (_turn_few if x.size * matrix.shape[0] <= _FEW_MACS else _turn_all)(x, matrix)
+
+
+_FEW_MACS = 1 << 17  # multiply-adds turn_heads does on one thread
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _turn_all(x, matrix):
     dim = matrix.shape[0]
     for t in prange(x.shape[0]):
         turn_rows(x[t].reshape(x.shape[1] // dim, dim), x.shape[1] // dim, matrix, np.empty(dim, np.float32))
 
 
 @njit(cache=True, nogil=True)
-def turn_few(x, matrix):
-    """turn_heads on one thread: for a decode step's queries and outputs; below ~30 rows of 64, waking
-    the threads took longer than turning the rows."""
+def _turn_few(x, matrix):  # _turn_all's loop on one thread (a parallel njit's prange always wakes the threads)
     dim = matrix.shape[0]
     tmp = np.empty(dim, np.float32)
     for t in range(x.shape[0]):

@@ -255,14 +255,14 @@ def test_key_center_turns_with_the_position():
 def test_turned_rows_are_numpys_sums_in_order(dim):
     """turn_rows (every path that rotates: queries, outputs, prefill and decode writes) against NumPy
     adding rows[e] * matrix[e] in float32 in order of e, bit for bit: at 64 and 128 the sums run in
-    registers (_turn_row), at 48 in the plain loop; turn_few and turn_heads (one thread, all) alike."""
+    registers (_turn_row), at 48 in the plain loop; on one thread and on all (turn_heads picks by size) alike."""
     rng = np.random.default_rng(11)
     matrix = hadamard(dim) if dim % 64 == 0 else rng.standard_normal((dim, dim)).astype(np.float32)
     x = (rng.standard_normal((37, 2 * dim)) * np.logspace(-3, 3, 37)[:, None]).astype(np.float32)
     want = np.zeros((37, 2, dim), np.float32)
     for e in range(dim):
         want = want + x.reshape(37, 2, dim)[:, :, e, None] * matrix[e]
-    for turn in (oaken.turn_few, oaken.turn_heads):
+    for turn in (oaken._turn_few, oaken._turn_all, oaken.turn_heads):
         got = x.copy()
         turn(got, matrix)
         assert np.array_equal(got, want.reshape(37, 2 * dim))
@@ -275,13 +275,15 @@ def test_query_codes_and_center_terms_against_numpy():
     rng = np.random.default_rng(12)
     q = (rng.standard_normal((4, 9, 64)) * rng.choice([1e-3, 1.0, 1e3], (4, 9, 1))).astype(np.float32)
     q[0, 0] = 0.0
-    q[1, 1, :2] = [8.5, -8.5]
+    q[1, 1] = 0.0
+    q[1, 1, :4] = [oaken.CODE_MAX, 2.5, -3.5, 0.5]  # scale 1: ties
     codes, scales = oaken.query_codes(q)
     top = np.maximum(np.abs(q).max(-1), np.float32(1e-30))
     want_scales = (top / np.float32(oaken.CODE_MAX)).astype(np.float32)
     assert np.array_equal(scales, want_scales)
     assert np.array_equal(codes, np.rint(q / want_scales[..., None]).astype(np.int16))
     assert np.abs(codes).max() <= oaken.CODE_MAX and not codes[0, 0].any()
+    assert list(codes[1, 1, :4]) == [oaken.CODE_MAX, 2, -4, 0]
     center = rng.standard_normal((3, 2, 64)).astype(np.float32)
     got = np.empty_like(q)
     oaken.center_terms(q, center, got)
