@@ -640,6 +640,17 @@ def _llvm_fn(builder, name, ret, params):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
 
 
+binding.initialize_native_asmparser()  # _dpwssd's inline assembly (Numba readies the target, not its parser)
+
+
+def _dpwssd(builder, acc, x, y):
+    """acc + the pairwise int16 dot products of x and y (<16 x i32> each): one vpdpwssd, as inline
+    assembly. Called as the intrinsic, LLVM's machine combiner splits most into vpmaddwd + vpaddd
+    (a shorter chain for one product, two uops for every one): the kernels here are bound by uops."""
+    vec = ir.VectorType(_I32, 16)
+    return builder.asm(ir.FunctionType(vec, [vec] * 3), "vpdpwssd $2, $1, $0", "=v,v,v,0", [x, y, acc], False)
+
+
 class _RowCodes:
     """LLVM IR shared by vnni_block_scores and vnni_add_weighted_rows: one full block's rows of one
     kv-head as int16 codes. Each row's 16 levels (8 middle magnitudes either side, dequantize_token)
@@ -744,14 +755,15 @@ class _RowCodes:
         levels, _, _, counts_at, row_at = row
         nibbles = b.load(self.at(b.add(row_at, b.shl(b.add(self.first_seg, seg), i64(5))), ir.VectorType(i8, 32)),
                          align=1)
-        low = b.zext(b.and_(nibbles, self.full(i8, 15, 32)), ir.VectorType(i16, 32))
-        high = b.zext(b.lshr(nibbles, self.full(i8, 4, 32)), ir.VectorType(i16, 32))
+        wide = b.zext(nibbles, ir.VectorType(i16, 32))  # one vpmovzxbw, then both nibbles in 16-bit lanes
+        low, high = b.and_(wide, self.full(i16, 15, 32)), b.lshr(wide, self.full(i16, 4, 32))
         n = b.zext(b.load(self.at(b.add(counts_at, b.add(self.first_seg, seg)), i8)), i64)
         return low, high, b.call(self.permw, [levels, low]), b.call(self.permw, [levels, high]), n
 
     def entries(self, row, where, left, low, high):
         """Up to 16 sparse entries at address `where` (left of them) -> (lanes in use <16 x i1>, their
-        indices j <16 x i16>, their true values' codes <16 x i16>, 0 past `left`)."""
+        indices j <16 x i16>, their true values' codes <16 x i16>, 0 past `left`, and their nibbles in
+        lanes 0..15 of a <32 x i16>)."""
         f32, i8, i16, i32, i64 = _F32, _I8, _I16, _I32, _I64
         b = self.builder
         vec = ir.VectorType
@@ -762,12 +774,12 @@ class _RowCodes:
         j = b.and_(e, self.full(i16, 63))
         outer = b.icmp_unsigned("!=", b.and_(e, self.full(i16, 64)), self.zero16)
         negative = b.icmp_unsigned("!=", b.and_(e, self.full(i16, 128)), self.zero16)
-        y = b.call(self.perm2w, [low, b.shuffle_vector(j, self.zero16, self.widen), high])  # the nibbles at the indices
-        y = b.uitofp(b.shuffle_vector(y, y, self.first16), vec(f32, 16))
+        nibbles = b.call(self.perm2w, [low, b.shuffle_vector(j, self.zero16, self.widen), high])  # at the indices
+        y = b.uitofp(b.shuffle_vector(nibbles, nibbles, self.first16), vec(f32, 16))
         step = b.select(outer, st2, st1)
         true = b.fadd(b.select(outer, b.select(negative, sl, sh), self.full(f32, 0.0)),
                       b.fmul(y, b.select(negative, b.fneg(step), step)))
-        return mask, j, b.select(mask, self.to_codes(true), self.zero16)
+        return mask, j, b.select(mask, self.to_codes(true), self.zero16), nibbles
 
 
 @intrinsic
@@ -777,9 +789,10 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
 
     The rows as _RowCodes writes them; the queries as int16 multiples of their own scale (qi,
     qscale: query_codes). A row's nibbles index its levels (vpermw), and one vpdpwssd per 32 values
-    multiplies them with the query's codes. The sparse entries (up to 16 at a time) add their pairs
-    (true code, -level code) times the query's codes at their indices, gathered from registers
-    (vpermi2w), with one more vpdpwssd: the level's product comes out, the true value's goes in.
+    multiplies them with the query's codes. The sparse entries (up to 16 at a time) add (true code -
+    level code) times the query's codes at their indices, gathered from registers (vpermi2w), with
+    one more vpdpwssd: the level's product comes out, the true value's goes in. Exact in int32: a lane
+    sums four level products and two entries' (|delta| <= 2 * CODE_MAX), < 8 * CODE_MAX^2 < 2^31.
     Each row's 16 partial sums go to acc [G, 16, 16]; one shuffle tree (kernels.lane_sums) sums the
     16 rows at once, and they are scaled by the rows' units. Both roundings are to 1 / 16383 of the
     row's or the query's largest value (scores within ~2e-4 of the largest one, tests/test_kv_formats.py).
@@ -804,9 +817,6 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         first_seg = context.cast(builder, args[8], sig[8], types.intp)
         scale = context.cast(builder, args[9], sig[9], types.float32)
         rc = _RowCodes(builder, *(arrays[i] for i in (3, 4, 5, 6, 7)), first_seg)
-        dpwssd = rc.fn("llvm.x86.avx512.vpdpwssd.512", vec(i32, 16), [vec(i32, 16)] * 3)
-        pairs = ir.Constant(vec(i32, 32), [x for i in range(16) for x in (i, 16 + i)])
-        twice = ir.Constant(vec(i32, 32), [i for i in range(16) for _ in (0, 1)])
         q_row = builder.shl(dim, i64(1))
 
         def partials_at(g, t):  # query g's 16 partial sums of row t in acc [G, 16, 16]
@@ -814,8 +824,7 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
                          vec(f32, 16))
 
         def dot(x, y, acc=None):
-            return builder.call(dpwssd, [acc or rc.full(i32, 0), builder.bitcast(x, vec(i32, 16)),
-                                         builder.bitcast(y, vec(i32, 16))])
+            return _dpwssd(builder, acc or rc.full(i32, 0), builder.bitcast(x, vec(i32, 16)), builder.bitcast(y, vec(i32, 16)))
 
         entry = cgutils.alloca_once(builder, i64)
         rc.first_row()
@@ -824,13 +833,14 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
             rc.walk(t, entry)
             row = rc.row(t, entry)
 
-            def pairs_and_indices(where, left, low, high, code0, code1):
-                """Up to 16 entries -> (their (true code, -level code) pairs, their indices twice)."""
-                mask, j, true = rc.entries(row, where, left, low, high)
-                level = builder.call(rc.perm2w, [code0, builder.shuffle_vector(j, rc.zero16, rc.widen), code1])
-                level = builder.select(mask, builder.sub(rc.zero16, builder.shuffle_vector(level, level, rc.first16)),
-                                       rc.zero16)
-                return builder.shuffle_vector(true, level, pairs), builder.shuffle_vector(j, j, twice)
+            def deltas_and_indices(where, left, low, high):
+                """Up to 16 entries -> (true code - level code of each, their indices), <32 x i16> each,
+                lanes 16.. zero: the level is the row's level at the entry's nibble (one vpermw)."""
+                mask, j, true, nibbles = rc.entries(row, where, left, low, high)
+                level = builder.call(rc.permw, [row[0], nibbles])
+                level = builder.select(mask, builder.shuffle_vector(level, level, rc.first16), rc.zero16)
+                widen = lambda x: builder.shuffle_vector(x, rc.zero16, rc.widen)
+                return widen(builder.sub(true, level)), widen(j)
 
             def query(seg, g):  # the 64 query codes of segment seg, as two vectors
                 q_at = builder.add(builder.add(base[1], builder.mul(g, q_row)), builder.shl(seg, i64(7)))
@@ -840,19 +850,19 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
                 seg = seg_loop.index
                 low, high, code0, code1, n = rc.segment(row, seg)
                 start = builder.add(rc.sparse, builder.load(row[1]))
-                both, jj = pairs_and_indices(start, n, low, high, code0, code1)
+                delta, jj = deltas_and_indices(start, n, low, high)
                 first = builder.icmp_unsigned("==", seg, i64(0))
                 with cgutils.for_range(builder, groups) as g:
                     q0, q1 = query(seg, g.index)
-                    total = dot(both, builder.call(rc.perm2w, [q0, jj, q1]), dot(code1, q1, dot(code0, q0)))
+                    total = dot(delta, builder.call(rc.perm2w, [q0, jj, q1]), dot(code1, q1, dot(code0, q0)))
                     at = partials_at(g.index, t)
                     earlier = builder.select(first, rc.full(f32, 0.0), builder.load(at, align=4))
                     builder.store(builder.fadd(builder.sitofp(total, vec(f32, 16)), earlier), at, align=4)
                 with cgutils.for_range_slice(builder, i64(16), n, i64(16)) as (k, _):  # a segment with more entries
-                    both, jj = pairs_and_indices(builder.add(start, k), builder.sub(n, k), low, high, code0, code1)
+                    delta, jj = deltas_and_indices(builder.add(start, k), builder.sub(n, k), low, high)
                     with cgutils.for_range(builder, groups) as g:
                         q0, q1 = query(seg, g.index)
-                        total = builder.sitofp(dot(both, builder.call(rc.perm2w, [q0, jj, q1])), vec(f32, 16))
+                        total = builder.sitofp(dot(delta, builder.call(rc.perm2w, [q0, jj, q1])), vec(f32, 16))
                         at = partials_at(g.index, t)
                         builder.store(builder.fadd(total, builder.load(at, align=4)), at, align=4)
                 builder.store(builder.add(builder.load(row[1]), n), row[1])
@@ -897,7 +907,6 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         acc_base, w_base = (builder.ptrtoint(arrays[i].data, i64) for i in (0, 1))
         first_seg = context.cast(builder, args[7], sig[7], types.intp)
         rc = _RowCodes(builder, *(arrays[i] for i in (2, 3, 4, 5, 6)), first_seg)
-        dpwssd = rc.fn("llvm.x86.avx512.vpdpwssd.512", vec(i32, 16), [vec(i32, 16)] * 3)
         expand = rc.fn("llvm.x86.avx512.mask.expand.v32i16", vec(i16, 32), [vec(i16, 32), vec(i16, 32), vec(i1, 32)])
         any_bits = rc.fn("llvm.vector.reduce.or.v16i64", i64, [vec(i64, 16)])
         popcount = rc.fn("llvm.ctpop.i64", i64, [i64])
@@ -923,7 +932,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                     builder.store(code1, code[1])
                     start = builder.add(rc.sparse, builder.load(row[1]))
                     with cgutils.for_range_slice(builder, i64(0), n, i64(16)) as (k, _):
-                        mask, j, true = rc.entries(row, builder.add(start, k), builder.sub(n, k), low, high)
+                        mask, j, true, _ = rc.entries(row, builder.add(start, k), builder.sub(n, k), low, high)
                         bit = builder.shl(one, builder.zext(j, vec(i64, 16)))
                         bits = builder.call(any_bits, [builder.select(mask, bit, zero64)])
                         # from registers; a vpexpandw from the values just stored to memory took a row ~72
@@ -961,7 +970,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                         both = splat(builder, builder.extract_element(codes, i32(p)), 16)
                         for k in range(4):
                             x = builder.load(builder.gep(interleaved, [i32(0), i32(4 * p + k)]))
-                            part[k] = builder.call(dpwssd, [part[k], x, both])
+                            part[k] = _dpwssd(builder, part[k], x, both)
                     part = [builder.sitofp(x, vec(f32, 16)) for x in part]
                     sums = part if sums[0] is None else [builder.fadd(x, y) for x, y in zip(sums, part)]
                 unit = rc.lanes(builder.fdiv(top, f32(float(WEIGHT_MAX))))
@@ -1138,7 +1147,6 @@ def vnni_center_scores(typingctx, s, abq, factor, pairs):
         base = [builder.ptrtoint(a.data, i64) for a in arrays]
         groups, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
         s_row, q_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (0, 1))
-        dpwssd = _llvm_fn(builder, "llvm.x86.avx512.vpdpwssd.512", vec, [vec] * 3)
         total = cgutils.alloca_once(builder, ir.VectorType(f32, 16))
         with cgutils.for_range(builder, groups) as g:
             q_at = builder.add(base[1], builder.mul(g.index, q_row))
@@ -1150,7 +1158,7 @@ def vnni_center_scores(typingctx, s, abq, factor, pairs):
                     both = builder.load(builder.inttoptr(builder.add(q_at, builder.shl(pair, i64(2))), i32.as_pointer()), align=2)
                     rows = builder.load(builder.inttoptr(builder.add(base[3], builder.shl(pair, i64(6))), vec.as_pointer()),
                                         align=2)
-                    acc = builder.call(dpwssd, [acc, rows, splat(builder, both, 16)])
+                    acc = _dpwssd(builder, acc, rows, splat(builder, both, 16))
                 builder.store(builder.fadd(builder.load(total), builder.sitofp(acc, ir.VectorType(f32, 16))), total)
             out = builder.inttoptr(builder.add(base[0], builder.mul(g.index, s_row)), ir.VectorType(f32, 16).as_pointer())
             f = splat(builder, builder.load(builder.gep(arrays[2].data, [g.index])), 16)
