@@ -684,7 +684,7 @@ class _RowCodes:
             top = self.vmax(top, b.call(fabs, [x]))
         top = self.vmax(top, b.fmul(self.full(f32, 15.0), s1))
         self.inv = b.fdiv(self.full(f32, float(CODE_MAX)), top)
-        self.unit = b.fdiv(top, self.full(f32, float(CODE_MAX)))  # [16] the rows' units
+        self.unit = b.fmul(top, self.full(f32, 1.0 / CODE_MAX))  # [16] the rows' units (a multiply: one division a block)
         # in memory, a row's scalars broadcast from there: the kernels loop over rows at run time (16
         # unrolled rows were ~40 KB of code, more than the L1 instruction cache and the uop cache hold)
         self.per_row = b.ptrtoint(cgutils.alloca_once(b, ir.ArrayType(vec(f32, ROWS), 7)), i64)
@@ -692,7 +692,6 @@ class _RowCodes:
             b.store(b.fmul(x, self.inv), self.at(b.add(self.per_row, i64(64 * k)), vec(f32, ROWS)), align=4)
         self.entry_of_row = cgutils.alloca_once(b, i64)  # where the next row's entries start (rows in order)
         self.zero16 = self.full(i16, 0)
-        self.iota8 = ir.Constant(vec(i8, 16), list(range(16)))
         self.widen = ir.Constant(vec(i32, 32), list(range(16)) + [16] * 16)  # <16 x i16> -> <32 x i16>, the rest 0
         self.first16 = ir.Constant(vec(i32, 16), list(range(16)))
 
@@ -768,8 +767,9 @@ class _RowCodes:
         b = self.builder
         vec = ir.VectorType
         st1, st2, sl, sh = row[2][3:]
-        left = b.trunc(b.select(b.icmp_signed("<", left, i64(16)), left, i64(16)), i8)
-        mask = b.icmp_unsigned("<", self.iota8, splat(b, left, 16))
+        left = b.select(b.icmp_signed("<", left, i64(16)), left, i64(16))
+        # lanes in use as a 16-bit mask from the count (one kmovw): a vector compare would take the shuffle port
+        mask = b.bitcast(b.trunc(b.sub(b.shl(i32(1), b.trunc(left, i32)), i32(1)), _I16), vec(_I1, 16))
         e = b.zext(b.call(self.masked_load, [self.at(where, i8), i32(1), mask, self.full(i8, 0)]), vec(i16, 16))
         j = b.and_(e, self.full(i16, 63))
         outer = b.icmp_unsigned("!=", b.and_(e, self.full(i16, 64)), self.zero16)
@@ -973,7 +973,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                             part[k] = _dpwssd(builder, part[k], x, both)
                     part = [builder.sitofp(x, vec(f32, 16)) for x in part]
                     sums = part if sums[0] is None else [builder.fadd(x, y) for x, y in zip(sums, part)]
-                unit = rc.lanes(builder.fdiv(top, f32(float(WEIGHT_MAX))))
+                unit = rc.lanes(builder.fmul(top, f32(1.0 / WEIGHT_MAX)))
                 row_at = builder.add(acc_base, builder.mul(g.index, acc_row))
                 for k in range(4):
                     out = rc.at(builder.add(row_at, builder.shl(builder.add(builder.mul(seg, i64(SEGMENT)), i64(16 * k)),
