@@ -407,7 +407,8 @@ class OakenKVStore:
         out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
         q = self._store_queries(layer, q)
-        scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size))
+        # the kernel's tasks are parts of sequences (all kv-heads of a block in turn): split as many
+        scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(num_seqs, seq_lens, self.block_size))
         units = len(scratch[0])
         turned = np.ascontiguousarray(self._rotate(q))
         int_units = units if self.int_dots else 0  # no int16 scratch (and empty query codes) when decoding every block

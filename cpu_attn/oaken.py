@@ -1222,43 +1222,48 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
     splits = parts.shape[0] // (num_seqs * num_kv_heads)
     qi, qscale = q_codes
     int_dots = qi.shape[0] > 0
-    for unit in prange(parts.shape[0]):
-        item, part = unit // splits, unit % splits
-        b, kvh = item // num_kv_heads, item % num_kv_heads
-        heads = slice(kvh * group, (kvh + 1) * group)
-        first_seg = kvh * head_dim // SEGMENT
-        acc = parts[unit]
-        attend_begin(acc, m[unit], l[unit])
+    for task in prange(num_seqs * splits):  # a part of one sequence, every kv-head of each of its blocks in turn
+        b, part = task // splits, task % splits
         n = seq_lens[b]
         first, end = part_blocks(n, block_size, splits, part)
-        if int_dots and q_center.shape[0]:
-            center_scales(q_center[b, heads], scale, centers[2][unit], centers[1][unit])
+        for kvh in range(num_kv_heads):
+            unit = (b * num_kv_heads + kvh) * splits + part
+            attend_begin(parts[unit], m[unit], l[unit])
+            if int_dots and q_center.shape[0]:
+                center_scales(q_center[b, kvh * group:(kvh + 1) * group], scale, centers[2][unit], centers[1][unit])
         for j in range(first, end):
             block = block_tables[b, j]
             width = min(block_size, n - j * block_size)
             if j + 1 < end:
-                prefetch_block(k_parts, block_tables[b, j + 1], first_seg, head_dim)
-                prefetch_block(v_parts, block_tables[b, j + 1], first_seg, head_dim)
+                prefetch_block(k_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
+                prefetch_block(v_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
             full = int_dots and width == block_size and k_parts[5][block] < 0  # quantized, K and V alike
-            if full:
-                vnni_block_scores(scores[unit], qi[b, heads], qscale[b, heads], k_parts[0][block], k_parts[1][block],
-                                  k_parts[2][block], k_parts[3][block], thr_k, first_seg, scale, kacc[unit])
-            else:
-                load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
-                block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
-            if q_center.shape[0] and full:
-                center_codes(q_center[b, heads], center, j, centers[2][unit], centers[0][unit])
-                vnni_center_scores(scores[unit], centers[0][unit], centers[1][unit], center[3])
-            elif q_center.shape[0]:
-                add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
-            if full:
-                softmax_weights(scores[unit], width, acc, m[unit], l[unit])
-                vnni_add_weighted_rows(acc, scores[unit], v_parts[0][block], v_parts[1][block], v_parts[2][block],
-                                       v_parts[3][block], thr_v, first_seg)
-            else:
-                load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
-                attend_scores(scores[unit], vb[unit], width, acc, m[unit], l[unit])
-        finish_unit(parts, m, l, out, lse, unit, splits, b, heads)
+            for kvh in range(num_kv_heads):  # the block's lines, loaded for the first, serve the others from L1
+                unit = (b * num_kv_heads + kvh) * splits + part
+                heads = slice(kvh * group, (kvh + 1) * group)
+                first_seg = kvh * head_dim // SEGMENT
+                acc = parts[unit]
+                if full:
+                    vnni_block_scores(scores[unit], qi[b, heads], qscale[b, heads], k_parts[0][block], k_parts[1][block],
+                                      k_parts[2][block], k_parts[3][block], thr_k, first_seg, scale, kacc[unit])
+                else:
+                    load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
+                    block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
+                if q_center.shape[0] and full:
+                    center_codes(q_center[b, heads], center, j, centers[2][unit], centers[0][unit])
+                    vnni_center_scores(scores[unit], centers[0][unit], centers[1][unit], center[3])
+                elif q_center.shape[0]:
+                    add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
+                if full:
+                    softmax_weights(scores[unit], width, acc, m[unit], l[unit])
+                    vnni_add_weighted_rows(acc, scores[unit], v_parts[0][block], v_parts[1][block], v_parts[2][block],
+                                           v_parts[3][block], thr_v, first_seg)
+                else:
+                    load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
+                    attend_scores(scores[unit], vb[unit], width, acc, m[unit], l[unit])
+        for kvh in range(num_kv_heads):
+            finish_unit(parts, m, l, out, lse, (b * num_kv_heads + kvh) * splits + part, splits, b,
+                        slice(kvh * group, (kvh + 1) * group))
     merge_parts(parts, m, l, out, lse, num_kv_heads)
 
 
