@@ -1206,7 +1206,10 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
                            out, lse, scores, kb, vb, m, l, parts, qcb, sc, kacc, centers):
     """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
     of one kv-head are decoded into small scratch (kb, vb: [U, block_size, D], L1-sized) and used
-    at once; no full-precision copy of the cache is ever made.
+    at once; no full-precision copy of the cache is ever made. Scratch and states are per unit, a
+    (sequence, kv-head, part) as in paged_decode_attention, but a parallel task is a (sequence,
+    part) that takes every kv-head of each of its blocks in turn: a row holds all kv-heads, so the
+    block's lines are fetched once (8k x 8: 4.97-5.05 -> 4.39-4.52 ms against a unit per task).
     k_parts, v_parts: (dense, scales, counts, sparse, tail, tail_of) of one layer (see load_block);
     thr_k, thr_v: [4]; q_center [B, Hq, D] and center: the keys' centers in the score domain (see
     add_center_scores; q_center [0, 0, 0]: keys not centered); scratch qcb [U, group, D], sc
