@@ -916,6 +916,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         one, zero64 = rc.full(i64, 1), rc.full(i64, 0)
         channels = [ir.Constant(vec(i32, 32), [x for i in range(16) for x in (16 * h + i, 32 + 16 * h + i)]) for h in (0, 1)]
         starts = cgutils.alloca_once(builder, i64, ROWS)  # each row's next entry: walked once, moved on by segment
+        pair_codes = cgutils.alloca_once(builder, vec(i32, 8))
         rc.first_row()
         with cgutils.for_range(builder, builder.udiv(dim, i64(SEGMENT))) as seg_loop:
             seg = seg_loop.index
@@ -962,12 +963,15 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                         (i + span) % 16 for i in range(16)])))
                 top = rc.vmax(builder.extract_element(top, i32(0)), f32(1e-30))
                 codes = rc.to_codes(builder.fmul(weights, rc.lanes(builder.fdiv(f32(float(WEIGHT_MAX)), top))))
-                codes = builder.bitcast(codes, vec(i32, 8))
+                # each row pair's two codes broadcast from memory (a load); from a register, each is a vpermd
+                # on the shuffle port. The address goes through an empty asm block, or LLVM forwards the store.
+                builder.store(builder.bitcast(codes, vec(i32, 8)), pair_codes)
+                at = builder.asm(ir.FunctionType(i64, [i64]), "", "=r,0", [builder.ptrtoint(pair_codes, i64)], False)
                 sums = [None] * 4
                 for pairs in (range(ROWS // 4), range(ROWS // 4, ROWS // 2)):  # two integer sums: no overflow
                     part = [rc.full(i32, 0)] * 4
                     for p in pairs:
-                        both = splat(builder, builder.extract_element(codes, i32(p)), 16)
+                        both = splat(builder, builder.load(rc.at(builder.add(at, i64(4 * p)), i32), align=4), 16)
                         for k in range(4):
                             x = builder.load(builder.gep(interleaved, [i32(0), i32(4 * p + k)]))
                             part[k] = _dpwssd(builder, part[k], x, both)
