@@ -227,6 +227,43 @@ def test_int16_dots_with_many_segments_a_row(num_kv_heads):
         np.testing.assert_allclose(lse[b], ref_lse, atol=1e-3)
 
 
+
+def test_int16_dots_with_contexts_cut_into_parts():
+    """Contexts long enough to be cut into parts (split_parts by sequences): each task runs every
+    kv-head of its blocks, and the parts of each (sequence, kv-head) are merged after the loop."""
+    if not oaken.VNNI:
+        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
+    rng = np.random.default_rng(11)
+    seq_lens = [1100, 1500]
+    assert split_parts(len(seq_lens), np.array(seq_lens), 16) > 1
+    tf = channel_transforms(np.random.default_rng(2), 3, 64, ("bias", "rotate"))
+    store = oaken_store(num_blocks=sum(-(-n // 16) for n in seq_lens) + 2, **tf)
+    tables, _ = write_sequences(store, rng, seq_lens, offset=tf["key_bias"][0].reshape(3, 64),
+                                rope_inv_freq=tf["rope_inv_freq"])
+    q = rng.standard_normal((len(seq_lens), 9, 64)).astype(np.float32)
+    store.int_dots = True
+    out, lse = store.decode_attention(0, q, tables, np.array(seq_lens, np.int32), 0.125)
+    for b, n in enumerate(seq_lens):
+        ref_out, ref_lse = naive_attention(q[b], *store.gather(0, tables[b], n), 0.125)
+        np.testing.assert_allclose(out[b], ref_out, atol=1e-3 * np.abs(ref_out).max())
+        np.testing.assert_allclose(lse[b], ref_lse, atol=1e-3)
+
+
+def test_center_codes_against_numpy():
+    """The keys' center terms A, B turned to block j's start and rounded to int16 codes, as NumPy
+    computes A c + B s and B c - A s in float32 (center_codes, in LLVM IR)."""
+    rng = np.random.default_rng(13)
+    qc = rng.standard_normal((3, 128)).astype(np.float32)
+    cos_b, sin_b = rng.standard_normal((2, 6, 64)).astype(np.float32)
+    inv = np.array([100.0, 3000.0, 7.5], np.float32)
+    got = np.empty((3, 128), np.int16)
+    for j in (0, 5):
+        oaken.center_codes(qc, (cos_b, sin_b), j, inv, got)
+        a, b, c, t = qc[:, :64], qc[:, 64:], cos_b[j], sin_b[j]
+        turned = np.concatenate([a * c + b * t, b * c - a * t], -1)
+        want = np.floor(turned * inv[:, None] + np.float32(0.5)).astype(np.int16)
+        assert np.array_equal(got, want), j
+
 def test_key_center_turns_with_the_position():
     """Keys that are a large pre-RoPE mean turned to their position plus small noise: the store
     keeps only the noise (so its quantization error is the noise's, not the mean's), gives the keys
