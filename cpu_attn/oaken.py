@@ -1233,8 +1233,9 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
         b, part = task // splits, task % splits
         n = seq_lens[b]
         first, end = part_blocks(n, block_size, splits, part)
+        unit0 = b * num_kv_heads * splits + part  # kv-head kvh's unit: unit0 + kvh * splits
         for kvh in range(num_kv_heads):
-            unit = (b * num_kv_heads + kvh) * splits + part
+            unit = unit0 + kvh * splits
             attend_begin(parts[unit], m[unit], l[unit])
             if int_dots and q_center.shape[0]:
                 center_scales(q_center[b, kvh * group:(kvh + 1) * group], scale, centers[2][unit], centers[1][unit])
@@ -1246,7 +1247,7 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
                 prefetch_block(v_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
             full = int_dots and width == block_size and k_parts[5][block] < 0  # quantized, K and V alike
             for kvh in range(num_kv_heads):  # the block's lines, loaded for the first, serve the others from L1
-                unit = (b * num_kv_heads + kvh) * splits + part
+                unit = unit0 + kvh * splits
                 heads = slice(kvh * group, (kvh + 1) * group)
                 first_seg = kvh * head_dim // SEGMENT
                 acc = parts[unit]
@@ -1269,8 +1270,7 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
                     load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
                     attend_scores(scores[unit], vb[unit], width, acc, m[unit], l[unit])
         for kvh in range(num_kv_heads):
-            finish_unit(parts, m, l, out, lse, (b * num_kv_heads + kvh) * splits + part, splits, b,
-                        slice(kvh * group, (kvh + 1) * group))
+            finish_unit(parts, m, l, out, lse, unit0 + kvh * splits, splits, b, slice(kvh * group, (kvh + 1) * group))
     merge_parts(parts, m, l, out, lse, num_kv_heads)
 
 

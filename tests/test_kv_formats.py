@@ -227,7 +227,6 @@ def test_int16_dots_with_many_segments_a_row(num_kv_heads):
         np.testing.assert_allclose(lse[b], ref_lse, atol=1e-3)
 
 
-
 def test_int16_dots_with_contexts_cut_into_parts():
     """Contexts long enough to be cut into parts (split_parts by sequences): each task runs every
     kv-head of its blocks, and the parts of each (sequence, kv-head) are merged after the loop."""
@@ -263,6 +262,7 @@ def test_center_codes_against_numpy():
         turned = np.concatenate([a * c + b * t, b * c - a * t], -1)
         want = np.floor(turned * inv[:, None] + np.float32(0.5)).astype(np.int16)
         assert np.array_equal(got, want), j
+
 
 def test_key_center_turns_with_the_position():
     """Keys that are a large pre-RoPE mean turned to their position plus small noise: the store
