@@ -1,9 +1,10 @@
 """Time per row of the exact Oaken kernel's two int16 parts, alone: the key scores of a full block
-(`oaken.vnni_block_scores`) and its values summed by the softmax weights (`oaken.vnni_add_weighted_rows`).
+(`oaken.vnni_block_scores`) and its values summed by the softmax weights (`oaken.vnni_add_weighted_rows`),
+each over all kv-heads of the block, reported per kv-head's row (a row of one kv-head).
 
     python -m benchmarks.bench_oaken_rows [--shape smollm2-135m | llama-3.1-8b] [--blocks 64] [--calls 200000]
 
-One thread, one kv-head and its query heads, each part called in a loop over `blocks` blocks (64 stay in
+One thread, one layer's heads, each part called in a loop over `blocks` blocks (64 stay in
 cache: no memory traffic), so the numbers are the instructions' cost: for work on these kernels, where
 bench_decode_attn's whole-kernel timing moves by the VM's ±5 % noise. Each part is timed as stored and with
 the blocks' sparse entries dropped (counts zeroed; the results then differ): the value side then skips its pass
@@ -22,20 +23,20 @@ from cpu_attn import oaken
 
 
 @njit(cache=True)
-def _key_scores(calls, parts, thr, first_seg, qi, qscale, s, acc):
+def _key_scores(calls, parts, thr, qi, qscale, s, acc):
     blocks = parts[0].shape[0]
     for r in range(calls):
         b = r % blocks
-        oaken.vnni_block_scores(s, qi, qscale, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr, first_seg,
+        oaken.vnni_block_scores(s, qi, qscale, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr,
                                 np.float32(0.125), acc)
 
 
 @njit(cache=True)
-def _values(calls, parts, thr, first_seg, w, out):
+def _values(calls, parts, thr, w, out):
     blocks = parts[0].shape[0]
     for r in range(calls):
         b = r % blocks
-        oaken.vnni_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr, first_seg)
+        oaken.vnni_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr)
 
 
 def main() -> None:
@@ -48,29 +49,28 @@ def main() -> None:
     if not oaken.VNNI:
         raise SystemExit("the int16 kernels need AVX512-BW, -VNNI and -VBMI2 (and NUMBA_CPU_NAME unset)")
     heads, kv_heads, head_dim = SHAPES[args.shape]
-    group = heads // kv_heads
     rng = np.random.default_rng(0)
     store = served_oaken(args.blocks, rng, kv_heads, head_dim)
     fill(store, rng, 1, args.blocks * BLOCK)
     k_parts, v_parts = store._read_parts(0, 0)[:4], store._read_parts(0, 1)[:4]
     thr_k, thr_v = store.thresholds[0]
-    first_seg = head_dim // oaken.SEGMENT  # kv-head 1 (of 3 or 8): entries before and after its own
-    qi, qscale = oaken.query_codes(rng.standard_normal((group, head_dim)).astype(np.float32))
-    s, acc = np.zeros((group, BLOCK), np.float32), np.zeros((group, oaken.ROWS, 16), np.float32)
-    w, out = rng.random((group, BLOCK)).astype(np.float32), np.zeros((group, head_dim), np.float32)
+    qi, qscale = oaken.query_codes(rng.standard_normal((heads, head_dim)).astype(np.float32))
+    s, acc = np.zeros((heads, BLOCK), np.float32), np.zeros((heads, oaken.ROWS, 16), np.float32)
+    w, out = rng.random((heads, BLOCK)).astype(np.float32), np.zeros((heads, head_dim), np.float32)
+    head_rows = BLOCK * kv_heads
     calls = args.calls
     rows = []
     for entries in ("stored", "dropped"):
         if entries == "dropped":
             store.counts[:] = 0
-        key = best_of(lambda: _key_scores(calls, k_parts, thr_k, first_seg, qi, qscale, s, acc)) / calls * 1e9
-        value = best_of(lambda: _values(calls, v_parts, thr_v, first_seg, w, out)) / calls * 1e9
-        rows.append({"sparse_entries": entries, "key_scores_ns_per_row": key / BLOCK,
-                     "values_ns_per_row": value / BLOCK, "both_ns_per_row": (key + value) / BLOCK})
-        print(f"sparse entries {entries}: key scores {key / BLOCK:.2f} ns a row, values {value / BLOCK:.2f}",
-              flush=True)
-    print(f"\n{args.shape}: one kv-head of {head_dim}, {group} query heads, {args.blocks} blocks of {BLOCK} rows, "
-          "one thread")
+        key = best_of(lambda: _key_scores(calls, k_parts, thr_k, qi, qscale, s, acc)) / calls * 1e9
+        value = best_of(lambda: _values(calls, v_parts, thr_v, w, out)) / calls * 1e9
+        rows.append({"sparse_entries": entries, "key_scores_ns_per_row": key / head_rows,
+                     "values_ns_per_row": value / head_rows, "both_ns_per_row": (key + value) / head_rows})
+        print(f"sparse entries {entries}: key scores {key / head_rows:.2f} ns a kv-head's row, values "
+              f"{value / head_rows:.2f}", flush=True)
+    print(f"\n{args.shape}: {kv_heads} kv-heads of {head_dim}, {heads} query heads, {args.blocks} blocks of {BLOCK} "
+          "rows, one thread; ns per kv-head's row")
     print_table(rows, ["sparse_entries", "key_scores_ns_per_row", "values_ns_per_row", "both_ns_per_row"])
     print(f"wrote {write_json(args.out, {'machine': machine(), 'args': vars(args), 'rows': rows})}")
 

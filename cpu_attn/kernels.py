@@ -455,17 +455,19 @@ def finish_unit(parts, m, l, out, lse, unit, splits, b, heads):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def merge_parts(parts, m, l, out, lse, num_kv_heads):
+def merge_parts(parts, m, l, out, lse, num_kv_heads, kv_inner=False):
     """out [B, Hq, D], lse [B, Hq] from the units' states of contexts cut into parts (see
     paged_decode_attention; a no-op with one part, finish_unit did it). On the calling thread: only
-    small batches are cut, and a second parallel region costs more than the pass."""
+    small batches are cut, and a second parallel region costs more than the pass. Units in order
+    (sequence, kv-head, part), or (sequence, part, kv-head) with kv_inner."""
     num_seqs, group = out.shape[0], out.shape[1] // num_kv_heads
     splits = parts.shape[0] // max(num_seqs * num_kv_heads, 1)
     if splits == 1:
         return
     for item in range(num_seqs * num_kv_heads):
         b, kvh = item // num_kv_heads, item % num_kv_heads
-        units = slice(item * splits, (item + 1) * splits)
+        start, step = (b * splits * num_kv_heads + kvh, num_kv_heads) if kv_inner else (item * splits, 1)
+        units = slice(start, start + splits * step, step)
         heads = slice(kvh * group, (kvh + 1) * group)
         attend_merge(parts[units], m[units], l[units], out[b, heads], lse[b, heads])
 

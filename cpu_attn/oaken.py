@@ -657,8 +657,8 @@ class _RowCodes:
     and its sparse values are int16 multiples of a per-row unit, its largest possible |value| /
     CODE_MAX; the per-row scalars are computed for all 16 rows at once, a row a lane."""
 
-    def __init__(self, builder, dense, scales, counts, sparse, thr, first_seg):
-        """dense, scales, counts, sparse, thr: the arrays' structs (make_array); first_seg: i64."""
+    def __init__(self, builder, dense, scales, counts, sparse, thr):
+        """dense, scales, counts, sparse, thr: the arrays' structs (make_array)."""
         self.builder = b = builder
         f32, i1, i8, i16, i32, i64 = _F32, _I1, _I8, _I16, _I32, _I64
         vec = ir.VectorType
@@ -671,7 +671,6 @@ class _RowCodes:
         self.sparse = b.ptrtoint(sparse.data, i64)
         self.dense_row, self.counts_row = (cgutils.unpack_tuple(b, a.strides, 2)[0] for a in (dense, counts))
         self.num_counts = cgutils.unpack_tuple(b, counts.shape, 2)[1]
-        self.first_seg = first_seg
         s_lo, t_lo, t_hi, s_hi = (self.lanes(b.load(b.gep(thr.data, [i64(i)]))) for i in range(4))
         raw = b.load(self.at(b.ptrtoint(scales.data, i64), vec(i16, 3 * ROWS)), align=2)
         s0, s1, s2 = (b.fpext(b.bitcast(b.shuffle_vector(raw, raw, ir.Constant(vec(i32, ROWS), list(range(k, 3 * ROWS, 3)))),
@@ -719,44 +718,53 @@ class _RowCodes:
         self.builder.store(_I64(0), self.entry_of_row)
 
     def walk(self, t, entry):
-        """Row t's counts (t: i64, rows in order from first_row) -> where the kv-head's entries of the
-        row start in the block's budget, stored at `entry` (an i64 pointer)."""
-        b, i64 = self.builder, _I64
+        """Row t's counts (t: i64, rows in order from first_row) -> where the row's entries start in
+        the block's budget, stored at `entry` (an i64 pointer)."""
+        b = self.builder
         b.store(b.load(self.entry_of_row), entry)
         first = self.at(b.add(self.counts, b.mul(t, self.counts_row)), _I8)
         with cgutils.for_range(b, self.num_counts) as c:  # a GEP: LLVM vectorizes long rows with loads, not gathers
-            n = b.zext(b.load(b.gep(first, [c.index])), i64)
+            n = b.zext(b.load(b.gep(first, [c.index])), _I64)
             b.store(b.add(b.load(self.entry_of_row), n), self.entry_of_row)
-            earlier = b.icmp_unsigned("<", c.index, self.first_seg)
-            b.store(b.add(b.load(entry), b.select(earlier, n, i64(0))), entry)
 
-    def row(self, t, entry):
+    def row(self, t, entry, cache=None, fresh=None):
         """Row t's state (t: i64): its levels as codes (<32 x i16>, lanes 16.. unused), where its
-        entries start (`entry`, the i64 pointer walk filled; each segment moves it on by its count),
-        its scalars, its counts' and nibbles' addresses."""
+        entries start (`entry`, an i64 pointer; each segment moves it on by its count), its scalars,
+        its counts' and nibbles' addresses. With `cache` (a buffer of ROWS <32 x i16>) the levels are
+        computed where `fresh` (i1) holds and kept there, else loaded from it."""
         f32, i1, i64 = _F32, _I1, _I64
         b = self.builder
         scalars = [self.lanes(b.load(self.at(b.add(self.per_row, b.add(i64(64 * k), b.shl(t, i64(2)))), f32)))
                    for k in range(7)]
-        hb, lb, st = scalars[:3]
-        steps = ir.Constant(ir.VectorType(f32, 16), [float(n % 8) for n in range(16)])
-        negative = ir.Constant(ir.VectorType(i1, 16), [n >= 8 for n in range(16)])
-        levels = self.to_codes(b.select(negative, b.fsub(lb, b.fmul(steps, st)), b.fadd(hb, b.fmul(steps, st))))
+
+        def levels():
+            hb, lb, st = scalars[:3]
+            steps = ir.Constant(ir.VectorType(f32, 16), [float(n % 8) for n in range(16)])
+            negative = ir.Constant(ir.VectorType(i1, 16), [n >= 8 for n in range(16)])
+            codes = self.to_codes(b.select(negative, b.fsub(lb, b.fmul(steps, st)), b.fadd(hb, b.fmul(steps, st))))
+            return b.shuffle_vector(codes, self.zero16, self.widen)
+        if cache is None:
+            codes = levels()
+        else:
+            slot = b.gep(cache, [_I32(0), t])
+            with b.if_then(fresh):
+                b.store(levels(), slot)
+            codes = b.load(slot)
         counts_at = b.add(self.counts, b.mul(t, self.counts_row))
         row_at = b.add(self.dense, b.mul(t, self.dense_row))
-        return b.shuffle_vector(levels, self.zero16, self.widen), entry, scalars, counts_at, row_at
+        return codes, entry, scalars, counts_at, row_at
 
     def segment(self, row, seg):
-        """Segment seg of the kv-head in the current row -> (its nibbles: values 0..31 and 32..63 as
+        """Segment seg of the current row (SEGMENT values of its kv-heads, in order) -> (its nibbles: values 0..31 and 32..63 as
         <32 x i16>, the same as level codes, its entry count as i64)."""
         i8, i16, i64 = _I8, _I16, _I64
         b = self.builder
         levels, _, _, counts_at, row_at = row
-        nibbles = b.load(self.at(b.add(row_at, b.shl(b.add(self.first_seg, seg), i64(5))), ir.VectorType(i8, 32)),
+        nibbles = b.load(self.at(b.add(row_at, b.shl(seg, i64(5))), ir.VectorType(i8, 32)),
                          align=1)
         wide = b.zext(nibbles, ir.VectorType(i16, 32))  # one vpmovzxbw, then both nibbles in 16-bit lanes
         low, high = b.and_(wide, self.full(i16, 15, 32)), b.lshr(wide, self.full(i16, 4, 32))
-        n = b.zext(b.load(self.at(b.add(counts_at, b.add(self.first_seg, seg)), i8)), i64)
+        n = b.zext(b.load(self.at(b.add(counts_at, seg), i8)), i64)
         return low, high, b.call(self.permw, [levels, low]), b.call(self.permw, [levels, high]), n
 
     def entries(self, row, where, left, low, high):
@@ -783,9 +791,9 @@ class _RowCodes:
 
 
 @intrinsic
-def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, thr, first_seg, scale, acc):
-    """s[g, t] = scale * q_g . k_t for the 16 rows of one full, quantized block and one kv-head, in
-    integer dot products on the store's codes: no row is decoded to floats.
+def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, thr, scale, acc):
+    """s[h, t] = scale * q_h . k_t for the 16 rows of one full, quantized block, every query head h
+    against its kv-head's keys, in integer dot products on the store's codes: no row is decoded to floats.
 
     The rows as _RowCodes writes them; the queries as int16 multiples of their own scale (qi,
     qscale: query_codes). A row's nibbles index its levels (vpermw), and one vpdpwssd per 32 values
@@ -793,13 +801,14 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
     level code) times the query's codes at their indices, gathered from registers (vpermi2w), with
     one more vpdpwssd: the level's product comes out, the true value's goes in. Exact in int32: a lane
     sums four level products and two entries' (|delta| <= 2 * CODE_MAX), < 8 * CODE_MAX^2 < 2^31.
-    Each row's 16 partial sums go to acc [G, 16, 16]; one shuffle tree (kernels.lane_sums) sums the
-    16 rows at once, and they are scaled by the rows' units. Both roundings are to 1 / 16383 of the
-    row's or the query's largest value (scores within ~2e-4 of the largest one, tests/test_kv_formats.py).
+    A row's levels and scalars serve all its kv-heads (one row setup, not one a kv-head). Each row's
+    16 partial sums go to acc [Hq, 16, 16]; one shuffle tree (kernels.lane_sums) sums the 16 rows at
+    once, and they are scaled by the rows' units. Both roundings are to 1 / 16383 of the row's or the
+    query's largest value (scores within ~2e-4 of the largest one, tests/test_kv_formats.py).
 
-    s [G, 16], qi [G, D] int16, qscale [G], dense [16, C/2], scales [16, 3] (fp16 bits), counts
-    [16, C/64], sparse [budget] (the block's), thr [4]; D a multiple of 64. Needs AVX512-BW and
-    -VNNI (VNNI); compiled elsewhere it traps, and the kernel never calls it there."""
+    s [Hq, 16], qi [Hq, D] int16, qscale [Hq], dense [16, C/2], scales [16, 3] (fp16 bits), counts
+    [16, C/64], sparse [budget] (the block's), thr [4]; D a multiple of 64, Hq a multiple of C/D.
+    Needs AVX512-BW and -VNNI (VNNI); compiled elsewhere it traps, and the kernel never calls it there."""
     if not (c_array(s, 2, types.float32) and c_array(qi, 2, types.int16) and c_array(qscale, 1, types.float32)
             and _block_arrays(dense, scales, counts, sparse, thr) and c_array(acc, 3, types.float32)):
         return None
@@ -810,27 +819,28 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         if not VNNI:
             return _trap(context, builder)
         sig = signature.args
-        arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)}
+        arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 9)}
         base = {i: builder.ptrtoint(a.data, i64) for i, a in arrays.items()}
-        groups, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
+        heads, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
+        segs_per_head = builder.udiv(dim, i64(SEGMENT))
+        kv_heads = builder.udiv(builder.shl(cgutils.unpack_tuple(builder, arrays[3].shape, 2)[1], i64(1)), dim)
+        group = builder.udiv(heads, kv_heads)
         s_row = cgutils.unpack_tuple(builder, arrays[0].strides, 2)[0]
-        first_seg = context.cast(builder, args[8], sig[8], types.intp)
-        scale = context.cast(builder, args[9], sig[9], types.float32)
-        rc = _RowCodes(builder, *(arrays[i] for i in (3, 4, 5, 6, 7)), first_seg)
+        scale = context.cast(builder, args[8], sig[8], types.float32)
+        rc = _RowCodes(builder, *(arrays[i] for i in (3, 4, 5, 6, 7)))
         q_row = builder.shl(dim, i64(1))
 
-        def partials_at(g, t):  # query g's 16 partial sums of row t in acc [G, 16, 16]
-            return rc.at(builder.add(base[10], builder.shl(builder.add(builder.mul(g, i64(ROWS)), t), i64(6))),
+        def partials_at(h, t):  # query head h's 16 partial sums of row t in acc [Hq, 16, 16]
+            return rc.at(builder.add(base[9], builder.shl(builder.add(builder.mul(h, i64(ROWS)), t), i64(6))),
                          vec(f32, 16))
 
         def dot(x, y, acc=None):
             return _dpwssd(builder, acc or rc.full(i32, 0), builder.bitcast(x, vec(i32, 16)), builder.bitcast(y, vec(i32, 16)))
 
-        entry = cgutils.alloca_once(builder, i64)
-        rc.first_row()
+        entry = cgutils.alloca_once(builder, i64)  # rows and their segments in order: the block's entries in order
+        builder.store(i64(0), entry)
         with cgutils.for_range(builder, i64(ROWS)) as rows_loop:
             t = rows_loop.index
-            rc.walk(t, entry)
             row = rc.row(t, entry)
 
             def deltas_and_indices(where, left, low, high):
@@ -842,37 +852,41 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
                 widen = lambda x: builder.shuffle_vector(x, rc.zero16, rc.widen)
                 return widen(builder.sub(true, level)), widen(j)
 
-            def query(seg, g):  # the 64 query codes of segment seg, as two vectors
-                q_at = builder.add(builder.add(base[1], builder.mul(g, q_row)), builder.shl(seg, i64(7)))
-                return [builder.load(rc.at(builder.add(q_at, i64(64 * h)), vec(i16, 32)), align=2) for h in (0, 1)]
+            def query(at):  # the 64 query codes at address `at`, as two vectors
+                return [builder.load(rc.at(builder.add(at, i64(64 * h)), vec(i16, 32)), align=2) for h in (0, 1)]
 
-            with cgutils.for_range(builder, builder.udiv(dim, i64(SEGMENT))) as seg_loop:
-                seg = seg_loop.index
+            with cgutils.for_range(builder, kv_heads) as kvh, cgutils.for_range(builder, segs_per_head) as seg_loop:
+                local = seg_loop.index
+                seg = builder.add(builder.mul(kvh.index, segs_per_head), local)
+                head0 = builder.mul(kvh.index, group)  # the kv-head's first query head
+                q_seg = builder.add(base[1], builder.shl(local, i64(7)))
                 low, high, code0, code1, n = rc.segment(row, seg)
                 start = builder.add(rc.sparse, builder.load(row[1]))
                 delta, jj = deltas_and_indices(start, n, low, high)
-                first = builder.icmp_unsigned("==", seg, i64(0))
-                with cgutils.for_range(builder, groups) as g:
-                    q0, q1 = query(seg, g.index)
+                first = builder.icmp_unsigned("==", local, i64(0))
+                with cgutils.for_range(builder, group) as g:
+                    h = builder.add(head0, g.index)
+                    q0, q1 = query(builder.add(q_seg, builder.mul(h, q_row)))
                     total = dot(delta, builder.call(rc.perm2w, [q0, jj, q1]), dot(code1, q1, dot(code0, q0)))
-                    at = partials_at(g.index, t)
+                    at = partials_at(h, t)
                     earlier = builder.select(first, rc.full(f32, 0.0), builder.load(at, align=4))
                     builder.store(builder.fadd(builder.sitofp(total, vec(f32, 16)), earlier), at, align=4)
                 with cgutils.for_range_slice(builder, i64(16), n, i64(16)) as (k, _):  # a segment with more entries
                     delta, jj = deltas_and_indices(builder.add(start, k), builder.sub(n, k), low, high)
-                    with cgutils.for_range(builder, groups) as g:
-                        q0, q1 = query(seg, g.index)
+                    with cgutils.for_range(builder, group) as g:
+                        h = builder.add(head0, g.index)
+                        q0, q1 = query(builder.add(q_seg, builder.mul(h, q_row)))
                         total = builder.sitofp(dot(delta, builder.call(rc.perm2w, [q0, jj, q1])), vec(f32, 16))
-                        at = partials_at(g.index, t)
+                        at = partials_at(h, t)
                         builder.store(builder.fadd(total, builder.load(at, align=4)), at, align=4)
                 builder.store(builder.add(builder.load(row[1]), n), row[1])
-        with cgutils.for_range(builder, groups) as g:
+        with cgutils.for_range(builder, heads) as g:
             rows = [builder.load(partials_at(g.index, i64(t)), align=4) for t in range(ROWS)]
             factor = builder.fmul(scale, builder.load(builder.gep(arrays[2].data, [g.index])))
             scores = builder.fmul(builder.fmul(lane_sums(builder, rows), rc.unit), rc.lanes(factor))
             builder.store(scores, rc.at(builder.add(base[0], builder.mul(g.index, s_row)), vec(f32, 16)), align=4)
         return context.get_dummy_value()
-    return types.none(s, qi, qscale, dense, scales, counts, sparse, thr, first_seg, scale, acc), codegen
+    return types.none(s, qi, qscale, dense, scales, counts, sparse, thr, scale, acc), codegen
 
 
 WEIGHT_MAX = 8191
@@ -881,16 +895,18 @@ four row pairs stay < 2^30, and each four pairs' sums are added as floats."""
 
 
 @intrinsic
-def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr, first_seg):
-    """acc[g] += sum_t w[g, t] * v_t over the 16 rows of one full, quantized block and one kv-head
-    (the p.v of attend_scores), in integer dot products on the store's codes: no row is decoded to floats.
+def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr):
+    """acc[h] += sum_t w[h, t] * v_t over the 16 rows of one full, quantized block, every query head
+    h over its kv-head's values (the p.v of attend_scores), in integer dot products on the store's
+    codes: no row is decoded to floats.
 
     Each row is built in registers as _RowCodes's int16 codes: its nibbles look up its levels
     (vpermw), and its sparse values, in index order as the quantizer writes them, are put in their
     lanes by masked expands (vpexpandw) whose mask has a bit at each entry's index. Each
     query's weights times the rows' units are rounded to int16 multiples of their largest value /
     WEIGHT_MAX; two rows' codes interleaved channel by channel make vpdpwssd add w_t v_t + w_t+1
-    v_t+1 into each channel's lane. acc [G, D], w [G, 16] float32; the rest as vnni_block_scores."""
+    v_t+1 into each channel's lane. A row's levels, computed for its first segment, are kept for the
+    others. acc [Hq, D], w [Hq, 16] float32; the rest as vnni_block_scores."""
     if not (c_array(acc, 2, types.float32) and c_array(w, 2, types.float32)
             and _block_arrays(dense, scales, counts, sparse, thr)):
         return None
@@ -902,11 +918,13 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
             return _trap(context, builder)
         sig = signature.args
         arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in range(7)}
-        groups, dim = cgutils.unpack_tuple(builder, arrays[0].shape, 2)
+        heads, dim = cgutils.unpack_tuple(builder, arrays[0].shape, 2)
+        segs_per_head = builder.udiv(dim, i64(SEGMENT))
+        kv_heads = builder.udiv(builder.shl(cgutils.unpack_tuple(builder, arrays[2].shape, 2)[1], i64(1)), dim)
+        group = builder.udiv(heads, kv_heads)
         acc_row, w_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (0, 1))
         acc_base, w_base = (builder.ptrtoint(arrays[i].data, i64) for i in (0, 1))
-        first_seg = context.cast(builder, args[7], sig[7], types.intp)
-        rc = _RowCodes(builder, *(arrays[i] for i in (2, 3, 4, 5, 6)), first_seg)
+        rc = _RowCodes(builder, *(arrays[i] for i in (2, 3, 4, 5, 6)))
         expand = rc.fn("llvm.x86.avx512.mask.expand.v32i16", vec(i16, 32), [vec(i16, 32), vec(i16, 32), vec(i1, 32)])
         any_bits = rc.fn("llvm.vector.reduce.or.v16i64", i64, [vec(i64, 16)])
         popcount = rc.fn("llvm.ctpop.i64", i64, [i64])
@@ -917,17 +935,21 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         channels = [ir.Constant(vec(i32, 32), [x for i in range(16) for x in (16 * h + i, 32 + 16 * h + i)]) for h in (0, 1)]
         starts = cgutils.alloca_once(builder, i64, ROWS)  # each row's next entry: walked once, moved on by segment
         pair_codes = cgutils.alloca_once(builder, vec(i32, 8))
+        levels = cgutils.alloca_once(builder, ir.ArrayType(vec(i16, 32), ROWS))
         rc.first_row()
-        with cgutils.for_range(builder, builder.udiv(dim, i64(SEGMENT))) as seg_loop:
-            seg = seg_loop.index
+        with cgutils.for_range(builder, kv_heads) as kvh, cgutils.for_range(builder, segs_per_head) as seg_loop:
+            local = seg_loop.index
+            seg = builder.add(builder.mul(kvh.index, segs_per_head), local)
+            head0 = builder.mul(kvh.index, group)  # the kv-head's first query head
+            first = builder.icmp_unsigned("==", seg, i64(0))
             with cgutils.for_range(builder, i64(ROWS // 2)) as pair_loop:
                 p = pair_loop.index
                 for t in (0, 1):  # rows 2p and 2p + 1
                     row_index = builder.add(builder.shl(p, i64(1)), i64(t))
                     start_at = builder.gep(starts, [row_index])
-                    with builder.if_then(builder.icmp_unsigned("==", seg, i64(0))):  # rows in order, once
+                    with builder.if_then(first):  # rows in order, once
                         rc.walk(row_index, start_at)
-                    row = rc.row(row_index, start_at)
+                    row = rc.row(row_index, start_at, levels, first)
                     low, high, code0, code1, n = rc.segment(row, seg)
                     builder.store(code0, code[0])
                     builder.store(code1, code[1])
@@ -954,8 +976,9 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                                 slot = builder.gep(interleaved, [i32(0), at])
                                 builder.store(builder.bitcast(pair, vec(i32, 16)), slot)
                     earlier = current
-            with cgutils.for_range(builder, groups) as g:
-                weights = builder.load(rc.at(builder.add(w_base, builder.mul(g.index, w_row)), vec(f32, 16)), align=4)
+            with cgutils.for_range(builder, group) as g:
+                h = builder.add(head0, g.index)
+                weights = builder.load(rc.at(builder.add(w_base, builder.mul(h, w_row)), vec(f32, 16)), align=4)
                 weights = builder.fmul(weights, rc.unit)
                 top = weights
                 for span in (8, 4, 2, 1):
@@ -978,14 +1001,14 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                     part = [builder.sitofp(x, vec(f32, 16)) for x in part]
                     sums = part if sums[0] is None else [builder.fadd(x, y) for x, y in zip(sums, part)]
                 unit = rc.lanes(builder.fmul(top, f32(1.0 / WEIGHT_MAX)))
-                row_at = builder.add(acc_base, builder.mul(g.index, acc_row))
+                row_at = builder.add(acc_base, builder.mul(h, acc_row))
                 for k in range(4):
-                    out = rc.at(builder.add(row_at, builder.shl(builder.add(builder.mul(seg, i64(SEGMENT)), i64(16 * k)),
+                    out = rc.at(builder.add(row_at, builder.shl(builder.add(builder.mul(local, i64(SEGMENT)), i64(16 * k)),
                                                                 i64(2))), vec(f32, 16))
                     total = builder.fadd(builder.load(out, align=4), builder.fmul(sums[k], unit))
                     builder.store(total, out, align=4)
         return context.get_dummy_value()
-    return types.none(acc, w, dense, scales, counts, sparse, thr, first_seg), codegen
+    return types.none(acc, w, dense, scales, counts, sparse, thr), codegen
 
 
 def _block_arrays(dense, scales, counts, sparse, thr) -> bool:
@@ -1212,8 +1235,11 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
     of one kv-head are decoded into small scratch (kb, vb: [U, block_size, D], L1-sized) and used
     at once; no full-precision copy of the cache is ever made. Scratch and states are per unit, a
     (sequence, kv-head, part) as in paged_decode_attention, but a parallel task is a (sequence,
-    part) that takes every kv-head of each of its blocks in turn: a row holds all kv-heads, so the
-    block's lines are fetched once (8k x 8: 4.97-5.05 -> 4.39-4.52 ms against a unit per task).
+    part) that takes every kv-head of each of its blocks: a row holds all kv-heads, so the block's
+    lines are fetched once (8k x 8: 4.97-5.05 -> 4.39-4.52 ms against a unit per task), and the int16
+    kernels take all kv-heads of a block in one call (a row's levels made once, not once a kv-head).
+    A task's units are consecutive (unit = (b * splits + part) * Hkv + kvh), so its scores, kacc
+    and outputs are [Hq, ...] arrays.
     k_parts, v_parts: (dense, scales, counts, sparse, tail, tail_of) of one layer (see load_block);
     thr_k, thr_v: [4]; q_center [B, Hq, D] and center: the keys' centers in the score domain (see
     add_center_scores; q_center [0, 0, 0]: keys not centered); scratch qcb [U, group, D], sc
@@ -1233,9 +1259,11 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
         b, part = task // splits, task % splits
         n = seq_lens[b]
         first, end = part_blocks(n, block_size, splits, part)
-        unit0 = b * num_kv_heads * splits + part  # kv-head kvh's unit: unit0 + kvh * splits
+        units = slice(task * num_kv_heads, (task + 1) * num_kv_heads)  # the task's kv-heads: one unit each
+        task_scores = scores[units].reshape((num_heads, block_size))
+        task_acc = parts[units].reshape((num_heads, head_dim))
         for kvh in range(num_kv_heads):
-            unit = unit0 + kvh * splits
+            unit = task * num_kv_heads + kvh
             attend_begin(parts[unit], m[unit], l[unit])
             if int_dots and q_center.shape[0]:
                 center_scales(q_center[b, kvh * group:(kvh + 1) * group], scale, centers[2][unit], centers[1][unit])
@@ -1246,16 +1274,14 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
                 prefetch_block(k_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
                 prefetch_block(v_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
             full = int_dots and width == block_size and k_parts[5][block] < 0  # quantized, K and V alike
-            for kvh in range(num_kv_heads):  # the block's lines, loaded for the first, serve the others from L1
-                unit = unit0 + kvh * splits
+            if full:  # the block's lines, loaded once, serve every kv-head
+                vnni_block_scores(task_scores, qi[b], qscale[b], k_parts[0][block], k_parts[1][block], k_parts[2][block],
+                                  k_parts[3][block], thr_k, scale, kacc[units].reshape((num_heads, ROWS, 16)))
+            for kvh in range(num_kv_heads):
+                unit = task * num_kv_heads + kvh
                 heads = slice(kvh * group, (kvh + 1) * group)
-                first_seg = kvh * head_dim // SEGMENT
-                acc = parts[unit]
-                if full:
-                    vnni_block_scores(scores[unit], qi[b, heads], qscale[b, heads], k_parts[0][block], k_parts[1][block],
-                                      k_parts[2][block], k_parts[3][block], thr_k, first_seg, scale, kacc[unit])
-                else:
-                    load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
+                if not full:
+                    load_block(k_parts, block, thr_k, kvh * head_dim // SEGMENT, width, kb[unit])
                     block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
                 if q_center.shape[0] and full:
                     center_codes(q_center[b, heads], center, j, centers[2][unit], centers[0][unit])
@@ -1263,15 +1289,16 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
                 elif q_center.shape[0]:
                     add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
                 if full:
-                    softmax_weights(scores[unit], width, acc, m[unit], l[unit])
-                    vnni_add_weighted_rows(acc, scores[unit], v_parts[0][block], v_parts[1][block], v_parts[2][block],
-                                           v_parts[3][block], thr_v, first_seg)
+                    softmax_weights(scores[unit], width, parts[unit], m[unit], l[unit])
                 else:
-                    load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
-                    attend_scores(scores[unit], vb[unit], width, acc, m[unit], l[unit])
+                    load_block(v_parts, block, thr_v, kvh * head_dim // SEGMENT, width, vb[unit])
+                    attend_scores(scores[unit], vb[unit], width, parts[unit], m[unit], l[unit])
+            if full:
+                vnni_add_weighted_rows(task_acc, task_scores, v_parts[0][block], v_parts[1][block], v_parts[2][block],
+                                       v_parts[3][block], thr_v)
         for kvh in range(num_kv_heads):
-            finish_unit(parts, m, l, out, lse, unit0 + kvh * splits, splits, b, slice(kvh * group, (kvh + 1) * group))
-    merge_parts(parts, m, l, out, lse, num_kv_heads)
+            finish_unit(parts, m, l, out, lse, task * num_kv_heads + kvh, splits, b, slice(kvh * group, (kvh + 1) * group))
+    merge_parts(parts, m, l, out, lse, num_kv_heads, kv_inner=True)
 
 
 @njit(cache=True, nogil=True, parallel=True)
