@@ -666,7 +666,7 @@ class _RowCodes:
         self.perm2w = self.fn("llvm.x86.avx512.vpermi2var.hi.512", vec(i16, 32), [vec(i16, 32)] * 3)
         self.rint = self.fn("llvm.rint.v16f32", vec(f32, 16), [vec(f32, 16)])
         fabs = self.fn("llvm.fabs.v16f32", vec(f32, 16), [vec(f32, 16)])
-        self.masked_load = self.fn("llvm.masked.load.v16i8.p0", vec(i8, 16), [i8.as_pointer(), i32, vec(i1, 16), vec(i8, 16)])
+        self.masked_load = self.fn("llvm.masked.load.v32i8.p0", vec(i8, 32), [i8.as_pointer(), i32, vec(i1, 32), vec(i8, 32)])
         self.dense, self.counts = b.ptrtoint(dense.data, i64), b.ptrtoint(counts.data, i64)
         self.sparse = b.ptrtoint(sparse.data, i64)
         self.dense_row, self.counts_row = (cgutils.unpack_tuple(b, a.strides, 2)[0] for a in (dense, counts))
@@ -767,27 +767,38 @@ class _RowCodes:
         n = b.zext(b.load(self.at(b.add(counts_at, seg), i8)), i64)
         return low, high, b.call(self.permw, [levels, low]), b.call(self.permw, [levels, high]), n
 
-    def entries(self, row, where, left, low, high):
-        """Up to 16 sparse entries at address `where` (left of them) -> (lanes in use <16 x i1>, their
-        indices j <16 x i16>, their true values' codes <16 x i16>, 0 past `left`, and their nibbles in
-        lanes 0..15 of a <32 x i16>)."""
-        f32, i8, i16, i32, i64 = _F32, _I8, _I16, _I32, _I64
+    def entry_table(self, row, minus_levels):
+        """Row's codes of every value a sparse entry can give, by key = nibble | outer << 4 | negative
+        << 5 (entries): (keys 0..31, keys 32..63) as two <32 x i16>, one vpermi2w's table. With
+        minus_levels each less the row's level code at the nibble: what the entry adds to the dense value."""
+        f32, i32 = _F32, _I32
+        b = self.builder
+        st1, st2, sl, sh = row[2][3:]
+        y = ir.Constant(ir.VectorType(f32, 16), [float(n) for n in range(16)])
+        inner, outer = b.fmul(y, st1), b.fmul(y, st2)  # true = (outer ? (negative ? sl : sh) : 0) +- y * step
+        quarters = [self.to_codes(x) for x in (inner, b.fadd(sh, outer), b.fneg(inner), b.fsub(sl, outer))]
+        both = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
+        halves = [b.shuffle_vector(quarters[k], quarters[k + 1], both) for k in (0, 2)]
+        if minus_levels:
+            twice = b.shuffle_vector(row[0], row[0], ir.Constant(ir.VectorType(i32, 32), list(range(16)) * 2))
+            halves = [b.sub(x, twice) for x in halves]
+        return halves
+
+    def entries(self, where, left, low, high, table):
+        """Up to 16 sparse entries at address `where` (left of them) -> (lanes in use <32 x i1>, their
+        indices j <32 x i16>, their codes from `table` (entry_table) <32 x i16>; lanes past `left`,
+        and lanes 16.., 0)."""
+        i8, i16, i32, i64 = _I8, _I16, _I32, _I64
         b = self.builder
         vec = ir.VectorType
-        st1, st2, sl, sh = row[2][3:]
         left = b.select(b.icmp_signed("<", left, i64(16)), left, i64(16))
-        # lanes in use as a 16-bit mask from the count (one kmovw): a vector compare would take the shuffle port
-        mask = b.bitcast(b.trunc(b.sub(b.shl(i32(1), b.trunc(left, i32)), i32(1)), _I16), vec(_I1, 16))
-        e = b.zext(b.call(self.masked_load, [self.at(where, i8), i32(1), mask, self.full(i8, 0)]), vec(i16, 16))
-        j = b.and_(e, self.full(i16, 63))
-        outer = b.icmp_unsigned("!=", b.and_(e, self.full(i16, 64)), self.zero16)
-        negative = b.icmp_unsigned("!=", b.and_(e, self.full(i16, 128)), self.zero16)
-        nibbles = b.call(self.perm2w, [low, b.shuffle_vector(j, self.zero16, self.widen), high])  # at the indices
-        y = b.uitofp(b.shuffle_vector(nibbles, nibbles, self.first16), vec(f32, 16))
-        step = b.select(outer, st2, st1)
-        true = b.fadd(b.select(outer, b.select(negative, sl, sh), self.full(f32, 0.0)),
-                      b.fmul(y, b.select(negative, b.fneg(step), step)))
-        return mask, j, b.select(mask, self.to_codes(true), self.zero16), nibbles
+        # lanes in use as a mask from the count (one kmovd): a vector compare would take the shuffle port
+        mask = b.bitcast(b.sub(b.shl(i32(1), b.trunc(left, i32)), i32(1)), vec(_I1, 32))
+        e = b.zext(b.call(self.masked_load, [self.at(where, i8), i32(1), mask, self.full(i8, 0, 32)]), vec(i16, 32))
+        j = b.and_(e, self.full(i16, 63, 32))
+        nibbles = b.call(self.perm2w, [low, j, high])  # at the indices
+        key = b.or_(nibbles, b.and_(b.lshr(e, self.full(i16, 2, 32)), self.full(i16, 48, 32)))
+        return mask, j, b.select(mask, b.call(self.perm2w, [table[0], key, table[1]]), self.full(i16, 0, 32))
 
 
 @intrinsic
@@ -842,15 +853,13 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         with cgutils.for_range(builder, i64(ROWS)) as rows_loop:
             t = rows_loop.index
             row = rc.row(t, entry)
+            table = rc.entry_table(row, True)
 
             def deltas_and_indices(where, left, low, high):
                 """Up to 16 entries -> (true code - level code of each, their indices), <32 x i16> each,
-                lanes 16.. zero: the level is the row's level at the entry's nibble (one vpermw)."""
-                mask, j, true, nibbles = rc.entries(row, where, left, low, high)
-                level = builder.call(rc.permw, [row[0], nibbles])
-                level = builder.select(mask, builder.shuffle_vector(level, level, rc.first16), rc.zero16)
-                widen = lambda x: builder.shuffle_vector(x, rc.zero16, rc.widen)
-                return widen(builder.sub(true, level)), widen(j)
+                lanes 16.. zero."""
+                _, j, delta = rc.entries(where, left, low, high, table)
+                return delta, j
 
             def query(at):  # the 64 query codes at address `at`, as two vectors
                 return [builder.load(rc.at(builder.add(at, i64(64 * h)), vec(i16, 32)), align=2) for h in (0, 1)]
@@ -936,6 +945,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         starts = cgutils.alloca_once(builder, i64, ROWS)  # each row's next entry: walked once, moved on by segment
         pair_codes = cgutils.alloca_once(builder, vec(i32, 8))
         levels = cgutils.alloca_once(builder, ir.ArrayType(vec(i16, 32), ROWS))
+        tables = cgutils.alloca_once(builder, ir.ArrayType(vec(i16, 32), 2 * ROWS))  # each row's entry_table
         rc.first_row()
         with cgutils.for_range(builder, kv_heads) as kvh, cgutils.for_range(builder, segs_per_head) as seg_loop:
             local = seg_loop.index
@@ -950,17 +960,21 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                     with builder.if_then(first):  # rows in order, once
                         rc.walk(row_index, start_at)
                     row = rc.row(row_index, start_at, levels, first)
+                    slots = [builder.gep(tables, [i32(0), builder.add(builder.shl(row_index, i64(1)), i64(h))]) for h in (0, 1)]
+                    with builder.if_then(first):
+                        for slot, half in zip(slots, rc.entry_table(row, False)):
+                            builder.store(half, slot)
+                    table = [builder.load(slot) for slot in slots]
                     low, high, code0, code1, n = rc.segment(row, seg)
                     builder.store(code0, code[0])
                     builder.store(code1, code[1])
                     start = builder.add(rc.sparse, builder.load(row[1]))
                     with cgutils.for_range_slice(builder, i64(0), n, i64(16)) as (k, _):
-                        mask, j, true, _ = rc.entries(row, builder.add(start, k), builder.sub(n, k), low, high)
-                        bit = builder.shl(one, builder.zext(j, vec(i64, 16)))
-                        bits = builder.call(any_bits, [builder.select(mask, bit, zero64)])
+                        mask, j, values = rc.entries(builder.add(start, k), builder.sub(n, k), low, high, table)
+                        bit = builder.shl(one, builder.zext(builder.shuffle_vector(j, j, rc.first16), vec(i64, 16)))
+                        bits = builder.call(any_bits, [builder.select(builder.shuffle_vector(mask, mask, rc.first16), bit, zero64)])
                         # from registers; a vpexpandw from the values just stored to memory took a row ~72
                         # cycles instead of ~63 (one kv-head, 3 queries, blocks in cache)
-                        values = builder.shuffle_vector(true, rc.zero16, rc.widen)
                         past = builder.trunc(builder.call(popcount, [builder.and_(bits, i64(0xFFFFFFFF))]), i16)
                         later = builder.call(rc.permw, [values, builder.add(iota, splat(builder, past, 32))])
                         for h, (x, part) in enumerate(((values, bits), (later, builder.lshr(bits, i64(32))))):
