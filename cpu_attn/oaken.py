@@ -776,9 +776,11 @@ class _RowCodes:
         st1, st2, sl, sh = row[2][3:]
         y = ir.Constant(ir.VectorType(f32, 16), [float(n) for n in range(16)])
         inner, outer = b.fmul(y, st1), b.fmul(y, st2)  # true = (outer ? (negative ? sl : sh) : 0) +- y * step
-        quarters = [self.to_codes(x) for x in (inner, b.fadd(sh, outer), b.fneg(inner), b.fsub(sl, outer))]
-        both = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
-        halves = [b.shuffle_vector(quarters[k], quarters[k + 1], both) for k in (0, 2)]
+        words = ir.VectorType(_I16, 32)
+        quarters = [b.bitcast(b.fptosi(b.call(self.rint, [x]), ir.VectorType(i32, 16)), words)
+                    for x in (inner, b.fadd(sh, outer), b.fneg(inner), b.fsub(sl, outer))]
+        low_words = ir.Constant(ir.VectorType(i32, 32), list(range(0, 64, 2)))  # two quarters' codes in one shuffle
+        halves = [b.shuffle_vector(quarters[k], quarters[k + 1], low_words) for k in (0, 2)]
         if minus_levels:
             twice = b.shuffle_vector(row[0], row[0], ir.Constant(ir.VectorType(i32, 32), list(range(16)) * 2))
             halves = [b.sub(x, twice) for x in halves]
