@@ -1146,7 +1146,7 @@ def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
 def center_scales(qc, scale, inv, factor):
     """For center_codes, per query: inv = CODE_MAX / r, r the largest |(A_i, B_i)| of its center terms
     qc [group, D] (no turn changes it), and factor = scale * r / CODE_MAX^2 (the offsets' codes are
-    multiples of 1 / CODE_MAX): once per (sequence, kv-head)."""
+    multiples of 1 / CODE_MAX): once per task of the exact kernel, for all its query heads."""
     half = qc.shape[1] // 2
     for g in range(qc.shape[0]):
         r = np.float32(1e-30)
@@ -1281,8 +1281,11 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
         for kvh in range(num_kv_heads):
             unit = task * num_kv_heads + kvh
             attend_begin(parts[unit], m[unit], l[unit])
-            if int_dots and q_center.shape[0]:
-                center_scales(q_center[b, kvh * group:(kvh + 1) * group], scale, centers[2][unit], centers[1][unit])
+        centered = int_dots and q_center.shape[0] > 0
+        if centered:
+            abq = centers[0][units].reshape((num_heads, head_dim))
+            factor, inv = centers[1][units].reshape(num_heads), centers[2][units].reshape(num_heads)
+            center_scales(q_center[b], scale, inv, factor)
         for j in range(first, end):
             block = block_tables[b, j]
             width = min(block_size, n - j * block_size)
@@ -1293,16 +1296,16 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
             if full:  # the block's lines, loaded once, serve every kv-head
                 vnni_block_scores(task_scores, qi[b], qscale[b], k_parts[0][block], k_parts[1][block], k_parts[2][block],
                                   k_parts[3][block], thr_k, scale, kacc[units].reshape((num_heads, ROWS, 16)))
+                if centered:
+                    center_codes(q_center[b], center, j, inv, abq)
+                    vnni_center_scores(task_scores, abq, factor, center[3])
             for kvh in range(num_kv_heads):
                 unit = task * num_kv_heads + kvh
                 heads = slice(kvh * group, (kvh + 1) * group)
                 if not full:
                     load_block(k_parts, block, thr_k, kvh * head_dim // SEGMENT, width, kb[unit])
                     block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
-                if q_center.shape[0] and full:
-                    center_codes(q_center[b, heads], center, j, centers[2][unit], centers[0][unit])
-                    vnni_center_scores(scores[unit], centers[0][unit], centers[1][unit], center[3])
-                elif q_center.shape[0]:
+                if q_center.shape[0] and not full:
                     add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
                 if full:
                     softmax_weights(scores[unit], width, parts[unit], m[unit], l[unit])
