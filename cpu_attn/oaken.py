@@ -1277,10 +1277,8 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
         first, end = part_blocks(n, block_size, splits, part)
         units = slice(task * num_kv_heads, (task + 1) * num_kv_heads)  # the task's kv-heads: one unit each
         task_scores = scores[units].reshape((num_heads, block_size))
-        task_acc = parts[units].reshape((num_heads, head_dim))
-        for kvh in range(num_kv_heads):
-            unit = task * num_kv_heads + kvh
-            attend_begin(parts[unit], m[unit], l[unit])
+        task_acc, task_m, task_l = parts[units].reshape((num_heads, head_dim)), m[units].reshape(num_heads), l[units].reshape(num_heads)
+        attend_begin(task_acc, task_m, task_l)
         centered = int_dots and q_center.shape[0] > 0
         if centered:
             abq = centers[0][units].reshape((num_heads, head_dim))
@@ -1292,29 +1290,27 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
             if j + 1 < end:
                 prefetch_block(k_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
                 prefetch_block(v_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
-            full = int_dots and width == block_size and k_parts[5][block] < 0  # quantized, K and V alike
-            if full:  # the block's lines, loaded once, serve every kv-head
+            if int_dots and width == block_size and k_parts[5][block] < 0:  # full and quantized, K and V alike
+                # the block's lines, loaded once, serve every kv-head; each step one call for all query heads
                 vnni_block_scores(task_scores, qi[b], qscale[b], k_parts[0][block], k_parts[1][block], k_parts[2][block],
                                   k_parts[3][block], thr_k, scale, kacc[units].reshape((num_heads, ROWS, 16)))
                 if centered:
                     center_codes(q_center[b], center, j, inv, abq)
                     vnni_center_scores(task_scores, abq, factor, center[3])
+                softmax_weights(task_scores, width, task_acc, task_m, task_l)
+                vnni_add_weighted_rows(task_acc, task_scores, v_parts[0][block], v_parts[1][block], v_parts[2][block],
+                                       v_parts[3][block], thr_v)
+                continue
             for kvh in range(num_kv_heads):
                 unit = task * num_kv_heads + kvh
                 heads = slice(kvh * group, (kvh + 1) * group)
-                if not full:
-                    load_block(k_parts, block, thr_k, kvh * head_dim // SEGMENT, width, kb[unit])
-                    block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
-                if q_center.shape[0] and not full:
+                first_seg = kvh * head_dim // SEGMENT
+                load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
+                block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
+                if q_center.shape[0]:
                     add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
-                if full:
-                    softmax_weights(scores[unit], width, parts[unit], m[unit], l[unit])
-                else:
-                    load_block(v_parts, block, thr_v, kvh * head_dim // SEGMENT, width, vb[unit])
-                    attend_scores(scores[unit], vb[unit], width, parts[unit], m[unit], l[unit])
-            if full:
-                vnni_add_weighted_rows(task_acc, task_scores, v_parts[0][block], v_parts[1][block], v_parts[2][block],
-                                       v_parts[3][block], thr_v)
+                load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
+                attend_scores(scores[unit], vb[unit], width, parts[unit], m[unit], l[unit])
         for kvh in range(num_kv_heads):
             finish_unit(parts, m, l, out, lse, task * num_kv_heads + kvh, splits, b, slice(kvh * group, (kvh + 1) * group))
     merge_parts(parts, m, l, out, lse, num_kv_heads, kv_inner=True)
