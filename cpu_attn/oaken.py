@@ -1165,8 +1165,9 @@ def center_codes(qc, center, j, inv, abq):
 
 @intrinsic
 def _center_codes(typingctx, abq, qc, cos_b, sin_b, j, inv):
-    """center_codes in LLVM IR, sixteen channels at a time: A c + B s and B c - A s, rounded to
-    int16 codes (floor(x * inv + 1/2)). Numba's loops stayed scalar: ~35 ns a block (3 x 64)."""
+    """center_codes in LLVM IR, sixteen channels at a time: A c + B s and B c - A s, rounded to the
+    nearest int16 code (x * inv, ties to even), 32 channels' codes joined by one shuffle (D / 2 a
+    multiple of 32). Numba's loops stayed scalar: ~35 ns a block (3 x 64)."""
     if not (c_array(abq, 2, types.int16) and f32_matrices(qc, cos_b, sin_b) and c_array(inv, 1, types.float32)
             and isinstance(j, types.Integer)):
         return None
@@ -1180,27 +1181,33 @@ def _center_codes(typingctx, abq, qc, cos_b, sin_b, j, inv):
         groups, dim = cgutils.unpack_tuple(builder, arrays[0].shape, 2)
         half = builder.lshr(dim, i64(1))
         row = builder.mul(context.cast(builder, args[4], sig[4], types.intp), builder.shl(half, i64(2)))
-        floor = _llvm_fn(builder, "llvm.floor.v16f32", floats, [floats])
+        rint = _llvm_fn(builder, "llvm.rint.v16f32", floats, [floats])
         at = lambda base, k: builder.inttoptr(builder.add(base, k), floats.as_pointer())
+        words = ir.VectorType(i16, 32)
+        low_words = ir.Constant(ir.VectorType(i32, 32), list(range(0, 64, 2)))
         with cgutils.for_range(builder, groups) as g:
             q_row = builder.add(q_base, builder.mul(g.index, builder.shl(dim, i64(2))))
             out_row = builder.add(out_base, builder.mul(g.index, builder.shl(dim, i64(1))))
             f = splat(builder, builder.load(builder.gep(arrays[4].data, [g.index])), 16)
-            with cgutils.for_range_slice(builder, i64(0), half, i64(16)) as (i, _):
-                k = builder.shl(i, i64(2))
-                a, b = (builder.load(at(q_row, x), align=4) for x in (k, builder.add(k, builder.shl(half, i64(2)))))
-                c, t = (builder.load(at(base, builder.add(row, k)), align=4) for base in (cos_base, sin_base))
-                turned = (builder.fadd(builder.fmul(a, c), builder.fmul(b, t)), builder.fsub(builder.fmul(b, c), builder.fmul(a, t)))
-                for x, to in zip(turned, (i, builder.add(i, half))):
-                    rounded = builder.call(floor, [builder.fadd(builder.fmul(x, f), splat(builder, f32(0.5), 16))])
-                    codes = builder.trunc(builder.fptosi(rounded, ir.VectorType(i32, 16)), ir.VectorType(i16, 16))
-                    builder.store(codes, builder.inttoptr(builder.add(out_row, builder.shl(to, i64(1))),
-                                                          ir.VectorType(i16, 16).as_pointer()), align=2)
+            with cgutils.for_range_slice(builder, i64(0), half, i64(32)) as (i, _):  # 32 channels of A and of B
+                turned = ([], [])
+                for first in (i, builder.add(i, i64(16))):
+                    k = builder.shl(first, i64(2))
+                    a, b = (builder.load(at(q_row, x), align=4) for x in (k, builder.add(k, builder.shl(half, i64(2)))))
+                    c, t = (builder.load(at(base, builder.add(row, k)), align=4) for base in (cos_base, sin_base))
+                    for x, to in zip((builder.fadd(builder.fmul(a, c), builder.fmul(b, t)),
+                                      builder.fsub(builder.fmul(b, c), builder.fmul(a, t))), turned):
+                        codes = builder.fptosi(builder.call(rint, [builder.fmul(x, f)]), ir.VectorType(i32, 16))
+                        to.append(builder.bitcast(codes, words))
+                for x, to in zip(turned, (i, builder.add(i, half))):  # two vectors' codes joined by one shuffle
+                    builder.store(builder.shuffle_vector(x[0], x[1], low_words),
+                                  builder.inttoptr(builder.add(out_row, builder.shl(to, i64(1))), words.as_pointer()), align=2)
         return context.get_dummy_value()
     return types.none(abq, qc, cos_b, sin_b, j, inv), codegen
 
 
 _CENTER_PAIRS = 4  # channel pairs vnni_center_scores sums in integers before adding them as floats (< 2^31)
+_CENTER_QUERIES = 3  # query heads vnni_center_scores takes at once: each pair's 16 rows loaded once for them
 
 
 @intrinsic
@@ -1209,7 +1216,8 @@ def vnni_center_scores(typingctx, s, abq, factor, pairs):
     centers in the score domain (add_center_scores) in int16 dot products. pairs [D / 2, 32] int16:
     for each two channels, the 16 rows' codes of both side by side (OakenKVStore._offset_pairs), so
     one vpdpwssd against the query's two codes, broadcast, adds both channels to every row's lane.
-    s [G, 16] float32, abq [G, D] int16, factor [G]."""
+    Three query heads at a time share each pair's row load (one head at a time: ~133 ns a block of
+    9 heads, bound by two loads a vpdpwssd). s [G, 16] float32, abq [G, D] int16, factor [G]."""
     if not (c_array(s, 2, types.float32) and c_array(abq, 2, types.int16) and c_array(factor, 1, types.float32)
             and c_array(pairs, 2, types.int16)):
         return None
@@ -1224,22 +1232,34 @@ def vnni_center_scores(typingctx, s, abq, factor, pairs):
         base = [builder.ptrtoint(a.data, i64) for a in arrays]
         groups, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
         s_row, q_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (0, 1))
-        total = cgutils.alloca_once(builder, ir.VectorType(f32, 16))
-        with cgutils.for_range(builder, groups) as g:
-            q_at = builder.add(base[1], builder.mul(g.index, q_row))
-            builder.store(ir.Constant(ir.VectorType(f32, 16), [0.0] * 16), total)
+        floats = ir.VectorType(f32, 16)
+        totals = cgutils.alloca_once(builder, floats, _CENTER_QUERIES)
+
+        def heads_from(h0, count):  # query heads h0 .. h0 + count - 1, each pair's rows loaded once for all
+            q_at = [builder.add(base[1], builder.mul(builder.add(h0, i64(c)), q_row)) for c in range(count)]
+            slots = [builder.gep(totals, [i32(c)]) for c in range(count)]
+            for slot in slots:
+                builder.store(ir.Constant(floats, [0.0] * 16), slot)
             with cgutils.for_range_slice(builder, i64(0), builder.lshr(dim, i64(1)), i64(_CENTER_PAIRS)) as (p, _):
-                acc = ir.Constant(vec, [0] * 16)
-                for k in range(_CENTER_PAIRS):
-                    pair = builder.add(p, i64(k))
-                    both = builder.load(builder.inttoptr(builder.add(q_at, builder.shl(pair, i64(2))), i32.as_pointer()), align=2)
-                    rows = builder.load(builder.inttoptr(builder.add(base[3], builder.shl(pair, i64(6))), vec.as_pointer()),
-                                        align=2)
-                    acc = _dpwssd(builder, acc, rows, splat(builder, both, 16))
-                builder.store(builder.fadd(builder.load(total), builder.sitofp(acc, ir.VectorType(f32, 16))), total)
-            out = builder.inttoptr(builder.add(base[0], builder.mul(g.index, s_row)), ir.VectorType(f32, 16).as_pointer())
-            f = splat(builder, builder.load(builder.gep(arrays[2].data, [g.index])), 16)
-            builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(builder.load(total), f)), out, align=4)
+                rows = [builder.load(builder.inttoptr(builder.add(base[3], builder.shl(builder.add(p, i64(k)), i64(6))),
+                                                      vec.as_pointer()), align=2) for k in range(_CENTER_PAIRS)]
+                for at, slot in zip(q_at, slots):
+                    acc = ir.Constant(vec, [0] * 16)
+                    for k in range(_CENTER_PAIRS):
+                        both = builder.load(builder.inttoptr(builder.add(at, builder.shl(builder.add(p, i64(k)), i64(2))),
+                                                             i32.as_pointer()), align=2)
+                        acc = _dpwssd(builder, acc, rows[k], splat(builder, both, 16))
+                    builder.store(builder.fadd(builder.load(slot), builder.sitofp(acc, floats)), slot)
+            for c, slot in enumerate(slots):
+                h = builder.add(h0, i64(c))
+                out = builder.inttoptr(builder.add(base[0], builder.mul(h, s_row)), floats.as_pointer())
+                f = splat(builder, builder.load(builder.gep(arrays[2].data, [h])), 16)
+                builder.store(builder.fadd(builder.load(out, align=4), builder.fmul(builder.load(slot), f)), out, align=4)
+        whole = builder.udiv(groups, i64(_CENTER_QUERIES))
+        with cgutils.for_range(builder, whole) as chunk:
+            heads_from(builder.mul(chunk.index, i64(_CENTER_QUERIES)), _CENTER_QUERIES)
+        with cgutils.for_range_slice(builder, builder.mul(whole, i64(_CENTER_QUERIES)), groups, i64(1)) as (h, _):
+            heads_from(h, 1)
         return context.get_dummy_value()
     return types.none(s, abq, factor, pairs), codegen
 

@@ -260,7 +260,7 @@ def test_center_codes_against_numpy():
         oaken.center_codes(qc, (cos_b, sin_b), j, inv, got)
         a, b, c, t = qc[:, :64], qc[:, 64:], cos_b[j], sin_b[j]
         turned = np.concatenate([a * c + b * t, b * c - a * t], -1)
-        want = np.floor(turned * inv[:, None] + np.float32(0.5)).astype(np.int16)
+        want = np.rint(turned * inv[:, None]).astype(np.int16)
         assert np.array_equal(got, want), j
 
 
