@@ -411,8 +411,9 @@ class OakenKVStore:
         scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(num_seqs, seq_lens, self.block_size))
         units = len(scratch[0])
         turned = np.ascontiguousarray(self._rotate(q))
-        int_units = units if self.int_dots else 0  # no int16 scratch (and empty query codes) when decoding every block
-        q_codes = oaken.query_codes(turned) if self.int_dots else (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.float32))
+        int_dots = self.int_dots and num_heads <= oaken.MAX_HEADS
+        int_units = units if int_dots else 0  # no int16 scratch (and empty query codes) when decoding every block
+        q_codes = oaken.query_codes(turned) if int_dots else (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.float32))
         oaken.oaken_decode_attention(
             turned, self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
             self.thresholds[layer, 1], self._center_queries(layer, q),

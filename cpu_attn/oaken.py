@@ -900,6 +900,8 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
     return types.none(s, qi, qscale, dense, scales, counts, sparse, thr, scale, acc), codegen
 
 
+MAX_HEADS = 256
+"""The most query heads vnni_add_weighted_rows takes (its weight codes live in a fixed buffer)."""
 WEIGHT_MAX = 8191
 """|weight code| bound of vnni_add_weighted_rows: a product with a value code is < 2^27; the eight a lane gets from
 four row pairs stay < 2^30, and each four pairs' sums are added as floats."""
@@ -917,7 +919,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
     query's weights times the rows' units are rounded to int16 multiples of their largest value /
     WEIGHT_MAX; two rows' codes interleaved channel by channel make vpdpwssd add w_t v_t + w_t+1
     v_t+1 into each channel's lane. A row's levels, computed for its first segment, are kept for the
-    others. acc [Hq, D], w [Hq, 16] float32; the rest as vnni_block_scores."""
+    others. acc [Hq, D], w [Hq, 16] float32, Hq <= MAX_HEADS; the rest as vnni_block_scores."""
     if not (c_array(acc, 2, types.float32) and c_array(w, 2, types.float32)
             and _block_arrays(dense, scales, counts, sparse, thr)):
         return None
@@ -945,7 +947,21 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         one, zero64 = rc.full(i64, 1), rc.full(i64, 0)
         channels = [ir.Constant(vec(i32, 32), [x for i in range(16) for x in (16 * h + i, 32 + 16 * h + i)]) for h in (0, 1)]
         starts = cgutils.alloca_once(builder, i64, ROWS)  # each row's next entry: walked once, moved on by segment
-        pair_codes = cgutils.alloca_once(builder, vec(i32, 8))
+        # every query head's weights as codes first (independent chains: computed where each head's
+        # dots wait on them, their max, division and rounding stalled the dots, ~11 % of the kernel)
+        # in the entry block (the IR lands in the caller's loop, where a sized alloca grew the stack every call)
+        pair_codes = cgutils.alloca_once(builder, vec(i32, 8), size=MAX_HEADS)  # each row pair's two codes, a dword
+        units = cgutils.alloca_once(builder, f32, size=MAX_HEADS)
+        with cgutils.for_range(builder, heads) as h:
+            weights = builder.load(rc.at(builder.add(w_base, builder.mul(h.index, w_row)), vec(f32, 16)), align=4)
+            weights = builder.fmul(weights, rc.unit)
+            top = weights
+            for span in (8, 4, 2, 1):
+                top = rc.vmax(top, builder.shuffle_vector(top, top, ir.Constant(vec(i32, 16), [(i + span) % 16 for i in range(16)])))
+            top = rc.vmax(builder.extract_element(top, i32(0)), f32(1e-30))
+            codes = rc.to_codes(builder.fmul(weights, rc.lanes(builder.fdiv(f32(float(WEIGHT_MAX)), top))))
+            builder.store(builder.bitcast(codes, vec(i32, 8)), builder.gep(pair_codes, [h.index]))
+            builder.store(builder.fmul(top, f32(1.0 / WEIGHT_MAX)), builder.gep(units, [h.index]))
         levels = cgutils.alloca_once(builder, ir.ArrayType(vec(i16, 32), ROWS))
         tables = cgutils.alloca_once(builder, ir.ArrayType(vec(i16, 32), 2 * ROWS))  # each row's entry_table
         rc.first_row()
@@ -994,18 +1010,10 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                     earlier = current
             with cgutils.for_range(builder, group) as g:
                 h = builder.add(head0, g.index)
-                weights = builder.load(rc.at(builder.add(w_base, builder.mul(h, w_row)), vec(f32, 16)), align=4)
-                weights = builder.fmul(weights, rc.unit)
-                top = weights
-                for span in (8, 4, 2, 1):
-                    top = rc.vmax(top, builder.shuffle_vector(top, top, ir.Constant(vec(i32, 16), [
-                        (i + span) % 16 for i in range(16)])))
-                top = rc.vmax(builder.extract_element(top, i32(0)), f32(1e-30))
-                codes = rc.to_codes(builder.fmul(weights, rc.lanes(builder.fdiv(f32(float(WEIGHT_MAX)), top))))
                 # each row pair's two codes broadcast from memory (a load); from a register, each is a vpermd
                 # on the shuffle port. The address goes through an empty asm block, or LLVM forwards the store.
-                builder.store(builder.bitcast(codes, vec(i32, 8)), pair_codes)
-                at = builder.asm(ir.FunctionType(i64, [i64]), "", "=r,0", [builder.ptrtoint(pair_codes, i64)], False)
+                at = builder.asm(ir.FunctionType(i64, [i64]), "", "=r,0",
+                                 [builder.ptrtoint(builder.gep(pair_codes, [h]), i64)], False)
                 sums = [None] * 4
                 for pairs in (range(ROWS // 4), range(ROWS // 4, ROWS // 2)):  # two integer sums: no overflow
                     part = [rc.full(i32, 0)] * 4
@@ -1016,7 +1024,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                             part[k] = _dpwssd(builder, part[k], x, both)
                     part = [builder.sitofp(x, vec(f32, 16)) for x in part]
                     sums = part if sums[0] is None else [builder.fadd(x, y) for x, y in zip(sums, part)]
-                unit = rc.lanes(builder.fmul(top, f32(1.0 / WEIGHT_MAX)))
+                unit = rc.lanes(builder.load(builder.gep(units, [h])))
                 row_at = builder.add(acc_base, builder.mul(h, acc_row))
                 for k in range(4):
                     out = rc.at(builder.add(row_at, builder.shl(builder.add(builder.mul(local, i64(SEGMENT)), i64(16 * k)),

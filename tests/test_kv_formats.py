@@ -619,3 +619,17 @@ def test_eval_scores_top1_at_clear_and_near_tie_positions():
     sc = _Score()
     sc.add(ref, fmt, torch.tensor([0, 1, 2]))
     assert (sc.count, sc.top1, sc.clear, sc.top1_clear) == (3, 1, 2, 1)
+
+
+def test_more_query_heads_than_the_int16_kernels_take():
+    """Past oaken.MAX_HEADS query heads (vnni_add_weighted_rows keeps their weight codes in a fixed
+    buffer) the store decodes every block to floats instead: the same attention, no overrun."""
+    rng = np.random.default_rng(12)
+    store = oaken_store(num_kv_heads=1, num_blocks=4)
+    tables, _ = write_sequences(store, rng, [40])
+    store.int_dots = oaken.VNNI
+    q = rng.standard_normal((1, oaken.MAX_HEADS + 4, 64)).astype(np.float32)
+    out, lse = store.decode_attention(0, q, tables, np.array([40], np.int32), 0.125)
+    ref_out, ref_lse = naive_attention(q[0], *store.gather(0, tables[0], 40), 0.125)
+    np.testing.assert_allclose(out[0], ref_out, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(lse[0], ref_lse, atol=2e-5, rtol=1e-5)
