@@ -235,8 +235,9 @@ _SCORE_ROWS = 8  # rows _block_scores scores at once, into one vector of 8 score
 def lane_sums(builder, vectors):
     """LLVM IR: n vectors of n lanes (n a power of two) -> one whose lane r is the sum of vector r's
     lanes: log2(n) rounds of pairwise shuffles and adds, spans of 1, 2, 4, ... lanes (for eight, 21
-    operations for the eight sums, where each sum alone takes ~6)."""
-    n, span = len(vectors), 1
+    operations for the eight sums, where each sum alone takes ~6). With fewer vectors, m of n lanes,
+    each vector's n / m lane groups are summed apart: lane r + m g holds group g of vector r."""
+    n, span = vectors[0].type.count, 1
     while len(vectors) > 1:
         lo = [k - k % (2 * span) + (k % (2 * span) if k % (2 * span) < span else n + k % (2 * span) - span)
               for k in range(n)]

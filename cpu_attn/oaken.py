@@ -691,6 +691,7 @@ class _RowCodes:
             b.store(b.fmul(x, self.inv), self.at(b.add(self.per_row, i64(64 * k)), vec(f32, ROWS)), align=4)
         self.entry_of_row = cgutils.alloca_once(b, i64)  # where the next row's entries start (rows in order)
         self.zero16 = self.full(i16, 0)
+        self.zero16_32 = self.full(i16, 0, 32)
         self.widen = ir.Constant(vec(i32, 32), list(range(16)) + [16] * 16)  # <16 x i16> -> <32 x i16>, the rest 0
         self.first16 = ir.Constant(vec(i32, 16), list(range(16)))
 
@@ -809,15 +810,20 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
     against its kv-head's keys, in integer dot products on the store's codes: no row is decoded to floats.
 
     The rows as _RowCodes writes them; the queries as int16 multiples of their own scale (qi,
-    qscale: query_codes). A row's nibbles index its levels (vpermw), and one vpdpwssd per 32 values
-    multiplies them with the query's codes. The sparse entries (up to 16 at a time) add (true code -
-    level code) times the query's codes at their indices, gathered from registers (vpermi2w), with
-    one more vpdpwssd: the level's product comes out, the true value's goes in. Exact in int32: a lane
-    sums four level products and two entries' (|delta| <= 2 * CODE_MAX), < 8 * CODE_MAX^2 < 2^31.
-    A row's levels and scalars serve all its kv-heads (one row setup, not one a kv-head). Each row's
-    16 partial sums go to acc [Hq, 16, 16]; one shuffle tree (kernels.lane_sums) sums the 16 rows at
-    once, and they are scaled by the rows' units. Both roundings are to 1 / 16383 of the row's or the
-    query's largest value (scores within ~2e-4 of the largest one, tests/test_kv_formats.py).
+    qscale: query_codes). Rows go in pairs, side by side in each vector: 16 channels of one row in
+    lanes 0..15 and the same 16 of the other in 16..31, so that one vpermw looks up both rows'
+    levels (from a table of both rows' 16), one vpdpwssd against the query's 16 codes, broadcast to
+    both halves, adds both rows' products, and a lane of the sums holds one row. The sparse entries
+    (up to 16 a row and segment, the pair's in one vector) add (true code - level code) times the
+    query's codes at their indices, gathered from registers (vpermi2w) once for both rows, with one
+    more vpdpwssd: the level's product comes out, the true value's goes in. A row's levels and
+    scalars serve all its kv-heads. Exact in int32: a lane sums four level products and two
+    entries' (|delta| <= 2 * CODE_MAX), < 8 * CODE_MAX^2 < 2^31, the other four level products
+    apart. Each pair's sums go to acc [Hq, 16, 16] (8 vectors a head); a shuffle tree of three
+    rounds sums each row's 8 lanes, and they are scaled by the rows' units (one row a pass, the
+    sums took a 4-round tree and each entry gather was done twice). Both roundings are to
+    1 / 16383 of the row's or the query's largest value (scores within ~2e-4 of the largest one,
+    tests/test_kv_formats.py).
 
     s [Hq, 16], qi [Hq, D] int16, qscale [Hq], dense [16, C/2], scales [16, 3] (fp16 bits), counts
     [16, C/64], sparse [budget] (the block's), thr [4]; D a multiple of 64, Hq a multiple of C/D.
@@ -843,58 +849,110 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         rc = _RowCodes(builder, *(arrays[i] for i in (3, 4, 5, 6, 7)))
         q_row = builder.shl(dim, i64(1))
 
-        def partials_at(h, t):  # query head h's 16 partial sums of row t in acc [Hq, 16, 16]
-            return rc.at(builder.add(base[9], builder.shl(builder.add(builder.mul(h, i64(ROWS)), t), i64(6))),
+        def partials_at(h, p):  # query head h's partial sums of rows 2p, 2p + 1 (8 lanes each) in acc [Hq, 16, 16]
+            return rc.at(builder.add(base[9], builder.shl(builder.add(builder.mul(h, i64(ROWS)), p), i64(6))),
                          vec(f32, 16))
 
         def dot(x, y, acc=None):
             return _dpwssd(builder, acc or rc.full(i32, 0), builder.bitcast(x, vec(i32, 16)), builder.bitcast(y, vec(i32, 16)))
 
-        entry = cgutils.alloca_once(builder, i64)  # rows and their segments in order: the block's entries in order
-        builder.store(i64(0), entry)
-        with cgutils.for_range(builder, i64(ROWS)) as rows_loop:
-            t = rows_loop.index
-            row = rc.row(t, entry)
-            table = rc.entry_table(row, True)
+        def both(x, y, n):  # two <n x T> side by side
+            return builder.shuffle_vector(x, y, ir.Constant(vec(i32, 2 * n), list(range(2 * n))))
 
-            def deltas_and_indices(where, left, low, high):
-                """Up to 16 entries -> (true code - level code of each, their indices), <32 x i16> each,
-                lanes 16.. zero."""
-                _, j, delta = rc.entries(where, left, low, high, table)
-                return delta, j
+        i8 = _I8
+        upper = ir.Constant(vec(i16, 32), [0] * 16 + [16] * 16)  # the second row's lanes: its half of a pair's table
+        in_second = ir.Constant(vec(_I1, 32), [False] * 16 + [True] * 16)
+        low16 = rc.fn("llvm.masked.load.v16i8.p0", vec(i8, 16), [i8.as_pointer(), i32, vec(_I1, 16), vec(i8, 16)])
+        starts = [cgutils.alloca_once(builder, i64) for _ in (0, 1)]  # each row's next entry
+        rc.first_row()
+        with cgutils.for_range(builder, i64(ROWS // 2)) as pair_loop:
+            p = pair_loop.index
+            ts = [builder.add(builder.shl(p, i64(1)), i64(r)) for r in (0, 1)]
+            for t, at in zip(ts, starts):
+                rc.walk(t, at)
+            rows = [rc.row(t, at) for t, at in zip(ts, starts)]
+            tables = [rc.entry_table(row, True) for row in rows]
+            levels = builder.shuffle_vector(rows[0][0], rows[1][0], ir.Constant(vec(i32, 32), list(range(16)) + list(range(32, 48))))
 
-            def query(at):  # the 64 query codes at address `at`, as two vectors
-                return [builder.load(rc.at(builder.add(at, i64(64 * h)), vec(i16, 32)), align=2) for h in (0, 1)]
+            def lanes_of(n):  # the lanes of a row's first `n` (i64) entries, at most 16, as an i16 mask
+                n = builder.trunc(builder.select(builder.icmp_signed("<", n, i64(16)), n, i64(16)), i32)
+                return builder.trunc(builder.sub(builder.shl(i32(1), n), i32(1)), _I16)
+
+            def entries(r_lanes, at, mask, nibbles):
+                """Entries of the pair's rows (lanes 0..15 the first's, 16..31 the second's; `at`: their
+                addresses, mask <32 x i1>) -> (true - level codes, their indices), <32 x i16> each."""
+                e = builder.zext(both(*(builder.call(low16, [rc.at(a, i8), i32(1), builder.bitcast(m, vec(_I1, 16)),
+                                                              rc.full(i8, 0, 16)]) for a, m in at), 16), vec(i16, 32))
+                j = builder.and_(e, rc.full(i16, 63, 32))
+                # the nibble of (row, j): channel j & 15 of the row's half in the vector of its sixteen
+                where = builder.or_(builder.or_(builder.and_(j, rc.full(i16, 15, 32)),
+                                                builder.shl(builder.and_(j, rc.full(i16, 16, 32)), rc.full(i16, 1, 32))), r_lanes)
+                first, second = (builder.call(rc.perm2w, [nibbles[k], where, nibbles[k + 1]]) for k in (0, 2))
+                nib = builder.select(builder.icmp_unsigned("!=", builder.and_(j, rc.full(i16, 32, 32)), rc.zero16_32),
+                                     second, first)
+                key = builder.or_(nib, builder.and_(builder.lshr(e, rc.full(i16, 2, 32)), rc.full(i16, 48, 32)))
+                delta = builder.select(in_second, builder.call(rc.perm2w, [tables[1][0], key, tables[1][1]]),
+                                       builder.call(rc.perm2w, [tables[0][0], key, tables[0][1]]))
+                return builder.select(mask, delta, rc.zero16_32), j
 
             with cgutils.for_range(builder, kv_heads) as kvh, cgutils.for_range(builder, segs_per_head) as seg_loop:
                 local = seg_loop.index
                 seg = builder.add(builder.mul(kvh.index, segs_per_head), local)
                 head0 = builder.mul(kvh.index, group)  # the kv-head's first query head
                 q_seg = builder.add(base[1], builder.shl(local, i64(7)))
-                low, high, code0, code1, n = rc.segment(row, seg)
-                start = builder.add(rc.sparse, builder.load(row[1]))
-                delta, jj = deltas_and_indices(start, n, low, high)
+                # the rows' nibbles side by side: bytes 0..15 and 16..31 of each row's segment
+                halves = [builder.zext(both(*(builder.load(rc.at(builder.add(row[4], builder.add(builder.shl(seg, i64(5)), i64(off))),
+                                                                 vec(i8, 16)), align=1) for row in rows), 16), vec(i16, 32))
+                          for off in (0, 16)]
+                nibbles = [builder.and_(halves[0], rc.full(i16, 15, 32)), builder.and_(halves[1], rc.full(i16, 15, 32)),
+                           builder.lshr(halves[0], rc.full(i16, 4, 32)), builder.lshr(halves[1], rc.full(i16, 4, 32))]
+                codes = [builder.call(rc.permw, [levels, builder.or_(x, upper)]) for x in nibbles]  # channels 16k..16k+15
+                ns = [builder.zext(builder.load(rc.at(builder.add(row[3], seg), i8)), i64) for row in rows]
+                at = [builder.add(rc.sparse, builder.load(e)) for e in starts]
+                masks = [lanes_of(n) for n in ns]
+                delta, jj = entries(upper, zip(at, masks), builder.bitcast(both(*(builder.bitcast(m, vec(_I1, 16)) for m in masks), 16),
+                                                                          vec(_I1, 32)), nibbles)
                 first = builder.icmp_unsigned("==", local, i64(0))
                 with cgutils.for_range(builder, group) as g:
                     h = builder.add(head0, g.index)
-                    q0, q1 = query(builder.add(q_seg, builder.mul(h, q_row)))
-                    total = dot(delta, builder.call(rc.perm2w, [q0, jj, q1]), dot(code1, q1, dot(code0, q0)))
-                    at = partials_at(h, t)
-                    earlier = builder.select(first, rc.full(f32, 0.0), builder.load(at, align=4))
-                    builder.store(builder.fadd(builder.sitofp(total, vec(f32, 16)), earlier), at, align=4)
-                with cgutils.for_range_slice(builder, i64(16), n, i64(16)) as (k, _):  # a segment with more entries
-                    delta, jj = deltas_and_indices(builder.add(start, k), builder.sub(n, k), low, high)
-                    with cgutils.for_range(builder, group) as g:
-                        h = builder.add(head0, g.index)
-                        q0, q1 = query(builder.add(q_seg, builder.mul(h, q_row)))
-                        total = builder.sitofp(dot(delta, builder.call(rc.perm2w, [q0, jj, q1])), vec(f32, 16))
-                        at = partials_at(h, t)
-                        builder.store(builder.fadd(total, builder.load(at, align=4)), at, align=4)
-                builder.store(builder.add(builder.load(row[1]), n), row[1])
+                    q_at = builder.add(q_seg, builder.mul(h, q_row))
+                    q0, q1 = (builder.load(rc.at(builder.add(q_at, i64(64 * k)), vec(i16, 32)), align=2) for k in (0, 1))
+                    # channels 16k..16k+15 of the query in both halves (a 256-bit broadcast load)
+                    chunks = [builder.load(rc.at(builder.add(q_at, i64(32 * k)), vec(i16, 16)), align=2) for k in range(4)]
+                    chunks = [both(x, x, 16) for x in chunks]
+                    # two integer sums: a lane adds 8 level products and 2 entries', past 2^31 in one
+                    part0 = dot(codes[1], chunks[1], dot(codes[0], chunks[0]))
+                    part1 = dot(delta, builder.call(rc.perm2w, [q0, jj, q1]), dot(codes[3], chunks[3], dot(codes[2], chunks[2])))
+                    total = builder.fadd(builder.sitofp(part0, vec(f32, 16)), builder.sitofp(part1, vec(f32, 16)))
+                    out = partials_at(h, p)
+                    earlier = builder.select(first, rc.full(f32, 0.0), builder.load(out, align=4))
+                    builder.store(builder.fadd(total, earlier), out, align=4)
+                for r in (0, 1):  # a segment with more than 16 entries in a row: the rest in passes of 16, in its half
+                    with cgutils.for_range_slice(builder, i64(16), ns[r], i64(16)) as (k, _):
+                        left = lanes_of(builder.sub(ns[r], k))
+                        none = ir.Constant(_I16, 0)
+                        pair_at = [(builder.add(at[r], k), left), (builder.add(at[r], k), none)]
+                        pair_at = pair_at if r == 0 else pair_at[::-1]
+                        m = [left, none] if r == 0 else [none, left]
+                        delta, jj = entries(upper, pair_at, builder.bitcast(both(*(builder.bitcast(x, vec(_I1, 16)) for x in m), 16),
+                                                                            vec(_I1, 32)), nibbles)
+                        with cgutils.for_range(builder, group) as g:
+                            h = builder.add(head0, g.index)
+                            q_at = builder.add(q_seg, builder.mul(h, q_row))
+                            q0, q1 = (builder.load(rc.at(builder.add(q_at, i64(64 * k)), vec(i16, 32)), align=2) for k in (0, 1))
+                            total = builder.sitofp(dot(delta, builder.call(rc.perm2w, [q0, jj, q1])), vec(f32, 16))
+                            out = partials_at(h, p)
+                            builder.store(builder.fadd(total, builder.load(out, align=4)), out, align=4)
+                for e, n in zip(starts, ns):
+                    builder.store(builder.add(builder.load(e), n), e)
+        # lane k of the pair sums: row 2k (k < 8) or 2(k - 8) + 1; to rows in order
+        order = ir.Constant(vec(i32, 16), [t // 2 + 8 * (t % 2) for t in range(ROWS)])
         with cgutils.for_range(builder, heads) as g:
-            rows = [builder.load(partials_at(g.index, i64(t)), align=4) for t in range(ROWS)]
+            pairs = [builder.load(partials_at(g.index, i64(p)), align=4) for p in range(ROWS // 2)]
+            sums = lane_sums(builder, pairs)  # lane k + 8 g: group g (row 2k + g) of pair k
+            sums = builder.shuffle_vector(sums, sums, order)
             factor = builder.fmul(scale, builder.load(builder.gep(arrays[2].data, [g.index])))
-            scores = builder.fmul(builder.fmul(lane_sums(builder, rows), rc.unit), rc.lanes(factor))
+            scores = builder.fmul(builder.fmul(sums, rc.unit), rc.lanes(factor))
             builder.store(scores, rc.at(builder.add(base[0], builder.mul(g.index, s_row)), vec(f32, 16)), align=4)
         return context.get_dummy_value()
     return types.none(s, qi, qscale, dense, scales, counts, sparse, thr, scale, acc), codegen
