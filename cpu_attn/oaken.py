@@ -1003,7 +1003,13 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         iota = ir.Constant(vec(i16, 32), list(range(32)))
         code = [cgutils.alloca_once(builder, vec(i16, 32)) for _ in (0, 1)]
         one, zero64 = rc.full(i64, 1), rc.full(i64, 0)
-        channels = [ir.Constant(vec(i32, 32), [x for i in range(16) for x in (16 * h + i, 32 + 16 * h + i)]) for h in (0, 1)]
+        # two rows' codes interleaved within each 128-bit lane (vpunpcklwd / vpunpckhwd, one uop each; a
+        # channel-ordered interleave was a vpermt2w, three): vector k of half h holds channel 32 h + 8 L + 4 k + i
+        # in lane 4 L + i; `natural` puts each half's two vectors back in channel order, once a head and segment
+        channels = [ir.Constant(vec(i32, 32), [x for lane in range(4) for i in range(4 * k, 4 * k + 4)
+                                               for x in (8 * lane + i, 32 + 8 * lane + i)]) for k in (0, 1)]
+        natural = [ir.Constant(vec(i32, 16), [4 * (2 * m + j // 8) + j % 8 % 4 + 16 * (j % 8 // 4) for j in range(16)])
+                   for m in (0, 1)]
         starts = cgutils.alloca_once(builder, i64, ROWS)  # each row's next entry: walked once, moved on by segment
         # every query head's weights as codes first (independent chains: computed where each head's
         # dots wait on them, their max, division and rounding stalled the dots, ~11 % of the kernel)
@@ -1084,6 +1090,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                     sums = part if sums[0] is None else [builder.fadd(x, y) for x, y in zip(sums, part)]
                 unit = rc.lanes(builder.load(builder.gep(units, [h])))
                 row_at = builder.add(acc_base, builder.mul(h, acc_row))
+                sums = [builder.shuffle_vector(sums[k - k % 2], sums[k - k % 2 + 1], natural[k % 2]) for k in range(4)]
                 for k in range(4):
                     out = rc.at(builder.add(row_at, builder.shl(builder.add(builder.mul(local, i64(SEGMENT)), i64(16 * k)),
                                                                 i64(2))), vec(f32, 16))
