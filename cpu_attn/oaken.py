@@ -36,9 +36,9 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import (_FAST, _STALE_MAX, _as_f32, _as_u32, attend_begin, attend_scores, block_scores, c_array, f32_matrices,
-                              fmuladd8, finish_unit, fp16_to_f32, lane_sums, matrix_args, merge_parts, part_blocks, prefetch,
-                              splat)
+from cpu_attn.kernels import (_FAST, _STALE_MAX, _as_f32, _as_u32, attend_begin, attend_scores, block_scores, c_array,
+                              f32_matrices, fmuladd8, finish_unit, fp16_to_f32, lane_sums, matrix_args, merge_parts,
+                              part_blocks, prefetch, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -728,7 +728,6 @@ class _RowCodes:
             b.store(b.fmul(x, self.inv), self.at(b.add(self.per_row, i64(64 * k)), vec(f32, ROWS)), align=4)
         self.entry_of_row = cgutils.alloca_once(b, i64)  # where the next row's entries start (rows in order)
         self.zero16 = self.full(i16, 0)
-        self.zero16_32 = self.full(i16, 0, 32)
         self.widen = ir.Constant(vec(i32, 32), list(range(16)) + [16] * 16)  # <16 x i16> -> <32 x i16>, the rest 0
         self.first16 = ir.Constant(vec(i32, 16), list(range(16)))
 
@@ -886,15 +885,23 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         rc = _RowCodes(builder, *(arrays[i] for i in (3, 4, 5, 6, 7)))
         q_row = builder.shl(dim, i64(1))
 
-        def partials_at(h, p):  # query head h's partial sums of rows 2p, 2p + 1 (8 lanes each) in acc [Hq, 16, 16]
+        def partials_at(h, p):  # query head h's sums of rows 2p, 2p + 1 (8 lanes each) in acc [Hq, 16, 16]
             return rc.at(builder.add(base[9], builder.shl(builder.add(builder.mul(h, i64(ROWS)), p), i64(6))),
                          vec(f32, 16))
 
         def dot(x, y, acc=None):
-            return _dpwssd(builder, acc or rc.full(i32, 0), builder.bitcast(x, vec(i32, 16)), builder.bitcast(y, vec(i32, 16)))
+            x, y = (builder.bitcast(v, vec(i32, 16)) for v in (x, y))
+            return _dpwssd(builder, acc or rc.full(i32, 0), x, y)
 
-        def both(x, y, n):  # two <n x T> side by side
+        def both(x, y):  # two <n x T> side by side
+            n = x.type.count
             return builder.shuffle_vector(x, y, ir.Constant(vec(i32, 2 * n), list(range(2 * n))))
+
+        def load(address, kind, align):
+            return builder.load(rc.at(address, kind), align=align)
+
+        def words(n):
+            return rc.full(i16, n, 32)
 
         i8 = _I8
         upper = ir.Constant(vec(i16, 32), [0] * 16 + [16] * 16)  # the second row's lanes: its half of a pair's table
@@ -909,74 +916,71 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
                 rc.walk(t, at)
             rows = [rc.row(t, at) for t, at in zip(ts, starts)]
             tables = [rc.entry_table(row, True) for row in rows]
-            levels = builder.shuffle_vector(rows[0][0], rows[1][0], ir.Constant(vec(i32, 32), list(range(16)) + list(range(32, 48))))
+            levels = builder.shuffle_vector(rows[0][0], rows[1][0],  # both rows' 16 levels
+                                            ir.Constant(vec(i32, 32), list(range(16)) + list(range(32, 48))))
 
             def lanes_of(n):  # the lanes of a row's first `n` (i64) entries, at most 16, as an i16 mask
                 n = builder.trunc(builder.select(builder.icmp_signed("<", n, i64(16)), n, i64(16)), i32)
                 return builder.trunc(builder.sub(builder.shl(i32(1), n), i32(1)), _I16)
 
-            def entries(r_lanes, at, mask, nibbles):
-                """Entries of the pair's rows (lanes 0..15 the first's, 16..31 the second's; `at`: their
-                addresses, mask <32 x i1>) -> (true - level codes, their indices), <32 x i16> each."""
-                e = builder.zext(both(*(builder.call(low16, [rc.at(a, i8), i32(1), builder.bitcast(m, vec(_I1, 16)),
-                                                              rc.full(i8, 0, 16)]) for a, m in at), 16), vec(i16, 32))
-                j = builder.and_(e, rc.full(i16, 63, 32))
-                # the nibble of (row, j): channel j & 15 of the row's half in the vector of its sixteen
-                where = builder.or_(builder.or_(builder.and_(j, rc.full(i16, 15, 32)),
-                                                builder.shl(builder.and_(j, rc.full(i16, 16, 32)), rc.full(i16, 1, 32))), r_lanes)
+            def entries(at, nibbles):
+                """Entries of the pair's rows, lanes 0..15 the first's and 16..31 the second's (`at`: each
+                row's address and i16 lane mask) -> (true - level codes, their indices), <32 x i16> each."""
+                masks = [builder.bitcast(m, vec(_I1, 16)) for _, m in at]
+                e = both(*(builder.call(low16, [rc.at(a, i8), i32(1), m, rc.full(i8, 0, 16)]) for (a, _), m in zip(at, masks)))
+                e = builder.zext(e, vec(i16, 32))
+                j = builder.and_(e, words(63))
+                # the nibble of (row, j): lane j & 15 of the row's half, in the vector of channel j's sixteen
+                where = builder.or_(builder.or_(builder.and_(j, words(15)), builder.shl(builder.and_(j, words(16)), words(1))),
+                                    upper)
                 first, second = (builder.call(rc.perm2w, [nibbles[k], where, nibbles[k + 1]]) for k in (0, 2))
-                nib = builder.select(builder.icmp_unsigned("!=", builder.and_(j, rc.full(i16, 32, 32)), rc.zero16_32),
-                                     second, first)
-                key = builder.or_(nib, builder.and_(builder.lshr(e, rc.full(i16, 2, 32)), rc.full(i16, 48, 32)))
+                nib = builder.select(builder.icmp_unsigned("!=", builder.and_(j, words(32)), words(0)), second, first)
+                key = builder.or_(nib, builder.and_(builder.lshr(e, words(2)), words(48)))
                 delta = builder.select(in_second, builder.call(rc.perm2w, [tables[1][0], key, tables[1][1]]),
                                        builder.call(rc.perm2w, [tables[0][0], key, tables[0][1]]))
-                return builder.select(mask, delta, rc.zero16_32), j
+                return builder.select(builder.bitcast(both(*masks), vec(_I1, 32)), delta, words(0)), j
 
             with cgutils.for_range(builder, kv_heads) as kvh, cgutils.for_range(builder, segs_per_head) as seg_loop:
                 local = seg_loop.index
                 seg = builder.add(builder.mul(kvh.index, segs_per_head), local)
                 head0 = builder.mul(kvh.index, group)  # the kv-head's first query head
                 q_seg = builder.add(base[1], builder.shl(local, i64(7)))
-                # the rows' nibbles side by side: bytes 0..15 and 16..31 of each row's segment
-                halves = [builder.zext(both(*(builder.load(rc.at(builder.add(row[4], builder.add(builder.shl(seg, i64(5)), i64(off))),
-                                                                 vec(i8, 16)), align=1) for row in rows), 16), vec(i16, 32))
-                          for off in (0, 16)]
-                nibbles = [builder.and_(halves[0], rc.full(i16, 15, 32)), builder.and_(halves[1], rc.full(i16, 15, 32)),
-                           builder.lshr(halves[0], rc.full(i16, 4, 32)), builder.lshr(halves[1], rc.full(i16, 4, 32))]
-                codes = [builder.call(rc.permw, [levels, builder.or_(x, upper)]) for x in nibbles]  # channels 16k..16k+15
-                ns = [builder.zext(builder.load(rc.at(builder.add(row[3], seg), i8)), i64) for row in rows]
+
+                def query(g):  # query head0 + g: its address and 64 codes in two vectors
+                    h = builder.add(head0, g)
+                    q_at = builder.add(q_seg, builder.mul(h, q_row))
+                    return h, q_at, [load(builder.add(q_at, i64(64 * k)), vec(i16, 32), 2) for k in (0, 1)]
+                # the rows' nibbles side by side: bytes 0..15, then 16..31, of each row's segment
+                at = builder.shl(seg, i64(5))
+                halves = [builder.zext(both(*(load(builder.add(row[4], builder.add(at, i64(off))), vec(i8, 16), 1)
+                                              for row in rows)), vec(i16, 32)) for off in (0, 16)]
+                nibbles = [builder.and_(halves[0], words(15)), builder.and_(halves[1], words(15)),
+                           builder.lshr(halves[0], words(4)), builder.lshr(halves[1], words(4))]
+                codes = [builder.call(rc.permw, [levels, builder.or_(x, upper)]) for x in nibbles]  # channels 16k..
+                ns = [builder.zext(load(builder.add(row[3], seg), i8, 1), i64) for row in rows]
                 at = [builder.add(rc.sparse, builder.load(e)) for e in starts]
-                masks = [lanes_of(n) for n in ns]
-                delta, jj = entries(upper, zip(at, masks), builder.bitcast(both(*(builder.bitcast(m, vec(_I1, 16)) for m in masks), 16),
-                                                                          vec(_I1, 32)), nibbles)
+                delta, jj = entries([(a, lanes_of(n)) for a, n in zip(at, ns)], nibbles)
                 first = builder.icmp_unsigned("==", local, i64(0))
                 with cgutils.for_range(builder, group) as g:
-                    h = builder.add(head0, g.index)
-                    q_at = builder.add(q_seg, builder.mul(h, q_row))
-                    q0, q1 = (builder.load(rc.at(builder.add(q_at, i64(64 * k)), vec(i16, 32)), align=2) for k in (0, 1))
+                    h, q_at, (q0, q1) = query(g.index)
                     # channels 16k..16k+15 of the query in both halves (a 256-bit broadcast load)
-                    chunks = [builder.load(rc.at(builder.add(q_at, i64(32 * k)), vec(i16, 16)), align=2) for k in range(4)]
-                    chunks = [both(x, x, 16) for x in chunks]
+                    chunks = [load(builder.add(q_at, i64(32 * k)), vec(i16, 16), 2) for k in range(4)]
+                    chunks = [both(x, x) for x in chunks]
                     # two integer sums: a lane adds 8 level products and 2 entries', past 2^31 in one
                     part0 = dot(codes[1], chunks[1], dot(codes[0], chunks[0]))
-                    part1 = dot(delta, builder.call(rc.perm2w, [q0, jj, q1]), dot(codes[3], chunks[3], dot(codes[2], chunks[2])))
+                    part1 = dot(codes[3], chunks[3], dot(codes[2], chunks[2]))
+                    part1 = dot(delta, builder.call(rc.perm2w, [q0, jj, q1]), part1)
                     total = builder.fadd(builder.sitofp(part0, vec(f32, 16)), builder.sitofp(part1, vec(f32, 16)))
                     out = partials_at(h, p)
                     earlier = builder.select(first, rc.full(f32, 0.0), builder.load(out, align=4))
                     builder.store(builder.fadd(total, earlier), out, align=4)
+                none = ir.Constant(_I16, 0)
                 for r in (0, 1):  # a segment with more than 16 entries in a row: the rest in passes of 16, in its half
                     with cgutils.for_range_slice(builder, i64(16), ns[r], i64(16)) as (k, _):
-                        left = lanes_of(builder.sub(ns[r], k))
-                        none = ir.Constant(_I16, 0)
-                        pair_at = [(builder.add(at[r], k), left), (builder.add(at[r], k), none)]
-                        pair_at = pair_at if r == 0 else pair_at[::-1]
-                        m = [left, none] if r == 0 else [none, left]
-                        delta, jj = entries(upper, pair_at, builder.bitcast(both(*(builder.bitcast(x, vec(_I1, 16)) for x in m), 16),
-                                                                            vec(_I1, 32)), nibbles)
+                        rest = (builder.add(at[r], k), lanes_of(builder.sub(ns[r], k)))
+                        delta, jj = entries([rest, (rest[0], none)] if r == 0 else [(rest[0], none), rest], nibbles)
                         with cgutils.for_range(builder, group) as g:
-                            h = builder.add(head0, g.index)
-                            q_at = builder.add(q_seg, builder.mul(h, q_row))
-                            q0, q1 = (builder.load(rc.at(builder.add(q_at, i64(64 * k)), vec(i16, 32)), align=2) for k in (0, 1))
+                            h, _, (q0, q1) = query(g.index)
                             total = builder.sitofp(dot(delta, builder.call(rc.perm2w, [q0, jj, q1])), vec(f32, 16))
                             out = partials_at(h, p)
                             builder.store(builder.fadd(total, builder.load(out, align=4)), out, align=4)
