@@ -286,10 +286,11 @@ def _turn_codegen(num_rows):
                     builder.store(ir.Constant(vec, [0.0] * 16), acc)
             with cgutils.for_range(builder, dim) as e:
                 at = builder.add(builder.mul(e.index, dim), first)
-                m = [builder.load(builder.bitcast(builder.gep(mat, [builder.add(at, i64(16 * k))]), vec.as_pointer()), align=4)
-                     for k in range(_TURN_LANES // 16)]
+                m = [builder.load(builder.bitcast(builder.gep(mat, [builder.add(at, i64(16 * k))]), vec.as_pointer()),
+                                  align=4) for k in range(_TURN_LANES // 16)]
                 for r, row in enumerate(sums):
-                    x = splat(builder, builder.load(builder.gep(src, [builder.add(builder.mul(i64(r), dim), e.index)])), 16)
+                    x = builder.load(builder.gep(src, [builder.add(builder.mul(i64(r), dim), e.index)]))
+                    x = splat(builder, x, 16)
                     for acc, mk in zip(row, m):
                         builder.store(builder.fadd(builder.load(acc), builder.fmul(x, mk)), acc)
             for r, row in enumerate(sums):
@@ -703,7 +704,8 @@ class _RowCodes:
         self.perm2w = self.fn("llvm.x86.avx512.vpermi2var.hi.512", vec(i16, 32), [vec(i16, 32)] * 3)
         self.rint = self.fn("llvm.rint.v16f32", vec(f32, 16), [vec(f32, 16)])
         fabs = self.fn("llvm.fabs.v16f32", vec(f32, 16), [vec(f32, 16)])
-        self.masked_load = self.fn("llvm.masked.load.v32i8.p0", vec(i8, 32), [i8.as_pointer(), i32, vec(i1, 32), vec(i8, 32)])
+        self.masked_load = self.fn("llvm.masked.load.v32i8.p0", vec(i8, 32),
+                                   [i8.as_pointer(), i32, vec(i1, 32), vec(i8, 32)])
         self.dense, self.counts = b.ptrtoint(dense.data, i64), b.ptrtoint(counts.data, i64)
         self.sparse = b.ptrtoint(sparse.data, i64)
         self.dense_row, self.counts_row = (cgutils.unpack_tuple(b, a.strides, 2)[0] for a in (dense, counts))
@@ -792,7 +794,8 @@ class _RowCodes:
         return codes, entry, scalars, counts_at, row_at
 
     def segment(self, row, seg):
-        """Segment seg of the current row (SEGMENT values of its kv-heads, in order) -> (its nibbles: values 0..31 and 32..63 as
+        """Segment seg of the current row (SEGMENT values of its kv-heads, in order) -> (its nibbles:
+        values 0..31 and 32..63 as
         <32 x i16>, the same as level codes, its entry count as i64)."""
         i8, i16, i64 = _I8, _I16, _I64
         b = self.builder
@@ -927,12 +930,13 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
                 """Entries of the pair's rows, lanes 0..15 the first's and 16..31 the second's (`at`: each
                 row's address and i16 lane mask) -> (true - level codes, their indices), <32 x i16> each."""
                 masks = [builder.bitcast(m, vec(_I1, 16)) for _, m in at]
-                e = both(*(builder.call(low16, [rc.at(a, i8), i32(1), m, rc.full(i8, 0, 16)]) for (a, _), m in zip(at, masks)))
+                e = both(*(builder.call(low16, [rc.at(a, i8), i32(1), m, rc.full(i8, 0, 16)])
+                           for (a, _), m in zip(at, masks)))
                 e = builder.zext(e, vec(i16, 32))
                 j = builder.and_(e, words(63))
                 # the nibble of (row, j): lane j & 15 of the row's half, in the vector of channel j's sixteen
-                where = builder.or_(builder.or_(builder.and_(j, words(15)), builder.shl(builder.and_(j, words(16)), words(1))),
-                                    upper)
+                where = builder.or_(builder.and_(j, words(15)), builder.shl(builder.and_(j, words(16)), words(1)))
+                where = builder.or_(where, upper)
                 first, second = (builder.call(rc.perm2w, [nibbles[k], where, nibbles[k + 1]]) for k in (0, 2))
                 nib = builder.select(builder.icmp_unsigned("!=", builder.and_(j, words(32)), words(0)), second, first)
                 key = builder.or_(nib, builder.and_(builder.lshr(e, words(2)), words(48)))
@@ -1083,7 +1087,8 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
                     with builder.if_then(first):  # rows in order, once
                         rc.walk(row_index, start_at)
                     row = rc.row(row_index, start_at, levels, first)
-                    slots = [builder.gep(tables, [i32(0), builder.add(builder.shl(row_index, i64(1)), i64(h))]) for h in (0, 1)]
+                    slots = [builder.gep(tables, [i32(0), builder.add(builder.shl(row_index, i64(1)), i64(h))])
+                             for h in (0, 1)]
                     with builder.if_then(first):
                         for slot, half in zip(slots, rc.entry_table(row, False)):
                             builder.store(half, slot)
@@ -1410,7 +1415,8 @@ def softmax_rows16(typingctx, s, acc, m, l):
     def codegen(context, builder, signature, args):
         f32, i32, i64 = _F32, _I32, _I64
         floats = ir.VectorType(f32, 16)
-        s_arr, acc_arr, m_arr, l_arr = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
+        s_arr, acc_arr, m_arr, l_arr = (context.make_array(t)(context, builder, a)
+                                        for t, a in zip(signature.args, args))
         heads, dim = cgutils.unpack_tuple(builder, acc_arr.shape, 2)
         s_row, acc_row = (cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in (s_arr, acc_arr))
         s_base, acc_base = (builder.ptrtoint(a.data, i64) for a in (s_arr, acc_arr))
@@ -1418,7 +1424,8 @@ def softmax_rows16(typingctx, s, acc, m, l):
 
         def fold(x, pick):  # the 16 lanes into lane 0 by a shuffle tree
             for span in (8, 4, 2, 1):
-                x = pick(x, builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(i32, 16), [(i + span) % 16 for i in range(16)])))
+                turn = ir.Constant(ir.VectorType(i32, 16), [(i + span) % 16 for i in range(16)])
+                x = pick(x, builder.shuffle_vector(x, x, turn))
             return builder.extract_element(x, i32(0))
         bigger = lambda a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b)
         with cgutils.for_range(builder, heads) as h:
@@ -1427,9 +1434,10 @@ def softmax_rows16(typingctx, s, acc, m, l):
             m_at, l_at = builder.gep(m_arr.data, [h.index]), builder.gep(l_arr.data, [h.index])
             old = builder.load(m_at)
             new = bigger(fold(x, bigger), old)
-            with builder.if_then(builder.fcmp_ordered(">", new, builder.fadd(old, f32(float(_STALE_MAX)))), likely=False):
-                correction = splat(builder, builder.extract_element(_exp16(builder, splat(builder, builder.fsub(old, new), 16)),
-                                                                    i32(0)), 16)
+            moved = builder.fcmp_ordered(">", new, builder.fadd(old, f32(float(_STALE_MAX))))
+            with builder.if_then(moved, likely=False):
+                correction = _exp16(builder, splat(builder, builder.fsub(old, new), 16))
+                correction = splat(builder, builder.extract_element(correction, i32(0)), 16)
                 acc_at = builder.add(acc_base, builder.mul(h.index, acc_row))
                 with cgutils.for_range_slice(builder, i64(0), dim, i64(16)) as (d, _):
                     out = at(builder.add(acc_at, builder.shl(d, i64(2))))
@@ -1479,7 +1487,8 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
         first, end = part_blocks(n, block_size, splits, part)
         units = slice(task * num_kv_heads, (task + 1) * num_kv_heads)  # the task's kv-heads: one unit each
         task_scores = scores[units].reshape((num_heads, block_size))
-        task_acc, task_m, task_l = parts[units].reshape((num_heads, head_dim)), m[units].reshape(num_heads), l[units].reshape(num_heads)
+        task_acc = parts[units].reshape((num_heads, head_dim))
+        task_m, task_l = m[units].reshape(num_heads), l[units].reshape(num_heads)
         attend_begin(task_acc, task_m, task_l)
         centered = int_dots and q_center.shape[0] > 0
         if centered:
@@ -1514,7 +1523,8 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
                 load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
                 attend_scores(scores[unit], vb[unit], width, parts[unit], m[unit], l[unit])
         for kvh in range(num_kv_heads):
-            finish_unit(parts, m, l, out, lse, task * num_kv_heads + kvh, splits, b, slice(kvh * group, (kvh + 1) * group))
+            heads = slice(kvh * group, (kvh + 1) * group)
+            finish_unit(parts, m, l, out, lse, task * num_kv_heads + kvh, splits, b, heads)
     merge_parts(parts, m, l, out, lse, num_kv_heads, kv_inner=True)
 
 
