@@ -633,3 +633,26 @@ def test_more_query_heads_than_the_int16_kernels_take():
     ref_out, ref_lse = naive_attention(q[0], *store.gather(0, tables[0], 40), 0.125)
     np.testing.assert_allclose(out[0], ref_out, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(lse[0], ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_int16_dots_when_a_later_block_outscores_the_first_by_far():
+    """A later block's scores far above the running max (by more than kernels._STALE_MAX): the int16
+    path's softmax step (oaken.softmax_rows16) rescales the output and sum it has so far."""
+    if not oaken.VNNI:
+        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
+    rng = np.random.default_rng(14)
+    store = oaken_store(num_blocks=6)
+    q = rng.standard_normal((1, 9, 64)).astype(np.float32)
+    k = rng.standard_normal((80, 3, 64)).astype(np.float32)
+    k[48:64] += 8 * q[0].reshape(3, 3, 64).mean(1)  # block 3: scores ~20 above the others
+    slots = np.arange(80, dtype=np.int64)
+    store.write(0, slots, k, rng.standard_normal(k.shape).astype(np.float32), slots)
+    store.int_dots = True
+    table = np.arange(5, dtype=np.int32)[None]
+    out, lse = store.decode_attention(0, q, table, np.array([80], np.int32), 0.125)
+    kd, vd = store.gather(0, table[0], 80)
+    scores = q[0][:3] @ kd[:, 0].T * 0.125  # kv-head 0's queries
+    assert (scores[:, 48:64].max(1) - scores[:, :48].max(1)).min() > 8
+    ref_out, ref_lse = naive_attention(q[0], kd, vd, 0.125)
+    np.testing.assert_allclose(out[0], ref_out, atol=1e-3 * np.abs(ref_out).max())
+    np.testing.assert_allclose(lse[0], ref_lse, atol=1e-3)
