@@ -406,23 +406,29 @@ class OakenKVStore:
         group, work = num_heads // self.num_kv_heads, num_seqs * self.num_kv_heads
         out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
-        q = self._store_queries(layer, q)
         # the kernel's tasks are parts of sequences (all kv-heads of a block in turn): split as many
         scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(num_seqs, seq_lens, self.block_size))
         units = len(scratch[0])
-        turned = np.ascontiguousarray(self._rotate(q))
         int_dots = self.int_dots and num_heads <= oaken.MAX_HEADS
         int_units = units if int_dots else 0  # no int16 scratch (and empty query codes) when decoding every block
-        q_codes = oaken.query_codes(turned) if int_dots else (np.zeros((0, 0, 0), np.int16), np.zeros((0, 0), np.float32))
+        # the queries in store space, turned, their center terms and int16 codes, in one call
+        centered = self.key_bias is not None
+        turned, q_center = np.empty(q.shape, np.float32), np.empty(q.shape if centered else (0, 0, 0), np.float32)
+        q_codes = (np.empty(q.shape if int_dots else (0, 0, 0), np.int16),
+                   np.empty(q.shape[:2] if int_dots else (0, 0), np.float32))
+        oaken.decode_queries(np.ascontiguousarray(q, np.float32), self.key_scales[layer], self.rotation,
+                             self.key_center[layer] if centered else self.key_center[layer, :0], turned, q_center,
+                             *q_codes)
         oaken.oaken_decode_attention(
             turned, self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
-            self.thresholds[layer, 1], self._center_queries(layer, q),
+            self.thresholds[layer, 1], q_center,
             (self._block_cos, self._block_sin, self._offset_table, self._offset_pairs), q_codes, block_tables, seq_lens,
             np.float32(scale), out, lse, *scratch, np.empty((units, group, head_dim), np.float32),
             np.empty((units, group, self.block_size), np.float32), np.empty((int_units, group, oaken.ROWS, 16), np.float32),
             (np.empty((int_units, group, head_dim), np.int16), np.empty((int_units, group), np.float32),
              np.empty((int_units, group), np.float32)))
-        return self._true_output(layer, self._unrotate(out)), lse
+        oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
+        return out, lse
 
     def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
         """q [B, Hq, D] -> q * key_scales, so that q'.k' = q.k for keys in store space (k / key_scales)."""

@@ -1244,6 +1244,42 @@ def center_terms(q, center, out):
                 out[b, h, half + i] = x * c[1, i] + y * c[1, half + i]
 
 
+@njit(cache=True, nogil=True)
+def decode_queries(q, key_scales, rotation, key_center, turned, center, codes, scales):
+    """One decode step's queries as oaken_decode_attention takes them, in one call (the same steps
+    as OakenKVStore's _store_queries, _center_queries, _rotate and query_codes, which took ~30 us
+    as NumPy and Numba calls at 8 sequences): q [B, Hq, D] -> turned = q * key_scales (store space,
+    key_scales [Hkv, D]) times the rotation [D, D] (none when empty); center = the center terms of
+    the unturned store-space q (center_terms; skipped when key_center is empty); codes, scales =
+    query_codes(turned) (skipped when codes is empty)."""
+    num_seqs, num_heads, dim = q.shape
+    group = num_heads // key_scales.shape[0]
+    for b in range(num_seqs):
+        for h in range(num_heads):
+            for d in range(dim):
+                turned[b, h, d] = q[b, h, d] * key_scales[h // group, d]
+    if key_center.shape[0]:
+        center_terms(turned, key_center, center)
+    rows = turned.reshape(num_seqs * num_heads, dim)
+    turn_rows(rows, rows.shape[0], rotation, np.empty((_TURN_ROWS, dim), np.float32))
+    if codes.shape[0]:
+        _query_codes(rows, codes.reshape(rows.shape), scales.reshape(rows.shape[0]))
+
+
+@njit(cache=True, nogil=True)
+def decode_outputs(out, unrotation, value_scales):
+    """decode_queries's counterpart, in place: out [B, Hq, D] over the store's values -> over the
+    true values (turned back by unrotation, none when empty, then times value_scales [Hkv, D])."""
+    num_seqs, num_heads, dim = out.shape
+    rows = out.reshape(num_seqs * num_heads, dim)
+    turn_rows(rows, rows.shape[0], unrotation, np.empty((_TURN_ROWS, dim), np.float32))
+    group = num_heads // value_scales.shape[0]
+    for b in range(num_seqs):
+        for h in range(num_heads):
+            for d in range(dim):
+                out[b, h, d] *= value_scales[h // group, d]
+
+
 @njit(cache=True, nogil=True, inline="always")
 def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
     """s[g, t] += scale * (q_g . the key center turned to position j * bs + t), for the rows t <
