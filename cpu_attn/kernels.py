@@ -129,22 +129,30 @@ def widen(src, out):
     widen_row(src, out)
 
 
+# fast_exp's constants (oaken._exp16 takes the same, 16 lanes at a time): log2(e), ln 2 in two parts
+# (hi - lo: r = x - n hi + n lo), and Cephes' polynomial for e^r, highest degree first
+_LOG2E = 1.44269504
+_LN2 = (0.693359375, 2.12194440e-4)
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
 @njit(cache=True, nogil=True, inline="always")
 def fast_exp(x):
     """exp(x) for x <= 88 (-inf included), relative error ~1e-7, in operations that vectorize
     (there is no vector exp without Intel's SVML): x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6
     polynomial for e^r, 2^n built in the exponent bits. Below -87 it returns ~2^-126, not 0."""
     x = max(x, np.float32(-87.0))
-    n = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
-    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
+    n = np.floor(x * np.float32(_LOG2E) + np.float32(0.5))
+    r = x - n * np.float32(_LN2[0]) + n * np.float32(_LN2[1])
+    p = np.float32(_EXP_POLY[0])
+    p = p * r + np.float32(_EXP_POLY[1])
+    p = p * r + np.float32(_EXP_POLY[2])
+    p = p * r + np.float32(_EXP_POLY[3])
+    p = p * r + np.float32(_EXP_POLY[4])
+    p = p * r + np.float32(_EXP_POLY[5])
     p = p * r * r + r + np.float32(1.0)
     return p * _as_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
+
 
 
 def splat(builder, x, lanes: int):

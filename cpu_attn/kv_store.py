@@ -250,14 +250,6 @@ class OakenKVStore:
         bs = self.block_size
         return self.key_center[layer], self._block_cos, self._block_sin, self._cos[:bs], self._sin[:bs]
 
-    def _center_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
-        """q [B, Hq, D] in store space -> its center terms (oaken.center_terms), [0, 0, 0] when keys are not centered."""
-        if self.key_bias is None:
-            return np.zeros((0, 0, 0), np.float32)
-        out = np.empty(q.shape, np.float32)
-        oaken.center_terms(np.ascontiguousarray(q, np.float32), self.key_center[layer], out)
-        return out
-
     def _rotate(self, x: np.ndarray, matrix: np.ndarray | None = None) -> np.ndarray:
         """[..., Hkv * D] or [..., D] rows -> each head's D values times the rotation, or `matrix`
         (none: as they are). A Numba loop, not a BLAS matmul: OpenBLAS's threads spin on for a while
@@ -417,8 +409,7 @@ class OakenKVStore:
         q_codes = (np.empty(q.shape if int_dots else (0, 0, 0), np.int16),
                    np.empty(q.shape[:2] if int_dots else (0, 0), np.float32))
         oaken.decode_queries(np.ascontiguousarray(q, np.float32), self.key_scales[layer], self.rotation,
-                             self.key_center[layer] if centered else self.key_center[layer, :0], turned, q_center,
-                             *q_codes)
+                             self.key_center[layer], turned, q_center, *q_codes)
         oaken.oaken_decode_attention(
             turned, self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
             self.thresholds[layer, 1], q_center,
@@ -435,12 +426,6 @@ class OakenKVStore:
         b, num_heads, head_dim = q.shape
         grouped = np.asarray(q, np.float32).reshape(b, self.num_kv_heads, -1, head_dim)
         return np.ascontiguousarray((grouped * self.key_scales[layer][:, None]).reshape(q.shape))
-
-    def _true_output(self, layer: int, out: np.ndarray) -> np.ndarray:
-        """Attention over the store's values -> over the true values (out * value_scales)."""
-        b, num_heads, head_dim = out.shape
-        grouped = (b, self.num_kv_heads, num_heads // self.num_kv_heads, head_dim)
-        return (out.reshape(grouped) * self.value_scales[layer][:, None]).reshape(out.shape)
 
     def sampled_decode_attention(self, layer: int, q: np.ndarray, q_codes: np.ndarray, block_tables: np.ndarray,
                                  seq_lens: np.ndarray, scale: float, tables: tuple[np.ndarray, ...], mu: np.ndarray,
@@ -481,7 +466,8 @@ class OakenKVStore:
             self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens, set_of, indexed, offsets,
             ids, norms, log_u, num_sinks, window, min_hits, np.float32(scale), out, lse, touched,
             *self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
-        return self._true_output(layer, self._unrotate(out)), lse, touched
+        oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
+        return out, lse, touched
 
     def _sampled_scratch(self, work: int, group: int, capacity: int) -> tuple[np.ndarray, ...]:
         """lsh.sampled_scratch for `work` items, kept between calls (the kernel leaves its count and marks

@@ -36,9 +36,9 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import (_FAST, _STALE_MAX, _as_f32, _as_u32, attend_begin, attend_scores, block_scores, c_array,
-                              f32_matrices, fmuladd8, finish_unit, fp16_to_f32, lane_sums, matrix_args, merge_parts,
-                              part_blocks, prefetch, splat)
+from cpu_attn.kernels import (_EXP_POLY, _FAST, _LN2, _LOG2E, _STALE_MAX, _as_f32, _as_u32, attend_begin, attend_scores,
+                              block_scores, c_array, f32_matrices, fmuladd8, finish_unit, fp16_to_f32, lane_sums,
+                              matrix_args, merge_parts, part_blocks, prefetch, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -826,6 +826,12 @@ class _RowCodes:
             halves = [b.sub(x, twice) for x in halves]
         return halves
 
+    def entry_key(self, e, nibbles):
+        """Entries' bytes e and their nibbles (<32 x i16> each) -> their keys in entry_table: the
+        nibble, the group bit (byte bit 6, outer) at 4 and the sign bit (bit 7) at 5."""
+        b = self.builder
+        return b.or_(nibbles, b.and_(b.lshr(e, self.full(_I16, 2, 32)), self.full(_I16, 48, 32)))
+
     def entries(self, where, left, low, high, table):
         """Up to 16 sparse entries at address `where` (left of them) -> (lanes in use <32 x i1>, their
         indices j <32 x i16>, their codes from `table` (entry_table) <32 x i16>; lanes past `left`,
@@ -838,8 +844,7 @@ class _RowCodes:
         mask = b.bitcast(b.sub(b.shl(i32(1), b.trunc(left, i32)), i32(1)), vec(_I1, 32))
         e = b.zext(b.call(self.masked_load, [self.at(where, i8), i32(1), mask, self.full(i8, 0, 32)]), vec(i16, 32))
         j = b.and_(e, self.full(i16, 63, 32))
-        nibbles = b.call(self.perm2w, [low, j, high])  # at the indices
-        key = b.or_(nibbles, b.and_(b.lshr(e, self.full(i16, 2, 32)), self.full(i16, 48, 32)))
+        key = self.entry_key(e, b.call(self.perm2w, [low, j, high]))  # the nibbles at the indices
         return mask, j, b.select(mask, b.call(self.perm2w, [table[0], key, table[1]]), self.full(i16, 0, 32))
 
 
@@ -938,8 +943,8 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
                 where = builder.or_(builder.and_(j, words(15)), builder.shl(builder.and_(j, words(16)), words(1)))
                 where = builder.or_(where, upper)
                 first, second = (builder.call(rc.perm2w, [nibbles[k], where, nibbles[k + 1]]) for k in (0, 2))
-                nib = builder.select(builder.icmp_unsigned("!=", builder.and_(j, words(32)), words(0)), second, first)
-                key = builder.or_(nib, builder.and_(builder.lshr(e, words(2)), words(48)))
+                key = rc.entry_key(e, builder.select(builder.icmp_unsigned("!=", builder.and_(j, words(32)), words(0)),
+                                                     second, first))
                 delta = builder.select(in_second, builder.call(rc.perm2w, [tables[1][0], key, tables[1][1]]),
                                        builder.call(rc.perm2w, [tables[0][0], key, tables[0][1]]))
                 return builder.select(builder.bitcast(both(*masks), vec(_I1, 32)), delta, words(0)), j
@@ -1247,18 +1252,18 @@ def center_terms(q, center, out):
 @njit(cache=True, nogil=True)
 def decode_queries(q, key_scales, rotation, key_center, turned, center, codes, scales):
     """One decode step's queries as oaken_decode_attention takes them, in one call (the same steps
-    as OakenKVStore's _store_queries, _center_queries, _rotate and query_codes, which took ~30 us
+    as OakenKVStore's _store_queries and _rotate, center_terms and query_codes, which took ~30 us
     as NumPy and Numba calls at 8 sequences): q [B, Hq, D] -> turned = q * key_scales (store space,
     key_scales [Hkv, D]) times the rotation [D, D] (none when empty); center = the center terms of
-    the unturned store-space q (center_terms; skipped when key_center is empty); codes, scales =
-    query_codes(turned) (skipped when codes is empty)."""
+    the unturned store-space q (center_terms against key_center [Hkv, 2, D]; skipped when center is
+    empty, keys not centered); codes, scales = query_codes(turned) (skipped when codes is empty)."""
     num_seqs, num_heads, dim = q.shape
     group = num_heads // key_scales.shape[0]
     for b in range(num_seqs):
         for h in range(num_heads):
             for d in range(dim):
                 turned[b, h, d] = q[b, h, d] * key_scales[h // group, d]
-    if key_center.shape[0]:
+    if center.shape[0]:
         center_terms(turned, key_center, center)
     rows = turned.reshape(num_seqs * num_heads, dim)
     turn_rows(rows, rows.shape[0], rotation, np.empty((_TURN_ROWS, dim), np.float32))
@@ -1285,7 +1290,7 @@ def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
     """s[g, t] += scale * (q_g . the key center turned to position j * bs + t), for the rows t <
     width of block j, in the score domain: the store's keys stay as decoded (they may be rotated,
     their center is not). qc [group, D] holds, for each query, the terms A (first half) and B
-    (second) of q . R(p) c = sum_i A_i cos(w_i p) + B_i sin(w_i p) (OakenKVStore._center_queries);
+    (second) of q . R(p) c = sum_i A_i cos(w_i p) + B_i sin(w_i p) (center_terms, decode_queries);
     center = (cos_b, sin_b [> j, D / 2] at the block starts, cs [bs, D] = [cos | sin] at the
     offsets in a block, then the same as vnni_center_scores's pairs). Turning A and B to the block
     start once makes the rest one dot product per row against the fixed table cs, as q . k is
@@ -1427,10 +1432,10 @@ def _exp16(builder, x):
     mul, add = builder.fmul, builder.fadd
     floor = _llvm_fn(builder, "llvm.floor.v16f32", floats, [floats])
     x = builder.select(builder.fcmp_ordered(">", x, c(-87.0)), x, c(-87.0))
-    n = builder.call(floor, [add(mul(x, c(np.float32(1.44269504))), c(0.5))])
-    r = add(builder.fsub(x, mul(n, c(np.float32(0.693359375)))), mul(n, c(np.float32(2.12194440e-4))))
-    p = c(np.float32(1.9875691500e-4))
-    for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+    n = builder.call(floor, [add(mul(x, c(np.float32(_LOG2E))), c(0.5))])
+    r = add(builder.fsub(x, mul(n, c(np.float32(_LN2[0])))), mul(n, c(np.float32(_LN2[1]))))
+    p = c(np.float32(_EXP_POLY[0]))
+    for k in _EXP_POLY[1:]:
         p = add(mul(p, r), c(np.float32(k)))
     p = add(add(mul(mul(p, r), r), r), c(1.0))
     two_n = builder.bitcast(builder.shl(builder.add(builder.fptosi(n, ints), ir.Constant(ints, [127] * 16)),
@@ -1526,6 +1531,8 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
         task_acc = parts[units].reshape((num_heads, head_dim))
         task_m, task_l = m[units].reshape(num_heads), l[units].reshape(num_heads)
         attend_begin(task_acc, task_m, task_l)
+        if int_dots:
+            task_kacc = kacc[units].reshape((num_heads, ROWS, 16))
         centered = int_dots and q_center.shape[0] > 0
         if centered:
             abq = centers[0][units].reshape((num_heads, head_dim))
@@ -1540,7 +1547,7 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
             if int_dots and width == block_size and k_parts[5][block] < 0:  # full and quantized, K and V alike
                 # the block's lines, loaded once, serve every kv-head; each step one call for all query heads
                 vnni_block_scores(task_scores, qi[b], qscale[b], k_parts[0][block], k_parts[1][block], k_parts[2][block],
-                                  k_parts[3][block], thr_k, scale, kacc[units].reshape((num_heads, ROWS, 16)))
+                                  k_parts[3][block], thr_k, scale, task_kacc)
                 if centered:
                     center_codes(q_center[b], center, j, inv, abq)
                     vnni_center_scores(task_scores, abq, factor, center[3])
