@@ -126,8 +126,8 @@ def test_int16_dots_with_segments_full_of_entries(head_dim):
     """The int16 dot products (oaken.vnni_block_scores, vnni_add_weighted_rows) on full blocks of K
     and V whose rows have every value sparse (64 entries a segment: four passes of sixteen), none, or one, next to ordinary rows:
     attention as over the dequantized keys, within the int16 rounding."""
-    if not oaken.VNNI:
-        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
+    if not oaken.INT16:
+        pytest.skip("no AVX2 here (or NUMBA_CPU_NAME set)")
     store = oaken_store(num_kv_heads=2, head_dim=head_dim, sparse_fraction=1.0)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((48, 2, head_dim)).astype(np.float32)
@@ -174,8 +174,8 @@ def test_oaken_decode_attention(num_heads, num_kv_heads, head_dim, block_size, i
     rounded to 1 / 16383 of their largest value; vnni_add_weighted_rows for p.v, weights rounded to
     1 / 8191 of the block's largest): outputs move by up to ~1e-4 of their largest value (measured
     <= 3.3e-4 here), so the bound against the dequantized values is looser."""
-    if int_dots and not oaken.VNNI:
-        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
+    if int_dots and not oaken.INT16:
+        pytest.skip("no AVX2 here (or NUMBA_CPU_NAME set)")
     rng = np.random.default_rng(1)
     seq_lens = [1, 20, 77, 200]
     # per-channel transforms: the store keeps (K - R(p) b) / s and V / s_v (each head times the
@@ -211,8 +211,8 @@ def test_int16_dots_with_many_segments_a_row(num_kv_heads):
     """Rows of 16 and 18 segments (8 and 9 kv-heads of 128, Llama-3.1-8B's and one more): each
     row's counts are summed in a loop that LLVM vectorizes from 16 on (with a scalar tail at 18);
     every kv-head's entries must start where its segment's do."""
-    if not oaken.VNNI:
-        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
+    if not oaken.INT16:
+        pytest.skip("no AVX2 here (or NUMBA_CPU_NAME set)")
     rng = np.random.default_rng(9)
     seq_lens, head_dim = [48, 33], 128
     store = oaken_store(num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=8, sparse_fraction=0.5)
@@ -230,8 +230,8 @@ def test_int16_dots_with_many_segments_a_row(num_kv_heads):
 def test_int16_dots_with_contexts_cut_into_parts():
     """Contexts long enough to be cut into parts (split_parts by sequences): each task runs every
     kv-head of its blocks, and the parts of each (sequence, kv-head) are merged after the loop."""
-    if not oaken.VNNI:
-        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
+    if not oaken.INT16:
+        pytest.skip("no AVX2 here (or NUMBA_CPU_NAME set)")
     rng = np.random.default_rng(11)
     seq_lens = [1100, 1500]
     assert split_parts(len(seq_lens), np.array(seq_lens), 16) > 1
@@ -627,7 +627,7 @@ def test_more_query_heads_than_the_int16_kernels_take():
     rng = np.random.default_rng(12)
     store = oaken_store(num_kv_heads=1, num_blocks=4)
     tables, _ = write_sequences(store, rng, [40])
-    store.int_dots = oaken.VNNI
+    store.int_dots = oaken.INT16
     q = rng.standard_normal((1, oaken.MAX_HEADS + 4, 64)).astype(np.float32)
     out, lse = store.decode_attention(0, q, tables, np.array([40], np.int32), 0.125)
     ref_out, ref_lse = naive_attention(q[0], *store.gather(0, tables[0], 40), 0.125)
@@ -638,8 +638,8 @@ def test_more_query_heads_than_the_int16_kernels_take():
 def test_int16_dots_when_a_later_block_outscores_the_first_by_far():
     """A later block's scores far above the running max (by more than kernels._STALE_MAX): the int16
     path's softmax step (oaken.softmax_rows16) rescales the output and sum it has so far."""
-    if not oaken.VNNI:
-        pytest.skip("no AVX512-VNNI here (or NUMBA_CPU_NAME set)")
+    if not oaken.INT16:
+        pytest.skip("no AVX2 here (or NUMBA_CPU_NAME set)")
     rng = np.random.default_rng(14)
     store = oaken_store(num_blocks=6)
     q = rng.standard_normal((1, 9, 64)).astype(np.float32)
