@@ -1,5 +1,6 @@
 """Time per row of the exact Oaken kernel's two int16 parts, alone: the key scores of a full block
-(`oaken.vnni_block_scores`) and its values summed by the softmax weights (`oaken.vnni_add_weighted_rows`),
+(`oaken.vnni_block_scores`, or `avx2_block_scores` without AVX-512) and its values summed by the softmax
+weights (`oaken.vnni_add_weighted_rows` or `avx2_add_weighted_rows`),
 each over all kv-heads of the block, reported per kv-head's row (a row of one kv-head).
 
     python -m benchmarks.bench_oaken_rows [--shape smollm2-135m | llama-3.1-8b] [--blocks 64] [--calls 200000]
@@ -27,8 +28,12 @@ def _key_scores(calls, parts, thr, qi, qscale, s, acc):
     blocks = parts[0].shape[0]
     for r in range(calls):
         b = r % blocks
-        oaken.vnni_block_scores(s, qi, qscale, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr,
-                                np.float32(0.125), acc)
+        if oaken.VNNI:
+            oaken.vnni_block_scores(s, qi, qscale, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr,
+                                    np.float32(0.125), acc)
+        else:
+            oaken.avx2_block_scores(s, qi, qscale, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr,
+                                    np.float32(0.125), acc)
 
 
 @njit(cache=True)
@@ -36,7 +41,10 @@ def _values(calls, parts, thr, w, out):
     blocks = parts[0].shape[0]
     for r in range(calls):
         b = r % blocks
-        oaken.vnni_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr)
+        if oaken.VNNI:
+            oaken.vnni_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr)
+        else:
+            oaken.avx2_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr)
 
 
 def main() -> None:
@@ -46,8 +54,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200_000, help="calls of each part per timing")
     ap.add_argument("--out", default="oaken_rows.json")
     args = ap.parse_args()
-    if not oaken.VNNI:
-        raise SystemExit("the int16 kernels need AVX512-BW, -VNNI and -VBMI2 (and NUMBA_CPU_NAME unset)")
+    if not oaken.INT16:
+        raise SystemExit("the int16 kernels need AVX2 (AVX512-BW, -VNNI and -VBMI2 for the vnni_ ones) and "
+                         "NUMBA_CPU_NAME unset")
     heads, kv_heads, head_dim = SHAPES[args.shape]
     rng = np.random.default_rng(0)
     store = served_oaken(args.blocks, rng, kv_heads, head_dim)

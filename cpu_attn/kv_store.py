@@ -28,14 +28,15 @@ _ITEMSIZE = {"float16": 2, "float32": 4}
 _LINE = 64
 
 
-def zeros_aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
+def zeros_aligned(shape: tuple[int, ...], dtype, slack: int = 0) -> np.ndarray:
     """np.zeros starting on a cache line. A large np.zeros starts 16 bytes into a page, so a row of
     64 values had its vector loads split across two lines (and an Oaken head's 32 nibble bytes half
-    the time); like np.zeros, pages are mapped only once written."""
+    the time); like np.zeros, pages are mapped only once written. `slack` bytes past the end stay
+    readable (for kernels that read a few bytes past what they use)."""
     dtype = np.dtype(dtype)
-    raw = np.zeros(int(np.prod(shape)) * dtype.itemsize + _LINE, np.uint8)
+    raw = np.zeros(int(np.prod(shape)) * dtype.itemsize + _LINE + slack, np.uint8)
     skip = -raw.ctypes.data % _LINE
-    return raw[skip:skip + raw.size - _LINE].view(dtype).reshape(shape)
+    return raw[skip:skip + raw.size - _LINE - slack].view(dtype).reshape(shape)
 
 
 class KVStore(Protocol):
@@ -197,7 +198,8 @@ class OakenKVStore:
         self.dense = zeros_aligned(lead + (c // 2,), np.uint8)
         self.scales = zeros_aligned(lead + (3,), np.uint16)
         self.counts = zeros_aligned(lead + (c // oaken.SEGMENT,), np.uint8)
-        self.sparse = zeros_aligned((num_layers, 2, num_blocks, self.budget), np.uint8)
+        # oaken.avx2_* read up to _FIXED_ENTRIES - 1 entries past a segment's last
+        self.sparse = zeros_aligned((num_layers, 2, num_blocks, self.budget), np.uint8, slack=64)
         self.tail = zeros_aligned((num_layers, 2, recent_blocks, block_size, c), np.float32)
         self.tail_of = np.full((num_layers, num_blocks), -1, np.int32)  # tail slot of each block, or -1
         self.tail_block = np.full((num_layers, recent_blocks), -1, np.int64)  # block of each slot, or -1

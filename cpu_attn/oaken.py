@@ -1177,6 +1177,9 @@ def _weight_codes(builder, rc, heads, w_base, w_row):
     return pair_codes, units
 
 
+_FIXED_ENTRIES = 8  # entries of a segment _Avx2Rows.codes takes without a branch (past its count, to a sink)
+
+
 class _Avx2Rows:
     """LLVM IR shared by avx2_block_scores and avx2_add_weighted_rows: one full block's rows as
     _RowCodes's int16 codes, built with AVX2 (no vpermw or vpexpandw). Each row's 16 level codes
@@ -1196,8 +1199,10 @@ class _Avx2Rows:
         self.bytes = cgutils.alloca_once(b, ir.ArrayType(vec(i8, 32), 2 * ROWS))  # each row's low, high byte tables
         self.deltas = cgutils.alloca_once(b, ir.ArrayType(vec(i16, 64), ROWS))  # each row's entry_table, less levels
         self.starts = cgutils.alloca_once(b, i64, ROWS)  # each row's next entry: moved on segment by segment
-        self.patch = cgutils.alloca_once(b, vec(i16, 64))  # a segment's (true - level) codes, zero elsewhere
-        b.store(rc.full(i16, 0, 64), self.patch)
+        self.patch = cgutils.alloca_once(b, vec(i16, 2 * SEGMENT))  # a segment's (true - level) codes, zero elsewhere
+        self.nibbles = cgutils.alloca_once(b, vec(i8, 2 * SEGMENT))  # a segment's nibbles, a byte each; 0 past them
+        b.store(rc.full(i8, 0, 2 * SEGMENT), self.nibbles)
+        b.store(rc.full(i16, 0, 2 * SEGMENT), self.patch)
         twice = ir.Constant(vec(_I32, 32), list(range(16)) * 2)
         rc.first_row()
         with cgutils.for_range(b, i64(ROWS)) as loop:
@@ -1219,14 +1224,17 @@ class _Avx2Rows:
         b, rc = self.builder, self.rc
         vec = ir.VectorType
         row_at = b.add(b.add(rc.dense, b.mul(t, rc.dense_row)), b.shl(seg, i64(5)))
-        raw = b.load(rc.at(row_at, vec(i64, 4)), align=1)
-        x = b.bitcast(b.shuffle_vector(raw, raw, ir.Constant(vec(i32, 4), [0, 2, 1, 3])), vec(i8, 32))
+        x = b.load(rc.at(row_at, vec(i8, 32)), align=1)
         fifteen = rc.full(i8, 15, 32)
         tables = [b.load(b.gep(self.bytes, [i32(0), b.add(b.shl(t, i64(1)), i64(k))])) for k in (0, 1)]
         unpack = [ir.Constant(vec(i32, 32), [x for lane in (0, 16) for i in range(first, first + 8)
                                              for x in (lane + i, 32 + lane + i)]) for first in (0, 8)]
         words = []
-        for nibbles in (b.and_(x, fifteen), b.and_(b.lshr(x, rc.full(i8, 4, 32)), fifteen)):
+        nibble_at = b.bitcast(self.nibbles, vec(i8, 32).as_pointer())
+        for k, nibbles in enumerate((b.and_(x, fifteen), b.and_(b.lshr(x, rc.full(i8, 4, 32)), fifteen))):
+            b.store(nibbles, b.gep(nibble_at, [i32(k)]), align=32)  # channels 32 k .. 32 k + 31, for the entries
+            wide = b.bitcast(nibbles, vec(i64, 4))
+            nibbles = b.bitcast(b.shuffle_vector(wide, wide, ir.Constant(vec(i32, 4), [0, 2, 1, 3])), vec(i8, 32))
             low, high = (b.call(self.pshufb, [table, nibbles]) for table in tables)
             words += [b.bitcast(b.shuffle_vector(low, high, mask), vec(i16, 16)) for mask in unpack]
         # the entries, one scalar store each into the patch (branch-free per entry)
@@ -1235,13 +1243,20 @@ class _Avx2Rows:
         n = b.zext(b.load(rc.at(b.add(b.add(rc.counts, b.mul(t, rc.counts_row)), seg), i8)), i64)
         deltas = b.bitcast(b.gep(self.deltas, [i32(0), t]), i16.as_pointer())
         patch = b.bitcast(self.patch, i16.as_pointer())
-        with cgutils.for_range(b, n) as k:
-            e = b.zext(b.load(rc.at(b.add(rc.sparse, b.add(first, k.index)), i8)), i64)
+        nibbles = b.bitcast(self.nibbles, i8.as_pointer())
+
+        def entry(k, e, sink=False):  # entry k (e: i64) of the segment: its (true - level) code into the patch
             j = b.and_(e, i64(63))
-            byte = b.zext(b.load(rc.at(b.add(row_at, b.and_(j, i64(31))), i8)), i64)
-            nibble = b.and_(b.lshr(byte, b.shl(b.lshr(j, i64(5)), i64(2))), i64(15))
-            key = b.or_(nibble, b.and_(b.lshr(e, i64(2)), i64(48)))  # _RowCodes.entry_key's
+            if sink:  # past the segment's count: to a slot past the channels (64), whose nibble is 0
+                j = b.select(b.icmp_unsigned("<", k, n), j, i64(SEGMENT))
+            key = b.or_(b.zext(b.load(b.gep(nibbles, [j])), i64), b.and_(b.lshr(e, i64(2)), i64(48)))  # entry_key's
             b.store(b.load(b.gep(deltas, [key])), b.gep(patch, [j]))
+        for k in range(0, _FIXED_ENTRIES, 8):  # eight entries a load (the loads, not the ALU ops, bound this)
+            eight = b.load(rc.at(b.add(rc.sparse, b.add(first, i64(k))), i64), align=1)
+            for i in range(8):
+                entry(i64(k + i), b.and_(b.lshr(eight, i64(8 * i)), i64(255)), sink=True)
+        with cgutils.for_range_slice(b, i64(_FIXED_ENTRIES), n, i64(1)) as (k, _):
+            entry(k, b.zext(b.load(rc.at(b.add(rc.sparse, b.add(first, k)), i8)), i64))
         b.store(b.add(first, n), start_at)
         out = []
         for k in range(4):
@@ -1264,7 +1279,7 @@ def avx2_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
     def codegen(context, builder, signature, args):
         f32, i16, i32, i64 = _F32, _I16, _I32, _I64
         vec = ir.VectorType
-        if not AVX2:
+        if VNNI or not AVX2:  # with VNNI the kernel calls vnni_*: no AVX2 code there
             return _trap(context, builder)
         b = builder
         sig = signature.args
@@ -1325,7 +1340,7 @@ def avx2_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
     def codegen(context, builder, signature, args):
         f32, i32, i64 = _F32, _I32, _I64
         vec = ir.VectorType
-        if not AVX2:
+        if VNNI or not AVX2:  # with VNNI the kernel calls vnni_*: no AVX2 code there
             return _trap(context, builder)
         b = builder
         sig = signature.args

@@ -573,9 +573,10 @@ def test_eval_exact_format_agrees_and_oaken_is_close(tmp_path):
     assert exact["scored_positions"] == 3 * (40 - 8)
     assert 0 < oaken["kl_mean"] < int4["kl_mean"] and oaken["top1_agreement"] >= 0.9
     assert sum(oaken["group_fractions"].values()) == pytest.approx(1)
-    # 2 kv-heads x 64: 4 bits + (3 scales x 16 + 2 counts x 8) / 128 + 8 per sparse entry (at most the budget)
+    # 2 kv-heads x 64: 4 bits + (3 scales x 16 + 2 counts x 8) / 128 + 8 per sparse entry (at most the budget);
+    # the share is the calibrated ~10 % give or take what the text does (0.0996 on an AMD EPYC, > 0.1 on a Xeon)
     sparse = 1 - oaken["group_fractions"]["middle"]
-    assert oaken["effective_bits"] == pytest.approx(4.5 + 8 * sparse) and 0.1 < sparse <= SPARSE_FRACTION
+    assert oaken["effective_bits"] == pytest.approx(4.5 + 8 * sparse) and 0.08 < sparse <= SPARSE_FRACTION
     with pytest.raises(ValueError, match="prefill_tokens"):
         evaluate(model, windows, ["fp16"], prefill_tokens=39)
     # bf16 linears scored against an fp32-linears reference: close, not equal
