@@ -1279,7 +1279,7 @@ def avx2_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
     def codegen(context, builder, signature, args):
         f32, i16, i32, i64 = _F32, _I16, _I32, _I64
         vec = ir.VectorType
-        if VNNI or not AVX2:  # with VNNI the kernel calls vnni_*: no AVX2 code there
+        if not AVX2:
             return _trap(context, builder)
         b = builder
         sig = signature.args
@@ -1340,7 +1340,7 @@ def avx2_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
     def codegen(context, builder, signature, args):
         f32, i32, i64 = _F32, _I32, _I64
         vec = ir.VectorType
-        if VNNI or not AVX2:  # with VNNI the kernel calls vnni_*: no AVX2 code there
+        if not AVX2:
             return _trap(context, builder)
         b = builder
         sig = signature.args

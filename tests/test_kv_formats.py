@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 from cpu_attn.calibrate import SPARSE_FRACTION, hadamard, rotate
 from cpu_attn import kv_store, oaken
@@ -145,6 +146,58 @@ def test_int16_dots_with_segments_full_of_entries(head_dim):
     ref_out, ref_lse = naive_attention(q[0], k, v, head_dim**-0.5)
     np.testing.assert_allclose(out[0], ref_out, atol=1e-3 * np.abs(ref_out).max())
     np.testing.assert_allclose(lse[0], ref_lse, atol=1e-3)
+
+
+@njit
+def _int16_kernels(kind, s, qi, qscale, acc, out, w, dense, scales, counts, sparse, thr):
+    """One full block through either family of int16 kernels: scores into s, weighted values into out."""
+    if kind == 0:
+        oaken.vnni_block_scores(s, qi, qscale, dense, scales, counts, sparse, thr, np.float32(0.125), acc)
+        oaken.vnni_add_weighted_rows(out, w, dense, scales, counts, sparse, thr)
+    else:
+        oaken.avx2_block_scores(s, qi, qscale, dense, scales, counts, sparse, thr, np.float32(0.125), acc)
+        oaken.avx2_add_weighted_rows(out, w, dense, scales, counts, sparse, thr)
+
+
+@pytest.mark.parametrize("kind", ["vnni", "avx2"])
+@pytest.mark.parametrize("num_kv_heads,head_dim,num_heads", [(3, 64, 9), (2, 128, 4)])
+def test_int16_kernels_against_numpy(kind, num_kv_heads, head_dim, num_heads):
+    """oaken.{vnni,avx2}_block_scores and _add_weighted_rows on one block quantized by oaken.quantize,
+    against NumPy on its dequantized rows: q.k within 2e-4 of the largest score (rows and queries in
+    int16 codes of 1 / 16383 of their largest value), p.v within 1e-3 of the largest output (weights in
+    1 / 8191). Rows with no entries, some, and every value sparse (64 a segment: past the AVX2
+    kernels' eight without a branch)."""
+    if not (oaken.VNNI if kind == "vnni" else oaken.AVX2):
+        pytest.skip(f"no {kind} here (or NUMBA_CPU_NAME set)")
+    rng = np.random.default_rng(15)
+    c = num_kv_heads * head_dim
+    x = rng.standard_normal((2, oaken.ROWS, c)).astype(np.float32)
+    x[:, 3] = rng.choice([-1, 1], c) * rng.uniform(2.5, 6, c)  # all outer
+    x[:, 4] = rng.uniform(-0.09, 0.09, c)  # all inner
+    x[:, 5] = 0.0  # all middle
+    q = rng.standard_normal((num_heads, head_dim)).astype(np.float32)
+    qi, qscale = oaken.query_codes(q)
+    w = rng.random((num_heads, oaken.ROWS)).astype(np.float32)
+    group = num_heads // num_kv_heads
+    heads = lambda rows: rows.reshape(oaken.ROWS, num_kv_heads, head_dim).repeat(group, axis=1)  # [16, Hq, D]
+    parts = []
+    for rows in x:  # K, then V
+        dense, sparse, counts, scales, n = quantize(rows, THR)
+        entries = np.zeros(int(n.sum()) + 64, np.uint8)  # the block's entries in row order, then slack
+        entries[:n.sum()] = np.concatenate([sparse[t, :n[t]] for t in range(oaken.ROWS)])
+        parts.append(((dense, scales.astype(np.float16).view(np.uint16), counts, entries, THR),
+                      dequantize(THR, dense, sparse, counts, scales)))
+    (k_parts, k_ref), (v_parts, v_ref) = parts
+    assert np.abs(k_ref[3]).min() > 2 and np.abs(k_ref[5]).max() < 2  # the rows are what they say
+    code = 0 if kind == "vnni" else 1
+    s, out = np.zeros((num_heads, oaken.ROWS), np.float32), np.zeros((num_heads, head_dim), np.float32)
+    acc = np.zeros((num_heads, oaken.ROWS, 16), np.float32)
+    _int16_kernels(code, s, qi, qscale, acc, np.zeros_like(out), w, *k_parts)  # q.k on K's block
+    _int16_kernels(code, np.zeros_like(s), qi, qscale, acc, out, w, *v_parts)  # p.v on V's
+    ref_s = 0.125 * np.einsum("thd,hd->ht", heads(k_ref), q)
+    np.testing.assert_allclose(s, ref_s, atol=2e-4 * np.abs(ref_s).max())
+    ref_out = np.einsum("ht,thd->hd", w, heads(v_ref))
+    np.testing.assert_allclose(out, ref_out, atol=1e-3 * np.abs(ref_out).max())
 
 
 def channel_transforms(rng, num_kv_heads, head_dim, kinds):
