@@ -1187,8 +1187,11 @@ class _Avx2Rows:
     the two bytes of each value, interleaved (vpunpck[lh]bw), are its code. A segment's 32 bytes of
     nibbles are first put in the order [0..7, 16..23 | 8..15, 24..31] (one vpermq), so that the codes
     come out in channel order, 16 a vector. The sparse entries write (true - level) codes into a
-    zeroed buffer of the segment's 64 channels, one scalar store each, and the four vectors of it are
-    added to the codes: the row's true codes, exact."""
+    zeroed buffer of the segment's 64 channels, one scalar store each (the first eight without a
+    branch: those past the count go to a sink), and the four vectors of it are added to the codes:
+    the row's true codes, exact. On a Zen 1 the entries are about half of each kernel's time (keys
+    ~48 ns a kv-head's row, ~21 without them); neither store forwarding (their stores made a block
+    ahead) nor their nibbles' loads (from a byte buffer) changed that (bench_oaken_rows)."""
 
     def __init__(self, builder, dense, scales, counts, sparse, thr):
         i8, i16, i64 = _I8, _I16, _I64
@@ -1200,8 +1203,6 @@ class _Avx2Rows:
         self.deltas = cgutils.alloca_once(b, ir.ArrayType(vec(i16, 64), ROWS))  # each row's entry_table, less levels
         self.starts = cgutils.alloca_once(b, i64, ROWS)  # each row's next entry: moved on segment by segment
         self.patch = cgutils.alloca_once(b, vec(i16, 2 * SEGMENT))  # a segment's (true - level) codes, zero elsewhere
-        self.nibbles = cgutils.alloca_once(b, vec(i8, 2 * SEGMENT))  # a segment's nibbles, a byte each; 0 past them
-        b.store(rc.full(i8, 0, 2 * SEGMENT), self.nibbles)
         b.store(rc.full(i16, 0, 2 * SEGMENT), self.patch)
         twice = ir.Constant(vec(_I32, 32), list(range(16)) * 2)
         rc.first_row()
@@ -1224,17 +1225,14 @@ class _Avx2Rows:
         b, rc = self.builder, self.rc
         vec = ir.VectorType
         row_at = b.add(b.add(rc.dense, b.mul(t, rc.dense_row)), b.shl(seg, i64(5)))
-        x = b.load(rc.at(row_at, vec(i8, 32)), align=1)
+        raw = b.load(rc.at(row_at, vec(i64, 4)), align=1)
+        x = b.bitcast(b.shuffle_vector(raw, raw, ir.Constant(vec(i32, 4), [0, 2, 1, 3])), vec(i8, 32))
         fifteen = rc.full(i8, 15, 32)
         tables = [b.load(b.gep(self.bytes, [i32(0), b.add(b.shl(t, i64(1)), i64(k))])) for k in (0, 1)]
         unpack = [ir.Constant(vec(i32, 32), [x for lane in (0, 16) for i in range(first, first + 8)
                                              for x in (lane + i, 32 + lane + i)]) for first in (0, 8)]
         words = []
-        nibble_at = b.bitcast(self.nibbles, vec(i8, 32).as_pointer())
-        for k, nibbles in enumerate((b.and_(x, fifteen), b.and_(b.lshr(x, rc.full(i8, 4, 32)), fifteen))):
-            b.store(nibbles, b.gep(nibble_at, [i32(k)]), align=32)  # channels 32 k .. 32 k + 31, for the entries
-            wide = b.bitcast(nibbles, vec(i64, 4))
-            nibbles = b.bitcast(b.shuffle_vector(wide, wide, ir.Constant(vec(i32, 4), [0, 2, 1, 3])), vec(i8, 32))
+        for nibbles in (b.and_(x, fifteen), b.and_(b.lshr(x, rc.full(i8, 4, 32)), fifteen)):
             low, high = (b.call(self.pshufb, [table, nibbles]) for table in tables)
             words += [b.bitcast(b.shuffle_vector(low, high, mask), vec(i16, 16)) for mask in unpack]
         # the entries, one scalar store each into the patch (branch-free per entry)
@@ -1243,13 +1241,14 @@ class _Avx2Rows:
         n = b.zext(b.load(rc.at(b.add(b.add(rc.counts, b.mul(t, rc.counts_row)), seg), i8)), i64)
         deltas = b.bitcast(b.gep(self.deltas, [i32(0), t]), i16.as_pointer())
         patch = b.bitcast(self.patch, i16.as_pointer())
-        nibbles = b.bitcast(self.nibbles, i8.as_pointer())
 
         def entry(k, e, sink=False):  # entry k (e: i64) of the segment: its (true - level) code into the patch
             j = b.and_(e, i64(63))
-            if sink:  # past the segment's count: to a slot past the channels (64), whose nibble is 0
+            if sink:  # past the segment's count: to a slot past the channels (64)
                 j = b.select(b.icmp_unsigned("<", k, n), j, i64(SEGMENT))
-            key = b.or_(b.zext(b.load(b.gep(nibbles, [j])), i64), b.and_(b.lshr(e, i64(2)), i64(48)))  # entry_key's
+            byte = b.zext(b.load(rc.at(b.add(row_at, b.and_(j, i64(31))), i8)), i64)  # value j's nibble, as stored
+            nibble = b.and_(b.lshr(byte, b.shl(b.lshr(j, i64(5)), i64(2))), i64(15))
+            key = b.or_(nibble, b.and_(b.lshr(e, i64(2)), i64(48)))  # entry_key's
             b.store(b.load(b.gep(deltas, [key])), b.gep(patch, [j]))
         for k in range(0, _FIXED_ENTRIES, 8):  # eight entries a load (the loads, not the ALU ops, bound this)
             eight = b.load(rc.at(b.add(rc.sparse, b.add(first, i64(k))), i64), align=1)
