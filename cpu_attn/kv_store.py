@@ -193,7 +193,8 @@ class OakenKVStore:
             self.key_center[:, :, 1] = rotate_half(self.key_bias) / self.key_scales
             self._rope_tables(1)
         self.budget = self.sparse_budget(num_kv_heads, head_dim, block_size, sparse_fraction)
-        self.int_dots = oaken.INT16 and block_size == oaken.ROWS  # full blocks in int16 dot products (oaken.vnni_*, avx2_*)
+        # full blocks in int16 dot products (oaken.vnni_* or avx2_*)
+        self.int_dots = oaken.INT16 and block_size == oaken.ROWS
         lead = (num_layers, 2, num_blocks, block_size)
         self.dense = zeros_aligned(lead + (c // 2,), np.uint8)
         self.scales = zeros_aligned(lead + (3,), np.uint16)

@@ -888,8 +888,7 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
     s [Hq, 16], qi [Hq, D] int16, qscale [Hq], dense [16, C/2], scales [16, 3] (fp16 bits), counts
     [16, C/64], sparse [budget] (the block's), thr [4]; D a multiple of 64, Hq a multiple of C/D.
     Needs AVX512-BW and -VNNI (VNNI); compiled elsewhere it traps, and the kernel never calls it there."""
-    if not (c_array(s, 2, types.float32) and c_array(qi, 2, types.int16) and c_array(qscale, 1, types.float32)
-            and _block_arrays(dense, scales, counts, sparse, thr) and c_array(acc, 3, types.float32)):
+    if not _scores_args(s, qi, qscale, dense, scales, counts, sparse, thr, acc):
         return None
 
     def codegen(context, builder, signature, args):
@@ -901,9 +900,7 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 9)}
         base = {i: builder.ptrtoint(a.data, i64) for i, a in arrays.items()}
         heads, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
-        segs_per_head = builder.udiv(dim, i64(SEGMENT))
-        kv_heads = builder.udiv(builder.shl(cgutils.unpack_tuple(builder, arrays[3].shape, 2)[1], i64(1)), dim)
-        group = builder.udiv(heads, kv_heads)
+        segs_per_head, kv_heads, group = _head_layout(builder, heads, dim, arrays[3])
         s_row = cgutils.unpack_tuple(builder, arrays[0].strides, 2)[0]
         scale = context.cast(builder, args[8], sig[8], types.float32)
         rc = _RowCodes(builder, *(arrays[i] for i in (3, 4, 5, 6, 7)))
@@ -1056,9 +1053,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         sig = signature.args
         arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in range(7)}
         heads, dim = cgutils.unpack_tuple(builder, arrays[0].shape, 2)
-        segs_per_head = builder.udiv(dim, i64(SEGMENT))
-        kv_heads = builder.udiv(builder.shl(cgutils.unpack_tuple(builder, arrays[2].shape, 2)[1], i64(1)), dim)
-        group = builder.udiv(heads, kv_heads)
+        segs_per_head, kv_heads, group = _head_layout(builder, heads, dim, arrays[2])
         acc_row, w_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (0, 1))
         acc_base, w_base = (builder.ptrtoint(arrays[i].data, i64) for i in (0, 1))
         rc = _RowCodes(builder, *(arrays[i] for i in (2, 3, 4, 5, 6)))
@@ -1169,7 +1164,8 @@ def _weight_codes(builder, rc, heads, w_base, w_row):
         weights = builder.fmul(weights, rc.unit)
         top = weights
         for span in (8, 4, 2, 1):
-            top = rc.vmax(top, builder.shuffle_vector(top, top, ir.Constant(vec(i32, 16), [(i + span) % 16 for i in range(16)])))
+            turned = ir.Constant(vec(i32, 16), [(i + span) % 16 for i in range(16)])
+            top = rc.vmax(top, builder.shuffle_vector(top, top, turned))
         top = rc.vmax(builder.extract_element(top, i32(0)), f32(1e-30))
         codes = rc.to_codes(builder.fmul(weights, rc.lanes(builder.fdiv(f32(float(WEIGHT_MAX)), top))))
         builder.store(builder.bitcast(codes, vec(i32, 8)), builder.gep(pair_codes, [h.index]))
@@ -1250,7 +1246,7 @@ class _Avx2Rows:
             nibble = b.and_(b.lshr(byte, b.shl(b.lshr(j, i64(5)), i64(2))), i64(15))
             key = b.or_(nibble, b.and_(b.lshr(e, i64(2)), i64(48)))  # entry_key's
             b.store(b.load(b.gep(deltas, [key])), b.gep(patch, [j]))
-        for k in range(0, _FIXED_ENTRIES, 8):  # eight entries a load (the loads, not the ALU ops, bound this)
+        for k in range(0, _FIXED_ENTRIES, 8):  # eight entries a load (the slack: OakenKVStore.sparse)
             eight = b.load(rc.at(b.add(rc.sparse, b.add(first, i64(k))), i64), align=1)
             for i in range(8):
                 entry(i64(k + i), b.and_(b.lshr(eight, i64(8 * i)), i64(255)), sink=True)
@@ -1271,8 +1267,7 @@ def avx2_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
     quantized block, in int16 dot products on _Avx2Rows's codes (vpmaddwd against the query's codes,
     a row at a time: a lane sums 8 products, < 8 * CODE_MAX^2 < 2^31). Each (head, row)'s 8 lanes go
     to acc as floats, and a shuffle tree (lane_sums) sums them. Arguments as vnni_block_scores'."""
-    if not (c_array(s, 2, types.float32) and c_array(qi, 2, types.int16) and c_array(qscale, 1, types.float32)
-            and _block_arrays(dense, scales, counts, sparse, thr) and c_array(acc, 3, types.float32)):
+    if not _scores_args(s, qi, qscale, dense, scales, counts, sparse, thr, acc):
         return None
 
     def codegen(context, builder, signature, args):
@@ -1285,9 +1280,7 @@ def avx2_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         arrays = {i: context.make_array(sig[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 9)}
         base = {i: b.ptrtoint(a.data, i64) for i, a in arrays.items()}
         heads, dim = cgutils.unpack_tuple(b, arrays[1].shape, 2)
-        segs_per_head = b.udiv(dim, i64(SEGMENT))
-        kv_heads = b.udiv(b.shl(cgutils.unpack_tuple(b, arrays[3].shape, 2)[1], i64(1)), dim)
-        group = b.udiv(heads, kv_heads)
+        segs_per_head, kv_heads, group = _head_layout(b, heads, dim, arrays[3])
         s_row = cgutils.unpack_tuple(b, arrays[0].strides, 2)[0]
         scale = context.cast(b, args[8], sig[8], types.float32)
         rows = _Avx2Rows(b, *(arrays[i] for i in (3, 4, 5, 6, 7)))
@@ -1345,9 +1338,7 @@ def avx2_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         sig = signature.args
         arrays = {i: context.make_array(sig[i])(context, b, args[i]) for i in range(7)}
         heads, dim = cgutils.unpack_tuple(b, arrays[0].shape, 2)
-        segs_per_head = b.udiv(dim, i64(SEGMENT))
-        kv_heads = b.udiv(b.shl(cgutils.unpack_tuple(b, arrays[2].shape, 2)[1], i64(1)), dim)
-        group = b.udiv(heads, kv_heads)
+        segs_per_head, kv_heads, group = _head_layout(b, heads, dim, arrays[2])
         acc_row, w_row = (cgutils.unpack_tuple(b, arrays[i].strides, 2)[0] for i in (0, 1))
         acc_base, w_base = (b.ptrtoint(arrays[i].data, i64) for i in (0, 1))
         rows = _Avx2Rows(b, *(arrays[i] for i in (2, 3, 4, 5, 6)))
@@ -1394,6 +1385,20 @@ def avx2_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
 def _block_arrays(dense, scales, counts, sparse, thr) -> bool:
     return (c_array(dense, 2, types.uint8) and c_array(scales, 2, types.uint16) and c_array(counts, 2, types.uint8)
             and c_array(sparse, 1, types.uint8) and c_array(thr, 1, types.float32))
+
+
+def _scores_args(s, qi, qscale, dense, scales, counts, sparse, thr, acc) -> bool:
+    """Typing check of vnni_block_scores and avx2_block_scores."""
+    return (c_array(s, 2, types.float32) and c_array(qi, 2, types.int16) and c_array(qscale, 1, types.float32)
+            and _block_arrays(dense, scales, counts, sparse, thr) and c_array(acc, 3, types.float32))
+
+
+def _head_layout(builder, heads, dim, dense):
+    """LLVM IR: (segments a head, kv-heads, query heads a kv-head) of a block kernel's call, from its
+    query heads, head_dim and the block's dense nibbles (C / 2 bytes a row)."""
+    i64 = _I64
+    kv_heads = builder.udiv(builder.shl(cgutils.unpack_tuple(builder, dense.shape, 2)[1], i64(1)), dim)
+    return builder.udiv(dim, i64(SEGMENT)), kv_heads, builder.udiv(heads, kv_heads)
 
 
 def _trap(context, builder):
@@ -1617,7 +1622,8 @@ def vnni_center_scores(typingctx, s, abq, factor, pairs):
     for each two channels, the 16 rows' codes of both side by side (OakenKVStore._offset_pairs), so
     one vpdpwssd against the query's two codes, broadcast, adds both channels to every row's lane.
     Three query heads at a time share each pair's row load (one head at a time: ~133 ns a block of
-    9 heads, bound by two loads a vpdpwssd). s [G, 16] float32, abq [G, D] int16, factor [G]."""
+    9 heads, bound by two loads a vpdpwssd). Without VNNI each vpdpwssd is two AVX2 vpmaddwd (_dpwssd).
+    s [G, 16] float32, abq [G, D] int16, factor [G]."""
     if not (c_array(s, 2, types.float32) and c_array(abq, 2, types.int16) and c_array(factor, 1, types.float32)
             and c_array(pairs, 2, types.int16)):
         return None
