@@ -28,12 +28,8 @@ def _key_scores(calls, parts, thr, qi, qscale, s, acc):
     blocks = parts[0].shape[0]
     for r in range(calls):
         b = r % blocks
-        if oaken.VNNI:
-            oaken.vnni_block_scores(s, qi, qscale, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr,
-                                    np.float32(0.125), acc)
-        else:
-            oaken.avx2_block_scores(s, qi, qscale, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr,
-                                    np.float32(0.125), acc)
+        oaken.int16_block_scores(s, qi, qscale, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr,
+                                 np.float32(0.125), acc)
 
 
 @njit(cache=True)
@@ -41,10 +37,7 @@ def _values(calls, parts, thr, w, out):
     blocks = parts[0].shape[0]
     for r in range(calls):
         b = r % blocks
-        if oaken.VNNI:
-            oaken.vnni_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr)
-        else:
-            oaken.avx2_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr)
+        oaken.int16_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr)
 
 
 def main() -> None:

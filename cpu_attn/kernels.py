@@ -154,7 +154,6 @@ def fast_exp(x):
     return p * _as_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
 
 
-
 def splat(builder, x, lanes: int):
     """LLVM IR: a vector of `lanes` copies of the scalar x."""
     kind, zeros = ir.VectorType(x.type, lanes), ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)

@@ -199,7 +199,7 @@ class OakenKVStore:
         self.dense = zeros_aligned(lead + (c // 2,), np.uint8)
         self.scales = zeros_aligned(lead + (3,), np.uint16)
         self.counts = zeros_aligned(lead + (c // oaken.SEGMENT,), np.uint8)
-        # oaken.avx2_* read up to _FIXED_ENTRIES - 1 entries past a segment's last
+        # oaken.avx2_* read entries eight bytes at a time: up to 7 bytes past a block's last
         self.sparse = zeros_aligned((num_layers, 2, num_blocks, self.budget), np.uint8, slack=64)
         self.tail = zeros_aligned((num_layers, 2, recent_blocks, block_size, c), np.float32)
         self.tail_of = np.full((num_layers, num_blocks), -1, np.int32)  # tail slot of each block, or -1

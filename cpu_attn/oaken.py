@@ -811,8 +811,7 @@ class _RowCodes:
 
     def segment(self, row, seg):
         """Segment seg of the current row (SEGMENT values of its kv-heads, in order) -> (its nibbles:
-        values 0..31 and 32..63 as
-        <32 x i16>, the same as level codes, its entry count as i64)."""
+        values 0..31 and 32..63 as <32 x i16>, the same as level codes, its entry count as i64)."""
         i8, i16, i64 = _I8, _I16, _I64
         b = self.builder
         levels, _, _, counts_at, row_at = row
@@ -896,13 +895,8 @@ def vnni_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         vec = ir.VectorType
         if not VNNI:
             return _trap(context, builder)
-        sig = signature.args
-        arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 9)}
-        base = {i: builder.ptrtoint(a.data, i64) for i, a in arrays.items()}
-        heads, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
-        segs_per_head, kv_heads, group = _head_layout(builder, heads, dim, arrays[3])
-        s_row = cgutils.unpack_tuple(builder, arrays[0].strides, 2)[0]
-        scale = context.cast(builder, args[8], sig[8], types.float32)
+        arrays, base, heads, dim, (segs_per_head, kv_heads, group), s_row, scale = _scores_setup(
+            context, builder, signature, args)
         rc = _RowCodes(builder, *(arrays[i] for i in (3, 4, 5, 6, 7)))
         q_row = builder.shl(dim, i64(1))
 
@@ -1041,8 +1035,7 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
     WEIGHT_MAX; two rows' codes interleaved channel by channel make vpdpwssd add w_t v_t + w_t+1
     v_t+1 into each channel's lane. A row's levels, computed for its first segment, are kept for the
     others. acc [Hq, D], w [Hq, 16] float32, Hq <= MAX_HEADS; the rest as vnni_block_scores."""
-    if not (c_array(acc, 2, types.float32) and c_array(w, 2, types.float32)
-            and _block_arrays(dense, scales, counts, sparse, thr)):
+    if not _weighted_args(acc, w, dense, scales, counts, sparse, thr):
         return None
 
     def codegen(context, builder, signature, args):
@@ -1050,12 +1043,8 @@ def vnni_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         vec = ir.VectorType
         if not VNNI:
             return _trap(context, builder)
-        sig = signature.args
-        arrays = {i: context.make_array(sig[i])(context, builder, args[i]) for i in range(7)}
-        heads, dim = cgutils.unpack_tuple(builder, arrays[0].shape, 2)
-        segs_per_head, kv_heads, group = _head_layout(builder, heads, dim, arrays[2])
-        acc_row, w_row = (cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0] for i in (0, 1))
-        acc_base, w_base = (builder.ptrtoint(arrays[i].data, i64) for i in (0, 1))
+        arrays, heads, (segs_per_head, kv_heads, group), (acc_base, acc_row), (w_base, w_row) = \
+            _weighted_setup(context, builder, signature, args)
         rc = _RowCodes(builder, *(arrays[i] for i in (2, 3, 4, 5, 6)))
         expand = rc.fn("llvm.x86.avx512.mask.expand.v32i16", vec(i16, 32), [vec(i16, 32), vec(i16, 32), vec(i1, 32)])
         any_bits = rc.fn("llvm.vector.reduce.or.v16i64", i64, [vec(i64, 16)])
@@ -1198,8 +1187,9 @@ class _Avx2Rows:
         self.bytes = cgutils.alloca_once(b, ir.ArrayType(vec(i8, 32), 2 * ROWS))  # each row's low, high byte tables
         self.deltas = cgutils.alloca_once(b, ir.ArrayType(vec(i16, 64), ROWS))  # each row's entry_table, less levels
         self.starts = cgutils.alloca_once(b, i64, ROWS)  # each row's next entry: moved on segment by segment
-        self.patch = cgutils.alloca_once(b, vec(i16, 2 * SEGMENT))  # a segment's (true - level) codes, zero elsewhere
-        b.store(rc.full(i16, 0, 2 * SEGMENT), self.patch)
+        # a segment's (true - level) codes, zero elsewhere; past the channels, the sink. Zeroed once, in the
+        # function's entry block (alloca_once): every codes() zeroes the channels it read again
+        self.patch = cgutils.alloca_once(b, vec(i16, 2 * SEGMENT))
         twice = ir.Constant(vec(_I32, 32), list(range(16)) * 2)
         rc.first_row()
         with cgutils.for_range(b, i64(ROWS)) as loop:
@@ -1276,13 +1266,8 @@ def avx2_block_scores(typingctx, s, qi, qscale, dense, scales, counts, sparse, t
         if not AVX2:
             return _trap(context, builder)
         b = builder
-        sig = signature.args
-        arrays = {i: context.make_array(sig[i])(context, b, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 9)}
-        base = {i: b.ptrtoint(a.data, i64) for i, a in arrays.items()}
-        heads, dim = cgutils.unpack_tuple(b, arrays[1].shape, 2)
-        segs_per_head, kv_heads, group = _head_layout(b, heads, dim, arrays[3])
-        s_row = cgutils.unpack_tuple(b, arrays[0].strides, 2)[0]
-        scale = context.cast(b, args[8], sig[8], types.float32)
+        arrays, base, heads, dim, (segs_per_head, kv_heads, group), s_row, scale = _scores_setup(
+            context, b, signature, args)
         rows = _Avx2Rows(b, *(arrays[i] for i in (3, 4, 5, 6, 7)))
         rc = rows.rc
         floats = vec(f32, 8)
@@ -1325,8 +1310,7 @@ def avx2_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
     by channel (vpunpck[lh]wd) make vpmaddwd add w_t v_t + w_t+1 v_t+1 into each channel's lane; a
     lane sums the 16 rows' products, < 16 * CODE_MAX * WEIGHT_MAX < 2^31. Arguments as
     vnni_add_weighted_rows'."""
-    if not (c_array(acc, 2, types.float32) and c_array(w, 2, types.float32)
-            and _block_arrays(dense, scales, counts, sparse, thr)):
+    if not _weighted_args(acc, w, dense, scales, counts, sparse, thr):
         return None
 
     def codegen(context, builder, signature, args):
@@ -1335,12 +1319,8 @@ def avx2_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
         if not AVX2:
             return _trap(context, builder)
         b = builder
-        sig = signature.args
-        arrays = {i: context.make_array(sig[i])(context, b, args[i]) for i in range(7)}
-        heads, dim = cgutils.unpack_tuple(b, arrays[0].shape, 2)
-        segs_per_head, kv_heads, group = _head_layout(b, heads, dim, arrays[2])
-        acc_row, w_row = (cgutils.unpack_tuple(b, arrays[i].strides, 2)[0] for i in (0, 1))
-        acc_base, w_base = (b.ptrtoint(arrays[i].data, i64) for i in (0, 1))
+        arrays, heads, (segs_per_head, kv_heads, group), (acc_base, acc_row), (w_base, w_row) = \
+            _weighted_setup(context, b, signature, args)
         rows = _Avx2Rows(b, *(arrays[i] for i in (2, 3, 4, 5, 6)))
         rc = rows.rc
         pair_codes, units = _weight_codes(b, rc, heads, w_base, w_row)
@@ -1382,6 +1362,11 @@ def avx2_add_weighted_rows(typingctx, acc, w, dense, scales, counts, sparse, thr
     return types.none(acc, w, dense, scales, counts, sparse, thr), codegen
 
 
+int16_block_scores = vnni_block_scores if VNNI else avx2_block_scores
+int16_add_weighted_rows = vnni_add_weighted_rows if VNNI else avx2_add_weighted_rows
+"""The int16 kernels this CPU runs (the exact kernel, bench_oaken_rows): resolved once, at import."""
+
+
 def _block_arrays(dense, scales, counts, sparse, thr) -> bool:
     return (c_array(dense, 2, types.uint8) and c_array(scales, 2, types.uint16) and c_array(counts, 2, types.uint8)
             and c_array(sparse, 1, types.uint8) and c_array(thr, 1, types.float32))
@@ -1391,6 +1376,33 @@ def _scores_args(s, qi, qscale, dense, scales, counts, sparse, thr, acc) -> bool
     """Typing check of vnni_block_scores and avx2_block_scores."""
     return (c_array(s, 2, types.float32) and c_array(qi, 2, types.int16) and c_array(qscale, 1, types.float32)
             and _block_arrays(dense, scales, counts, sparse, thr) and c_array(acc, 3, types.float32))
+
+
+def _weighted_args(acc, w, dense, scales, counts, sparse, thr) -> bool:
+    """Typing check of vnni_add_weighted_rows and avx2_add_weighted_rows."""
+    return (c_array(acc, 2, types.float32) and c_array(w, 2, types.float32)
+            and _block_arrays(dense, scales, counts, sparse, thr))
+
+
+def _scores_setup(context, builder, signature, args):
+    """LLVM IR: vnni_block_scores's or avx2_block_scores's arguments -> (their arrays by position,
+    the arrays' data addresses, query heads, head_dim, _head_layout, s's row stride, scale)."""
+    arrays = {i: context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 9)}
+    base = {i: builder.ptrtoint(a.data, _I64) for i, a in arrays.items()}
+    heads, dim = cgutils.unpack_tuple(builder, arrays[1].shape, 2)
+    s_row = cgutils.unpack_tuple(builder, arrays[0].strides, 2)[0]
+    scale = context.cast(builder, args[8], signature.args[8], types.float32)
+    return arrays, base, heads, dim, _head_layout(builder, heads, dim, arrays[3]), s_row, scale
+
+
+def _weighted_setup(context, builder, signature, args):
+    """LLVM IR: vnni_add_weighted_rows's or avx2_add_weighted_rows's arguments -> (their arrays by
+    position, query heads, _head_layout, acc's and w's (data address, row stride))."""
+    arrays = {i: context.make_array(signature.args[i])(context, builder, args[i]) for i in range(7)}
+    heads, dim = cgutils.unpack_tuple(builder, arrays[0].shape, 2)
+    ends = [(builder.ptrtoint(arrays[i].data, _I64), cgutils.unpack_tuple(builder, arrays[i].strides, 2)[0])
+            for i in (0, 1)]
+    return (arrays, heads, _head_layout(builder, heads, dim, arrays[2])) + tuple(ends)
 
 
 def _head_layout(builder, heads, dim, dense):
@@ -1792,22 +1804,14 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
                 prefetch_block(v_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
             if int_dots and width == block_size and k_parts[5][block] < 0:  # full and quantized, K and V alike
                 # the block's lines, loaded once, serve every kv-head; each step one call for all query heads
-                if VNNI:
-                    vnni_block_scores(task_scores, qi[b], qscale[b], k_parts[0][block], k_parts[1][block],
-                                      k_parts[2][block], k_parts[3][block], thr_k, scale, task_kacc)
-                else:
-                    avx2_block_scores(task_scores, qi[b], qscale[b], k_parts[0][block], k_parts[1][block],
-                                      k_parts[2][block], k_parts[3][block], thr_k, scale, task_kacc)
+                int16_block_scores(task_scores, qi[b], qscale[b], k_parts[0][block], k_parts[1][block],
+                                   k_parts[2][block], k_parts[3][block], thr_k, scale, task_kacc)
                 if centered:
                     center_codes(q_center[b], center, j, inv, abq)
                     vnni_center_scores(task_scores, abq, factor, center[3])
                 softmax_rows16(task_scores, task_acc, task_m, task_l)
-                if VNNI:
-                    vnni_add_weighted_rows(task_acc, task_scores, v_parts[0][block], v_parts[1][block],
-                                           v_parts[2][block], v_parts[3][block], thr_v)
-                else:
-                    avx2_add_weighted_rows(task_acc, task_scores, v_parts[0][block], v_parts[1][block],
-                                           v_parts[2][block], v_parts[3][block], thr_v)
+                int16_add_weighted_rows(task_acc, task_scores, v_parts[0][block], v_parts[1][block],
+                                        v_parts[2][block], v_parts[3][block], thr_v)
                 continue
             for kvh in range(num_kv_heads):
                 unit = task * num_kv_heads + kvh
