@@ -96,7 +96,7 @@ def gpu_prefill(backend, prompt: list[int], blocks: tuple[int, ...]) -> int:
     t0, num_layers = time.perf_counter(), model.cfg.num_layers
     for i in range(num_layers):
         q, k, v = model.pre_attention(i, x, cos, sin)
-        codes = None if coder is None else coder.codes(i, q[-1:], k, [(0, 0, n)])
+        codes = None if coder is None else coder.codes(i, q, k, [(0, 0, n)])
         attn.append(i, k.float().cpu(), v.float().cpu(), None if codes is None else codes[1])
         o = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], True)[0]
         x = model.post_attention(i, x, o)

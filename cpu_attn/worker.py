@@ -89,8 +89,8 @@ class AttentionWorker:
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:
-        """q: [T, Hq, D], k, v: [T, Hkv, D] (CPU float32), codes: (q codes, k codes) from the model
-        worker's LshCoder or None -> attention output [T, Hq * D]."""
+        """q: [T, Hq, D], k, v: [T, Hkv, D] (CPU float32), codes: (decode rows' q codes, k codes)
+        from the model worker's LshCoder or None -> attention output [T, Hq * D]."""
         t0 = time.perf_counter()
         plan = self._plan
         self.append(layer, k, v, None if codes is None else codes[1])
@@ -102,9 +102,7 @@ class AttentionWorker:
         out = torch.empty(q.shape, dtype=q.dtype)
         if len(plan.decode_rows):
             rows = plan.decode_rows
-            # index the numpy codes with numpy rows: a one-element torch index would drop the dimension
-            codes_rows = None if q_codes is None else q_codes[rows.numpy()]
-            out[rows] = torch.from_numpy(self._decode(layer, q[rows].numpy(), codes_rows))
+            out[rows] = torch.from_numpy(self._decode(layer, q[rows].numpy(), q_codes))
         for first, n, start, table in plan.prefills:
             if start == 0:
                 k_ctx, v_ctx = k[first : first + n], v[first : first + n]

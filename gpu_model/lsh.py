@@ -7,6 +7,7 @@ t*K + b positive), so two vectors land in the same bucket of a table with probab
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 
 import numpy as np
@@ -31,7 +32,7 @@ def pack_signs(proj: torch.Tensor, k: int) -> torch.Tensor:
         rows = np.ascontiguousarray(proj.reshape(-1, proj.shape[-1]).numpy(), dtype=np.float32)
         codes = np.empty((rows.shape[0], rows.shape[1] // k), np.int32)
         _pack_signs(rows, k, codes)
-        return torch.from_numpy(codes).view(*proj.shape[:-1], -1)
+        return torch.from_numpy(codes).view(*proj.shape[:-1], codes.shape[1])
     return pack_signs_torch(proj, k)
 
 
@@ -74,12 +75,17 @@ class LshCoder:
     def codes(self, layer: int, q: torch.Tensor, k: torch.Tensor,
               chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """q [T, Hq, D], k [T, Hkv, D]; chunks [(seq_id, start_pos, num_tokens)] in row order ->
-        (query codes [T, Hq, L] or, shared, [T, Hkv, L], centered key codes [T, Hkv, L]), int32
-        on the CPU; None for a layer without codes."""
+        (query codes of the decode rows [D, Hq, L] or, shared, [D, Hkv, L], centered key codes
+        [T, Hkv, L]), int32 on the CPU; None for a layer without codes. Decode rows are the
+        one-token chunks' (the others are prefill, whose attention is exact: hashing their
+        queries cost a quarter of a long prompt's prefill on SmolLM2)."""
         if self.layers is not None and layer not in self.layers:
             return None
         proj = k.to(self.w.dtype) @ self.w
         self._subtract_centers(layer, proj, chunks)
+        if any(n != 1 for _, _, n in chunks):
+            starts = itertools.accumulate((n for _, _, n in chunks), initial=0)
+            q = q[[row for row, (_, _, n) in zip(starts, chunks) if n == 1]]
         if self.shared:
             q = q.unflatten(1, (k.shape[1], -1)).mean(2)
         return simhash(q, self.w, self.k).cpu(), pack_signs(proj, self.k).cpu()

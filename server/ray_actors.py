@@ -181,9 +181,10 @@ class ModelActor:
         # (an OpenMP parallel region waits for a thread with no core to run on) before all frames are
         # out, and the shards' rows are gathered and scattered with NumPy, on this thread.
         def send(m, layer, q, k, v, codes):
-            arrays = [t.numpy() for t in (q, k, v, *(codes or ()))]
-            frames = [(s, layout, [a if rows is None else a[rows] for a in arrays])
-                      for s, (rows, layout) in mbs[m][1].items()]
+            arrays = [t.numpy() for t in (q, k, v, *(codes or ()))]  # codes: the decode rows' q codes, k codes
+            frames = [(s, layout, arrays if rows is None else [a[decodes if i == 3 else rows]
+                                                               for i, a in enumerate(arrays)])
+                      for s, (rows, decodes, layout) in mbs[m][1].items()]
             for s, layout, shard_arrays in frames:
                 h = {"op": "attend", "mb": m, "layer": layer, "last": layer == last}
                 if layer == 0:
@@ -193,7 +194,7 @@ class ModelActor:
         def recv(m):
             b, parts = mbs[m]
             out = None
-            for s, (rows, _) in parts.items():
+            for s, (rows, _, _) in parts.items():
                 h, arrays = self._recv(s)
                 if "error" in h:
                     raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
@@ -217,22 +218,28 @@ class ModelActor:
             "step": step_s}
 
     def _micro_batch(self, chunks) -> tuple:
-        """The flat batch of `chunks` and, per shard, (its rows, or None for all; its chunk layouts)."""
+        """The flat batch of `chunks` and, per shard, (its rows and its rows among the decode rows
+        (one-token chunks, which alone have query codes), or None, None for all; its chunk layouts)."""
         from server.hetero import flatten
 
         b = flatten(StepInput(tuple(chunks)))
-        parts: dict[int, tuple[list[int], list]] = {}
-        row = 0
+        parts: dict[int, tuple[list[int], list[int], list]] = {}
+        row = decode = 0
         for c, lay in zip(chunks, b.layouts):
             s = bisect.bisect_right(self.first_blocks, c.block_table[0]) - 1
             if self.socks[s] is None:
                 raise self._lost(s, ConnectionError("not connected"))
-            rows, layout = parts.setdefault(s, ([], []))
+            rows, decodes, layout = parts.setdefault(s, ([], [], []))
             rows.extend(range(row, row + len(c.token_ids)))
+            if len(c.token_ids) == 1:
+                decodes.append(decode)
+                decode += 1
             layout.append([lay.num_tokens, lay.start_pos, list(lay.block_table), lay.seq_id])
             row += len(c.token_ids)
-        whole = len(parts) == 1
-        return b, {s: (None if whole else np.array(rows), layout) for s, (rows, layout) in parts.items()}
+        if len(parts) == 1:
+            return b, {s: (None, None, layout) for s, (_, _, layout) in parts.items()}
+        return b, {s: (np.array(rows), np.array(decodes, np.int64), layout)
+                   for s, (rows, decodes, layout) in parts.items()}
 
     def _send(self, s: int, header: dict, arrays) -> None:
         try:

@@ -224,9 +224,9 @@ def test_sampled_attention_follows_the_estimator(transforms, retrieval, m):
 
 
 def test_coder_centers_keys_on_their_first_chunk():
-    """LshCoder (the model worker's half): query codes are plain SimHash; key codes are those of
-    k - mean(first prefill chunk's keys), per sequence and layer, kept for later chunks; a new
-    prefill recenters; free() drops the centers."""
+    """LshCoder (the model worker's half): query codes are plain SimHash, of the decode rows
+    (one-token chunks) only; key codes are those of k - mean(first prefill chunk's keys), per
+    sequence and layer, kept for later chunks; a new prefill recenters; free() drops the centers."""
     from gpu_model.lsh import LshCoder
 
     coder = LshCoder(64, 8, 20, seed=3)
@@ -238,19 +238,23 @@ def test_coder_centers_keys_on_their_first_chunk():
     mu5, mu6 = k[:120].mean(0).numpy(), k[120:200].mean(0).numpy()
     centered = np.concatenate([k[:120] - mu5, k[120:200] - mu6, k[200:240] - mu6, k[240:] - mu5])
     got_k = np.concatenate([first[0][1], later[1]])
-    got_q = np.concatenate([first[0][0], later[0]])
+    assert first[0][0].shape == later[0].shape == (0, 9, 20)  # prefill rows: no query codes
     proj = centered.astype(np.float64) @ w
     clear = (np.abs(proj) > 1e-4).reshape(300, 3, 20, 8).all(-1)  # codes away from a sign flip by rounding
     np.testing.assert_array_equal(got_k[clear], reference_codes(centered, w, 8)[clear])
-    np.testing.assert_array_equal(got_q, reference_codes(q.numpy(), w, 8))
     assert got_k.dtype == np.int32 and sorted(coder.centers) == [5, 6]
+    # a mixed step: the query codes are those of the decode rows, in row order
+    got_q, _ = coder.codes(2, q[:13], k[:13], [(7, 0, 6), (8, 40, 1), (9, 0, 5), (10, 9, 1)])
+    np.testing.assert_array_equal(got_q, reference_codes(q.numpy()[[6, 12]], w, 8))
+    coder.free([7, 8, 9, 10])
     coder.codes(1, q[:10], k[:10] + 5, [(5, 0, 10)])
     np.testing.assert_allclose(coder.centers[5][1].numpy(), (k[:10] + 5).mean(0).numpy() @ w, rtol=1e-4, atol=1e-3)
     # decode steps (one token a sequence, the centers kept stacked per batch) use the current centers
     mu5 = (k[:10] + 5).mean(0).numpy()
     for step in range(3):
         rows = k[2 * step:2 * step + 2]
-        _, got = coder.codes(1, q[:2], rows, [(6, 300 + step, 1), (5, 300 + step, 1)])
+        got_q, got = coder.codes(1, q[:2], rows, [(6, 300 + step, 1), (5, 300 + step, 1)])
+        np.testing.assert_array_equal(got_q, reference_codes(q.numpy()[:2], w, 8))
         centered = rows.numpy() - np.stack([mu6, mu5])
         clear = (np.abs(centered.astype(np.float64) @ w) > 1e-4).reshape(2, 3, 20, 8).all(-1)
         np.testing.assert_array_equal(got.numpy()[clear], reference_codes(centered, w, 8)[clear])
@@ -266,7 +270,7 @@ def test_shared_coder_hashes_each_groups_mean_query():
 
     coder = LshCoder(64, 8, 20, seed=3, shared=True)
     q, k = torch.randn(5, 9, 64), torch.randn(5, 3, 64)
-    q_codes, k_codes = coder.codes(0, q, k, [(1, 0, 5)])
+    q_codes, k_codes = coder.codes(0, q, k, [(s, 0, 1) for s in range(5)])  # five one-token rows
     assert q_codes.shape == (5, 3, 20) and k_codes.shape == (5, 3, 20)
     mean = q.numpy().reshape(5, 3, 3, 64).mean(2)
     proj = mean.astype(np.float64) @ coder.w.numpy()
