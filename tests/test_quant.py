@@ -30,7 +30,7 @@ def reference_dequant(kind, raw):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 33])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 33])  # matvec; matmul: odd, even (row pairs), odd
 def test_matmul_matches_numpy(kind, num_tokens):
     rng = np.random.default_rng(0)
     raw = random_blocks(kind, num_rows=37, num_blocks=6, rng=rng)
