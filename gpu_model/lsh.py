@@ -78,7 +78,7 @@ class LshCoder:
         (query codes of the decode rows [D, Hq, L] or, shared, [D, Hkv, L], centered key codes
         [T, Hkv, L]), int32 on the CPU; None for a layer without codes. Decode rows are the
         one-token chunks' (the others are prefill, whose attention is exact: hashing their
-        queries cost a quarter of a long prompt's prefill on SmolLM2)."""
+        queries too cost as much as the rest of a long prompt's prefill on SmolLM2)."""
         if self.layers is not None and layer not in self.layers:
             return None
         proj = k.to(self.w.dtype) @ self.w

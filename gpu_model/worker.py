@@ -12,7 +12,7 @@ from gpu_model.model import LlamaModel
 from gpu_model.sampler import SamplingLike, sample
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], codes) -> [T, Hq * D], all CPU float32;
-# codes: (query codes of the decode rows, the one-token chunks' [D, Hq, L], key codes [T, Hkv, L]) int32 from the
+# codes: (query codes [D, Hq, L] of the D decode rows (one-token chunks), key codes [T, Hkv, L]) int32 from the
 # LshCoder, or None
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, Optional[tuple]], torch.Tensor]
 Chunks = Sequence[tuple[int, int, int]]  # (seq_id, start_pos, num_tokens) of the flat batch, in order
