@@ -165,20 +165,22 @@ class OakenKVStore:
             raise ValueError(f"thresholds must be [{num_layers}, 2, 4], not {list(thresholds.shape)}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.thresholds = np.ascontiguousarray(thresholds, np.float32)
+        # copies: arrays that came through Ray are read-only, and Numba compiles every kernel again for
+        # read-only arguments (the sampled kernel takes 89 s to compile on a Zen 1)
+        self.thresholds = np.array(thresholds, np.float32, order="C")
         c = num_kv_heads * head_dim
         for name, x in (("key_scales", key_scales), ("key_bias", key_bias), ("value_scales", value_scales)):
             if x is not None and x.shape != (num_layers, c):
                 raise ValueError(f"{name} must be [{num_layers}, {c}], not {list(x.shape)}")
         shape = (num_layers, num_kv_heads, head_dim)
         self.key_scales, self.value_scales = (
-            np.full(shape, 1, np.float32) if x is None else np.ascontiguousarray(x, np.float32).reshape(shape)
+            np.full(shape, 1, np.float32) if x is None else np.array(x, np.float32, order="C").reshape(shape)
             for x in (key_scales, value_scales))
-        self.key_bias = None if key_bias is None else np.ascontiguousarray(key_bias, np.float32).reshape(shape)
+        self.key_bias = None if key_bias is None else np.array(key_bias, np.float32, order="C").reshape(shape)
         if rotation is not None and rotation.shape != (head_dim, head_dim):
             raise ValueError(f"rotation must be [{head_dim}, {head_dim}], not {list(rotation.shape)}")
         # [D, D], or [0, 0] when not rotating (as the kernels take it); the transpose turns back
-        self.rotation = np.zeros((0, 0), np.float32) if rotation is None else np.ascontiguousarray(rotation, np.float32)
+        self.rotation = np.zeros((0, 0), np.float32) if rotation is None else np.array(rotation, np.float32, order="C")
         self._unrotation = np.ascontiguousarray(self.rotation.T)
         self._rope_freq = np.zeros(head_dim // 2) if rope_inv_freq is None else np.asarray(rope_inv_freq, np.float64)
         # RoPE tables [P, D / 2] (empty without centering: the kernels then skip it) and, for the

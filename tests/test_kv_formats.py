@@ -87,6 +87,21 @@ def test_oaken_store_built_in_a_one_thread_context_serves_every_kernel_thread():
         np.testing.assert_array_equal(vg, reference_roundtrip(v))
 
 
+def test_oaken_store_copies_read_only_calibration_arrays():
+    """Arrays that came through Ray are read-only, and Numba types a read-only array apart: a store
+    kept them and every kernel compiled a second time in each Ray attention actor (the sampled kernel
+    alone 89 s on a Zen 1). The store holds writable copies, the types the kernels were cached with."""
+    rng = np.random.default_rng(0)
+    arrays = dict(thresholds=np.tile(THR, (2, 2, 1)), key_scales=rng.uniform(0.5, 2, (2, 192)),
+                  key_bias=rng.standard_normal((2, 192)), value_scales=rng.uniform(0.5, 2, (2, 192)),
+                  rotation=hadamard(64), rope_inv_freq=1e4 ** -(np.arange(32) / 32))
+    for a in arrays.values():
+        a.setflags(write=False)
+    store = OakenKVStore(2, 3, 64, 16, 8, **arrays)
+    held = [store.thresholds, store.key_scales, store.value_scales, store.key_bias, store.rotation, store._unrotation]
+    assert all(a.flags.writeable and a.flags.c_contiguous and a.dtype == np.float32 for a in held)
+
+
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (2, 128)])
 def test_oaken_store_holds_the_quantizer_roundtrip(num_kv_heads, head_dim):
     rng = np.random.default_rng(0)
