@@ -92,9 +92,9 @@ def test_oaken_store_copies_read_only_calibration_arrays():
     kept them and every kernel compiled a second time in each Ray attention actor (the sampled kernel
     alone 89 s on a Zen 1). The store holds writable copies, the types the kernels were cached with."""
     rng = np.random.default_rng(0)
-    arrays = dict(thresholds=np.tile(THR, (2, 2, 1)), key_scales=rng.uniform(0.5, 2, (2, 192)),
-                  key_bias=rng.standard_normal((2, 192)), value_scales=rng.uniform(0.5, 2, (2, 192)),
-                  rotation=hadamard(64), rope_inv_freq=1e4 ** -(np.arange(32) / 32))
+    arrays = {"thresholds": np.tile(THR, (2, 2, 1)), "key_scales": rng.uniform(0.5, 2, (2, 192)),
+              "key_bias": rng.standard_normal((2, 192)), "value_scales": rng.uniform(0.5, 2, (2, 192)),
+              "rotation": hadamard(64), "rope_inv_freq": 1e4 ** -(np.arange(32) / 32)}
     for a in arrays.values():
         a.setflags(write=False)
     store = OakenKVStore(2, 3, 64, 16, 8, **arrays)
