@@ -162,11 +162,14 @@ MATVEC_MAX_ROWS = 2  # up to this many rows of x the matvec kernels are faster (
 @njit(cache=True, nogil=True, inline="always")
 def _dot_tile(x, w, out, n0, width):
     """out[i, n0 + r] = x[i] . w[r] for every row i of x and r < width (<= TILE): two rows of x at a
-    time against the tile's four weight rows, eight vector accumulators (6 loads per 8 FMAs)."""
-    for i in range(0, x.shape[0] - 1, 2):
+    time against the tile's four weight rows, eight vector accumulators (6 loads per 8 FMAs). An odd
+    last row is paired with itself: every row takes the same path, and the pair costs little more
+    than one row (the loads bind)."""
+    for i in range(0, x.shape[0], 2):
+        i2 = min(i + 1, x.shape[0] - 1)
         a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
         for c in range(x.shape[1]):
-            xv, yv = x[i, c], x[i + 1, c]
+            xv, yv = x[i, c], x[i2, c]
             w0, w1, w2, w3 = w[0, c], w[1, c], w[2, c], w[3, c]
             a0 += xv * w0
             a1 += xv * w1
@@ -179,19 +182,7 @@ def _dot_tile(x, w, out, n0, width):
         for r, (a, b) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
             if r < width:
                 out[i, n0 + r] = a
-                out[i + 1, n0 + r] = b
-    if x.shape[0] % 2:
-        i = x.shape[0] - 1
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for c in range(x.shape[1]):
-            xv = x[i, c]
-            a0 += xv * w[0, c]
-            a1 += xv * w[1, c]
-            a2 += xv * w[2, c]
-            a3 += xv * w[3, c]
-        for r, a in enumerate((a0, a1, a2, a3)):
-            if r < width:
-                out[i, n0 + r] = a
+                out[i2, n0 + r] = b
 
 
 # More rows of x: TILE output rows of weights are decoded into float32 scratch once (L1-sized: 4 x K)
