@@ -19,6 +19,7 @@ them (measured: 13 % of key values past the outer thresholds at position 7000 in
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +30,10 @@ THRESHOLDS_FILE = "oaken_thresholds.json"
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "valid.txt"
 """Calibration text when none is given: WikiText-2 valid (the test split is kept for scoring)."""
 
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "calibrations"
+"""Thresholds shipped for models hetserve ships with, as `hetserve calibrate` writes them with its defaults and fp32
+linears; a file is named <GGUF file stem>.<first 16 hex digits of the GGUF's sha256>.json (`bundled_thresholds`)."""
 
 CALIBRATION_WINDOWS = 100
 """Windows of `hetserve calibrate` and of the server's calibration on first use: 32 windows gave
@@ -66,6 +71,19 @@ def hadamard(d: int, seed: int = 0) -> np.ndarray:
         h = np.block([[h, h], [h, -h]])
     signs = np.random.default_rng(seed).choice([-1.0, 1.0], d)
     return (signs[:, None] * np.kron(np.eye(d // n), h) / np.sqrt(n)).astype(np.float32)
+
+
+def bundled_thresholds(gguf: Path) -> Path | None:
+    """The shipped calibration of this GGUF file, matched by content; hashed only when one is shipped under its name."""
+    candidates = list(BUNDLED_DIR.glob(f"{gguf.stem}.*.json"))
+    if not candidates:
+        return None
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    want = f"{gguf.stem}.{digest.hexdigest()[:16]}.json"
+    return next((p for p in candidates if p.name == want), None)
 
 
 def thresholds_file(dtype) -> str:

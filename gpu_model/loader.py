@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -69,6 +70,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     sd = {k: v.contiguous() for k, v in hf.state_dict().items() if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
     save_file(sd, tmp / "model.safetensors")
     _save_gguf_blocks(gguf, tmp)
+    from cpu_attn.calibrate import THRESHOLDS_FILE, bundled_thresholds
+
+    bundled = bundled_thresholds(gguf)
+    if bundled is not None:  # the Oaken KV format starts with the shipped calibration (~5 minutes on 2 cores)
+        log.info("Oaken thresholds for %s: the bundled calibration %s", gguf.name, bundled.name)
+        shutil.copyfile(bundled, tmp / THRESHOLDS_FILE)
     tmp.rename(out)
 
 

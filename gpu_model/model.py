@@ -122,6 +122,11 @@ class LlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def linear_dtype(self) -> torch.dtype:
+        """The linear layers' weights' dtype: the model's, or bf16 in an fp32 model after cast_linears."""
+        return self.layers[0].qkv.weight.dtype
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids: [T] -> x: [T, hidden]"""
         return self.embed_tokens(token_ids)

@@ -163,7 +163,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
     windows = text_windows(ids, args.num_windows, args.window_tokens)
     result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing, args.key_centering,
                        args.value_smoothing, args.context_tokens, rotate=args.rotate)
-    out = Path(args.out) if args.out else model_dir / thresholds_file(model.dtype)
+    out = Path(args.out) if args.out else model_dir / thresholds_file(model.linear_dtype)
     result.save(out)
     v = result.values
     print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name} at positions up to "

