@@ -74,3 +74,14 @@ def test_default_gguf_blocks_equal_the_dequantized_weights(server):
     assert len(blocks) == 30 * 7 + 1
     for name, w in blocks.items():
         np.testing.assert_array_equal(w.dequantize(), dense[name].numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_matvec_row_does_not_depend_on_its_partner(kind):
+    """A row of x gets the same bits alone as paired with another (the matvec kernel's two-row path)."""
+    rng = np.random.default_rng(2)
+    w = from_gguf_rows(random_blocks(kind, num_rows=21, num_blocks=5, rng=rng), kind)
+    x = torch.from_numpy(rng.standard_normal((2, 5 * 32)).astype(np.float32))
+    pair, alone = quant_matmul(x, w).numpy(), quant_matmul(x[:1], w).numpy()
+    np.testing.assert_array_equal(pair[:1], alone)
+    np.testing.assert_array_equal(pair[1:], quant_matmul(x[1:], w).numpy())
