@@ -138,48 +138,68 @@ def _splat(builder, x, lanes: int):
                                                                                     [0] * lanes))
 
 
+_F32, _I64 = ir.FloatType(), ir.IntType(64)
+_VF, _VB = ir.VectorType(_F32, 16), ir.VectorType(ir.IntType(8), 16)
+
+
+def _load(builder, base, kind, i):
+    """LLVM IR: the `kind` value at element i of the pointer base."""
+    return builder.load(builder.bitcast(builder.gep(base, [i]), kind.as_pointer()), align=1 if kind is _VB else 4)
+
+
+class _Blocks:
+    """LLVM IR: weight row n's blocks (scales, mins, qs: the arrays' structs), decoded in registers."""
+
+    def __init__(self, builder, scales, mins, qs, n, q4_1: bool):
+        self.builder, self.scales, self.mins, self.q4_1 = builder, scales, mins, q4_1
+        self.num_blocks = cgutils.unpack_tuple(builder, scales.shape, 2)[1]
+        self.first = builder.mul(n, self.num_blocks)
+        self.qs = builder.gep(qs.data, [builder.mul(self.first, _I64(16 if q4_1 else 32))])
+        self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+
+    def weights(self, b):
+        """Block b's 32 weights as two <16 x float> (d * q + m: exact, d * q being exact in float32)."""
+        builder = self.builder
+        block = builder.add(self.first, b)
+        d = _splat(builder, builder.load(builder.gep(self.scales.data, [block])), 16)
+        if not self.q4_1:
+            return [builder.fmul(d, builder.sitofp(_load(builder, self.qs, _VB, builder.add(builder.mul(b, _I64(32)),
+                                                                                          _I64(16 * k))), _VF))
+                    for k in (0, 1)]
+        q = _load(builder, self.qs, _VB, builder.mul(b, _I64(16)))
+        m = _splat(builder, builder.load(builder.gep(self.mins.data, [block])), 16)
+        halves = (builder.and_(q, ir.Constant(_VB, [15] * 16)), builder.lshr(q, ir.Constant(_VB, [4] * 16)))
+        return [builder.call(self.fma, [d, builder.uitofp(h, _VF), m]) for h in halves]
+
+
+def _arrays(context, builder, signature, args, which):
+    return [context.make_array(signature.args[i])(context, builder, args[i]) for i in which]
+
+
 def _row_dot_codegen(q4_1: bool):
     """LLVM IR of out[i, n] = x[i] . W[n] for the one or two rows i of x: one pass over row n's blocks, each
-    block's 32 weights decoded in two vectors of 16 (d * q + m) and multiplied into two vector sums per row of x
+    block's 32 weights decoded in two vectors of 16 (_Blocks) and multiplied into two vector sums per row of x
     (a block's low and high half), held in registers; a second row shares the decoding. Each row's sums run
     the same operations whether it is alone or paired."""
-    f32, i64 = ir.FloatType(), ir.IntType(64)
-    vf, vb = ir.VectorType(f32, 16), ir.VectorType(ir.IntType(8), 16)
-
     def codegen(context, builder, signature, args):
-        xa, sa, ma, qa, oa = (context.make_array(t)(context, builder, a)
-                              for t, a in zip(signature.args[:4] + signature.args[5:], args[:4] + args[5:]))
+        xa, sa, ma, qa, oa = _arrays(context, builder, signature, args, (0, 1, 2, 3, 5))
         n = args[4]
         num_x, width = cgutils.unpack_tuple(builder, xa.shape, 2)
-        num_rows, num_blocks = cgutils.unpack_tuple(builder, sa.shape, 2)
-        first_block = builder.mul(n, num_blocks)
-        qrow = builder.gep(qa.data, [builder.mul(first_block, i64(16 if q4_1 else 32))])
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
-
-        def at(base, kind, i):
-            return builder.load(builder.bitcast(builder.gep(base, [i]), kind.as_pointer()), align=1 if kind is vb else 4)
+        num_rows = cgutils.unpack_tuple(builder, sa.shape, 2)[0]
+        blocks = _Blocks(builder, sa, ma, qa, n, q4_1)
 
         def rows(count):
-            sums = [cgutils.alloca_once(builder, vf) for _ in range(2 * count)]  # registers after mem2reg
+            sums = [cgutils.alloca_once(builder, _VF) for _ in range(2 * count)]  # registers after mem2reg
             for acc in sums:
-                builder.store(ir.Constant(vf, [0.0] * 16), acc)
-            with cgutils.for_range(builder, num_blocks) as b:
-                block = builder.add(first_block, b.index)
-                d = _splat(builder, builder.load(builder.gep(sa.data, [block])), 16)
-                if q4_1:
-                    q = at(qrow, vb, builder.mul(b.index, i64(16)))
-                    m = _splat(builder, builder.load(builder.gep(ma.data, [block])), 16)
-                    halves = (builder.and_(q, ir.Constant(vb, [15] * 16)), builder.lshr(q, ir.Constant(vb, [4] * 16)))
-                    w = [builder.call(fma, [d, builder.uitofp(h, vf), m]) for h in halves]
-                else:
-                    w = [builder.fmul(d, builder.sitofp(at(qrow, vb, builder.add(builder.mul(b.index, i64(32)),
-                                                                                 i64(16 * k))), vf)) for k in (0, 1)]
+                builder.store(ir.Constant(_VF, [0.0] * 16), acc)
+            with cgutils.for_range(builder, blocks.num_blocks) as b:
+                w = blocks.weights(b.index)
                 for r in range(count):
                     for k in (0, 1):
-                        xv = at(xa.data, vf, builder.add(builder.mul(i64(r), width),
-                                                         builder.add(builder.mul(b.index, i64(BLOCK)), i64(16 * k))))
+                        xv = _load(builder, xa.data, _VF, builder.add(builder.mul(_I64(r), width), builder.add(
+                            builder.mul(b.index, _I64(BLOCK)), _I64(16 * k))))
                         acc = sums[2 * r + k]
-                        builder.store(builder.call(fma, [w[k], xv, builder.load(acc)]), acc)
+                        builder.store(builder.call(blocks.fma, [w[k], xv, builder.load(acc)]), acc)
             for r in range(count):
                 v = builder.fadd(builder.load(sums[2 * r]), builder.load(sums[2 * r + 1]))
                 for lanes in (8, 4, 2, 1):  # a tree of adds over the 16 lanes
@@ -187,9 +207,9 @@ def _row_dot_codegen(q4_1: bool):
                     v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes)))),
                                      builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes, 2 * lanes)))))
                 builder.store(builder.extract_element(v, ir.IntType(32)(0)),
-                              builder.gep(oa.data, [builder.add(builder.mul(i64(r), num_rows), n)]))
+                              builder.gep(oa.data, [builder.add(builder.mul(_I64(r), num_rows), n)]))
 
-        with builder.if_else(builder.icmp_signed(">", num_x, i64(1))) as (pair, single):
+        with builder.if_else(builder.icmp_signed(">", num_x, _I64(1))) as (pair, single):
             with pair:
                 rows(2)
             with single:
@@ -198,33 +218,58 @@ def _row_dot_codegen(q4_1: bool):
     return codegen
 
 
+def _c_array(a, ndim, dtype) -> bool:
+    return isinstance(a, types.Array) and a.ndim == ndim and a.layout == "C" and a.dtype == dtype
+
+
+def _block_args(scales, mins, qs, n) -> bool | None:
+    """Whether qs holds Q4_1 blocks (uint8) or Q8_0 (int8); None when the arguments do not fit."""
+    if not (_c_array(scales, 2, types.float32) and _c_array(mins, 2, types.float32) and isinstance(n, types.Integer)):
+        return None
+    return True if _c_array(qs, 3, types.uint8) else False if _c_array(qs, 3, types.int8) else None
+
+
+@intrinsic
+def _decode_row(typingctx, scales, mins, qs, n, row):
+    """row[:] = W[n] (row: [K] float32), decoded 32 weights at a time (_Blocks)."""
+    q4_1 = _block_args(scales, mins, qs, n)
+    if q4_1 is None or not _c_array(row, 1, types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        sa, ma, qa, ra = _arrays(context, builder, signature, args, (0, 1, 2, 4))
+        blocks = _Blocks(builder, sa, ma, qa, args[3], q4_1)
+        with cgutils.for_range(builder, blocks.num_blocks) as b:
+            for k, w in enumerate(blocks.weights(b.index)):
+                at = builder.add(builder.mul(b.index, _I64(BLOCK)), _I64(16 * k))
+                builder.store(w, builder.bitcast(builder.gep(ra.data, [at]), _VF.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(scales, mins, qs, n, row), codegen
+
+
 @intrinsic
 def _row_dot(typingctx, x, scales, mins, qs, n, out):
     """out[i, n] = x[i] . W[n] for every row i of x (at most 2; _row_dot_codegen)."""
-    def c_array(a, ndim, dtype):
-        return isinstance(a, types.Array) and a.ndim == ndim and a.layout == "C" and a.dtype == dtype
-
-    q4_1 = c_array(qs, 3, types.uint8)
-    if not (all(c_array(a, 2, types.float32) for a in (x, scales, mins, out)) and isinstance(n, types.Integer)
-            and (q4_1 or c_array(qs, 3, types.int8))):
+    q4_1 = _block_args(scales, mins, qs, n)
+    if q4_1 is None or not (_c_array(x, 2, types.float32) and _c_array(out, 2, types.float32)):
         return None
     return types.none(x, scales, mins, qs, n, out), _row_dot_codegen(q4_1)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def block_matvec(x, scales, mins, qs, out):
-    """x: [M <= MATVEC_MAX_ROWS, K]; scales, mins, qs as in block_matmul -> out: [M, N]: one pass over the
-    weights, decoded in registers (_row_dot)."""
+    """x: [M, K]; scales, mins, qs as in block_matmul -> out: [M, N]: one pass over the weights per pair of rows
+    of x, decoded in registers (_row_dot)."""
     for n in prange(scales.shape[0]):
         for i in range(0, x.shape[0], 2):  # pairs of rows of x, row n's blocks in L1 after the first
             _row_dot(x[i:i + 2], scales, mins, qs, n, out[i:i + 2])
 
 
 TILE = 4  # output rows decoded at a time by the matmul kernels
-MATVEC_MAX_ROWS = 6
-"""Up to this many rows of x block_matvec is faster: it decodes each weight once per pair of rows, in registers,
-and block_matmul once per step into memory. The 210 layer matmuls of SmolLM2 on a Zen 1 (2 cores), ms, matvec /
-matmul: 1 row 14.5 / 45.3, 2 rows 18.0 / 44.3, 4 33.5 / 51.4, 6 48.4 / 57.9, 8 63.2 / 63.4, 16 123 / 88."""
+MATVEC_MAX_ROWS = 2
+"""Up to this many rows of x block_matvec is faster: it decodes each weight once per pair of rows, in registers;
+block_matmul once per step, into L1. The 210 layer matmuls of SmolLM2 on a Zen 1 (2 cores), ms, matvec / matmul:
+2 rows 18.5 / 22.2, 3 30.1 / 29.6, 4 33.8 / 28.6, 8 63.8 / 41.7."""
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -253,30 +298,20 @@ def _dot_tile(x, w, out, n0, width):
                 out[i2, n0 + r] = b
 
 
-# More rows of x: TILE output rows of weights are decoded into float32 scratch once (L1-sized: 4 x K)
-# and dotted with every row of x: at M rows of x each weight is decoded once, not M times.
+# More rows of x: TILE output rows of weights are decoded into float32 scratch once (L1-sized: 4 x K; _decode_row,
+# 32 weights at a time: decoded one by one they took ~40 % of a 16-token step) and dotted with every row of x: at
+# M rows of x each weight is decoded once, not M / 2 times.
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def block_matmul(x, scales, mins, qs, out, tiles):
     """x: [M, K]; scales: [N, K/32]; Q4_1: mins [N, K/32], qs [N, K/32, 16] uint8, or Q8_0: mins
     unused, qs [N, K/32, 32] int8 -> out: [M, N]. tiles: [num_threads, TILE, K] float32 scratch."""
-    num_rows, num_blocks = scales.shape
-    is_q4_1 = qs.shape[2] == 16
+    num_rows = scales.shape[0]
     for tile in prange((num_rows + TILE - 1) // TILE):
         w = tiles[get_thread_id()]
         n0 = tile * TILE
         width = min(TILE, num_rows - n0)
         for n in range(n0, n0 + width):
-            for b in range(num_blocks):
-                d, base, row = scales[n, b], b * BLOCK, w[n - n0]
-                if is_q4_1:
-                    m = mins[n, b]
-                    for j in range(16):
-                        q = qs[n, b, j]
-                        row[base + j] = d * np.float32(q & 15) + m
-                        row[base + 16 + j] = d * np.float32(q >> 4) + m
-                else:
-                    for j in range(BLOCK):
-                        row[base + j] = d * np.float32(qs[n, b, j])
+            _decode_row(scales, mins, qs, n, w[n - n0])
         _dot_tile(x, w, out, n0, width)
 
 
