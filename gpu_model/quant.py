@@ -132,6 +132,7 @@ def load_quant(path: Path) -> dict[str, QuantWeight]:
 
 
 def _splat(builder, x, lanes: int):
+    """LLVM IR: a vector of `lanes` copies of the scalar x."""
     kind = ir.VectorType(x.type, lanes)
     one = builder.insert_element(ir.Constant(kind, ir.Undefined), x, ir.IntType(32)(0))
     return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), lanes),
