@@ -24,6 +24,8 @@ from numba import get_num_threads, get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from cpu_attn.kernels import c_array, splat
+
 _FAST = {"reassoc", "contract", "arcp", "nsz"}
 BLOCK = 32
 GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -131,14 +133,6 @@ def load_quant(path: Path) -> dict[str, QuantWeight]:
     return out
 
 
-def _splat(builder, x, lanes: int):
-    """LLVM IR: a vector of `lanes` copies of the scalar x."""
-    kind = ir.VectorType(x.type, lanes)
-    one = builder.insert_element(ir.Constant(kind, ir.Undefined), x, ir.IntType(32)(0))
-    return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), lanes),
-                                                                                    [0] * lanes))
-
-
 _F32, _I64 = ir.FloatType(), ir.IntType(64)
 _VF, _VB = ir.VectorType(_F32, 16), ir.VectorType(ir.IntType(8), 16)
 
@@ -162,13 +156,13 @@ class _Blocks:
         """Block b's 32 weights as two <16 x float> (d * q + m: exact, d * q being exact in float32)."""
         builder = self.builder
         block = builder.add(self.first, b)
-        d = _splat(builder, builder.load(builder.gep(self.scales.data, [block])), 16)
+        d = splat(builder, builder.load(builder.gep(self.scales.data, [block])), 16)
         if not self.q4_1:
             return [builder.fmul(d, builder.sitofp(_load(builder, self.qs, _VB, builder.add(builder.mul(b, _I64(32)),
                                                                                           _I64(16 * k))), _VF))
                     for k in (0, 1)]
         q = _load(builder, self.qs, _VB, builder.mul(b, _I64(16)))
-        m = _splat(builder, builder.load(builder.gep(self.mins.data, [block])), 16)
+        m = splat(builder, builder.load(builder.gep(self.mins.data, [block])), 16)
         halves = (builder.and_(q, ir.Constant(_VB, [15] * 16)), builder.lshr(q, ir.Constant(_VB, [4] * 16)))
         return [builder.call(self.fma, [d, builder.uitofp(h, _VF), m]) for h in halves]
 
@@ -219,22 +213,18 @@ def _row_dot_codegen(q4_1: bool):
     return codegen
 
 
-def _c_array(a, ndim, dtype) -> bool:
-    return isinstance(a, types.Array) and a.ndim == ndim and a.layout == "C" and a.dtype == dtype
-
-
 def _block_args(scales, mins, qs, n) -> bool | None:
     """Whether qs holds Q4_1 blocks (uint8) or Q8_0 (int8); None when the arguments do not fit."""
-    if not (_c_array(scales, 2, types.float32) and _c_array(mins, 2, types.float32) and isinstance(n, types.Integer)):
+    if not (c_array(scales, 2, types.float32) and c_array(mins, 2, types.float32) and isinstance(n, types.Integer)):
         return None
-    return True if _c_array(qs, 3, types.uint8) else False if _c_array(qs, 3, types.int8) else None
+    return True if c_array(qs, 3, types.uint8) else False if c_array(qs, 3, types.int8) else None
 
 
 @intrinsic
 def _decode_row(typingctx, scales, mins, qs, n, row):
     """row[:] = W[n] (row: [K] float32), decoded 32 weights at a time (_Blocks)."""
     q4_1 = _block_args(scales, mins, qs, n)
-    if q4_1 is None or not _c_array(row, 1, types.float32):
+    if q4_1 is None or not c_array(row, 1, types.float32):
         return None
 
     def codegen(context, builder, signature, args):
@@ -252,7 +242,7 @@ def _decode_row(typingctx, scales, mins, qs, n, row):
 def _row_dot(typingctx, x, scales, mins, qs, n, out):
     """out[i, n] = x[i] . W[n] for every row i of x (at most 2; _row_dot_codegen)."""
     q4_1 = _block_args(scales, mins, qs, n)
-    if q4_1 is None or not (_c_array(x, 2, types.float32) and _c_array(out, 2, types.float32)):
+    if q4_1 is None or not (c_array(x, 2, types.float32) and c_array(out, 2, types.float32)):
         return None
     return types.none(x, scales, mins, qs, n, out), _row_dot_codegen(q4_1)
 
