@@ -1,7 +1,8 @@
 """Time per row of the exact Oaken kernel's two int16 parts, alone: the key scores of a full block
 (`oaken.vnni_block_scores`, or `avx2_block_scores` without AVX-512) and its values summed by the softmax
 weights (`oaken.vnni_add_weighted_rows` or `avx2_add_weighted_rows`),
-each over all kv-heads of the block, reported per kv-head's row (a row of one kv-head).
+each over all kv-heads of the block, reported per kv-head's row (a row of one kv-head); and the float decoder of
+one kv-head's row (`oaken.load_row`, as MagicPIG's sampled kernel decodes its rows) at 4096 random rows.
 
     python -m benchmarks.bench_oaken_rows [--shape smollm2-135m | llama-3.1-8b] [--blocks 64] [--calls 200000]
 
@@ -40,6 +41,24 @@ def _values(calls, parts, thr, w, out):
         oaken.int16_add_weighted_rows(out, w, parts[0][b], parts[1][b], parts[2][b], parts[3][b], thr)
 
 
+@njit(cache=True)
+def _sampled_rows(rounds, parts, thr, blocks, offsets, segs, entries, out):
+    for _ in range(rounds):
+        for i in range(blocks.shape[0]):
+            oaken.load_row(parts, blocks[i], thr, segs[i], offsets[i], entries[i], out[i & 15])
+
+
+def _sampled_args(store, rng, kv_heads, head_dim, rows=4096):
+    """Random (block, row, kv-head) rows of the store's K, as the sampled kernel decodes them (load_row: the
+    float decoder, one kv-head's row; each row's entry start precomputed, as _prefetch_rows does)."""
+    parts = store._read_parts(0, 0)
+    blocks = rng.integers(0, parts[0].shape[0], rows)
+    offsets = rng.integers(0, BLOCK, rows)
+    segs = rng.integers(0, kv_heads, rows) * (head_dim // oaken.SEGMENT)
+    entries = np.array([oaken.row_entries(parts[2][b], o) for b, o in zip(blocks, offsets)], np.int64)
+    return parts, blocks, offsets, segs, entries, np.zeros((16, head_dim), np.float32)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="one layer of this model's heads")
@@ -61,19 +80,24 @@ def main() -> None:
     w, out = rng.random((heads, BLOCK)).astype(np.float32), np.zeros((heads, head_dim), np.float32)
     head_rows = BLOCK * kv_heads
     calls = args.calls
+    row_parts, *row_args = _sampled_args(store, rng, kv_heads, head_dim)
+    num_rows = len(row_args[0])
+    rounds = max(calls * head_rows // num_rows // 4, 1)
     rows = []
     for entries in ("stored", "dropped"):
         if entries == "dropped":
             store.counts[:] = 0
         key = best_of(lambda: _key_scores(calls, k_parts, thr_k, qi, qscale, s, acc)) / calls * 1e9
         value = best_of(lambda: _values(calls, v_parts, thr_v, w, out)) / calls * 1e9
+        row = best_of(lambda: _sampled_rows(rounds, row_parts, thr_k, *row_args)) / rounds / num_rows * 1e9
         rows.append({"sparse_entries": entries, "key_scores_ns_per_row": key / head_rows,
-                     "values_ns_per_row": value / head_rows, "both_ns_per_row": (key + value) / head_rows})
+                     "values_ns_per_row": value / head_rows, "both_ns_per_row": (key + value) / head_rows,
+                     "sampled_row_ns": row})
         print(f"sparse entries {entries}: key scores {key / head_rows:.2f} ns a kv-head's row, values "
-              f"{value / head_rows:.2f}", flush=True)
+              f"{value / head_rows:.2f}, a sampled row decoded {row:.2f}", flush=True)
     print(f"\n{args.shape}: {kv_heads} kv-heads of {head_dim}, {heads} query heads, {args.blocks} blocks of {BLOCK} "
           "rows, one thread; ns per kv-head's row")
-    print_table(rows, ["sparse_entries", "key_scores_ns_per_row", "values_ns_per_row", "both_ns_per_row"])
+    print_table(rows, ["sparse_entries", "key_scores_ns_per_row", "values_ns_per_row", "both_ns_per_row", "sampled_row_ns"])
     print(f"wrote {write_json(args.out, {'machine': machine(), 'args': vars(args), 'rows': rows})}")
 
 

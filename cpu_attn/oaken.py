@@ -500,6 +500,44 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
 
 
 @intrinsic
+def _write_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo, s_hi, s1, s2):
+    """_scatter_entries for CPUs without AVX-512: all n entries sparse[k : k + n] of one segment,
+    one scalar loop, each entry's base and step (by its group and sign bits) from a table of four.
+
+    There LLVM splits _scatter_entries' masked gather and scatter into a branch a lane, and a Numba
+    loop branched on the random group and sign bits. A row of one kv-head (64 values, ~8 entries;
+    ~41-47 ns with none) decoded by load_row on a Zen 1 (bench_oaken_rows' sampled row): 98-102 ns
+    with the masked ones, ~130 with Numba's loop, 64-66 with this one (~12 instructions an entry, no
+    branch but the loop's)."""
+    if not (c_array(out, 1, types.float32) and c_array(dense, 1, types.uint8) and c_array(sparse, 1, types.uint8)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32, i8, i64 = _F32, _I8, _I64
+        b = builder
+        sig = signature.args
+        out_at, dense_at, k, n = (context.cast(b, args[i], sig[i], types.intp) for i in (1, 3, 5, 6))
+        s_lo, s_hi, s1, s2 = (context.cast(b, a, t, types.float32) for a, t in zip(args[7:], sig[7:]))
+        data = [b.ptrtoint(context.make_array(sig[i])(context, b, args[i]).data, i64) for i in (0, 2, 4)]
+        out_base, nibbles, entries = b.add(data[0], b.shl(out_at, i64(2))), b.add(data[1], dense_at), b.add(data[2], k)
+        # (base, step) by bits 6 (outer) and 7 (negative) of an entry: inner +-y * s1, outer s_hi + y * s2 or s_lo - y * s2
+        table = cgutils.alloca_once(b, ir.ArrayType(f32, 8))
+        for c, (base, step) in enumerate(((0.0, s1), (s_hi, s2), (0.0, b.fneg(s1)), (s_lo, b.fneg(s2)))):
+            for half, x in enumerate((base, step)):
+                b.store(f32(x) if isinstance(x, float) else x, b.gep(table, [_I32(0), _I32(2 * c + half)]))
+        with cgutils.for_range(b, n) as loop:
+            e = b.zext(b.load(b.inttoptr(b.add(entries, loop.index), i8.as_pointer())), i64)
+            j = b.and_(e, i64(63))
+            byte = b.zext(b.load(b.inttoptr(b.add(nibbles, b.and_(e, i64(31))), i8.as_pointer())), i64)
+            y = b.uitofp(b.and_(b.lshr(byte, b.and_(b.lshr(e, i64(3)), i64(4))), i64(15)), f32)  # high nibble: j >= 32
+            kind = b.shl(b.lshr(e, i64(6)), i64(1))
+            base, step = (b.load(b.gep(table, [i64(0), b.add(kind, i64(h))])) for h in (0, 1))
+            b.store(b.fadd(base, b.fmul(y, step)), b.inttoptr(b.add(out_base, b.shl(j, i64(2))), f32.as_pointer()))
+        return context.get_dummy_value()
+    return types.none(out, out_at, dense, dense_at, sparse, k, n, s_lo, s_hi, s1, s2), codegen
+
+
+@intrinsic
 def _decode_middle(typingctx, out, dense, dense_at, s0, lo_base, hi_base):
     """Every value of out [D] decoded as a middle value from the nibbles at dense[dense_at ...]
     (D / 2 bytes; in each 64-wide segment byte j holds value j low and value j + 32 high):
@@ -548,7 +586,8 @@ def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out):
 
     Both passes are branch-free (random sign and group bits would mispredict): every value is
     first decoded as a middle value, a segment at a time (_decode_middle); then the sparse entries
-    overwrite their slots, sixteen at a time with vector gathers and scatters (_scatter_entries)."""
+    overwrite their slots: with AVX-512 sixteen at a time by vector gathers and scatters
+    (_scatter_entries), elsewhere in a scalar loop (_write_entries)."""
     s_lo, t_lo, t_hi, s_hi = thr[0], thr[1], thr[2], thr[3]
     half = SEGMENT // 2
     num_seg = out.shape[0] // SEGMENT
@@ -560,9 +599,12 @@ def decode_token(dense, scales, counts, sparse, e, thr, first_seg, out):
         e += counts[seg]
     for seg in range(num_seg):
         n = counts[first_seg + seg]
-        for k in range(e, e + n, _LANES):
-            _scatter_entries(out, seg * SEGMENT, dense, (first_seg + seg) * half, sparse, k, e + n - k,
-                             s_lo, s_hi, s1, s2)
+        if _MASKED_ENTRIES:
+            for k in range(e, e + n, _LANES):
+                _scatter_entries(out, seg * SEGMENT, dense, (first_seg + seg) * half, sparse, k, e + n - k,
+                                 s_lo, s_hi, s1, s2)
+        else:
+            _write_entries(out, seg * SEGMENT, dense, (first_seg + seg) * half, sparse, e, n, s_lo, s_hi, s1, s2)
         e += n
     for seg in range(first_seg + num_seg, counts.shape[0]):
         e += counts[seg]
@@ -646,6 +688,9 @@ VNNI = _host_has("avx512bw", "avx512vnni", "avx512vbmi2")
 vnni_add_weighted_rows; VBMI2 for vpexpandw)."""
 AVX2 = _host_has("avx2", "fma", "f16c")
 """Whether it can at least do so in AVX2 (avx2_block_scores, avx2_add_weighted_rows)."""
+_MASKED_ENTRIES = _host_has("avx512f")
+"""Whether decode_token writes sparse entries by masked gathers and scatters (_scatter_entries), which are single
+instructions only with AVX-512; elsewhere by a scalar loop (_write_entries)."""
 INT16 = VNNI or AVX2
 """Whether full blocks go through int16 dot products at all; elsewhere they are decoded to floats."""
 CODE_MAX = 16383

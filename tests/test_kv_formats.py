@@ -137,6 +137,44 @@ def test_oaken_store_decodes_segments_full_of_entries():
     np.testing.assert_array_equal(v, reference_roundtrip(x[::-1].copy()))
 
 
+@njit
+def _write_entries_both_ways(thr, dense, sparse, counts, scales, masked, scalar):
+    """Each token's sparse entries written over its rows of masked (by oaken._scatter_entries, sixteen at a
+    time) and of scalar (oaken._write_entries, all in one loop): decode_token's two ways, one per kind of CPU."""
+    for t in range(dense.shape[0]):
+        e = 0
+        for seg in range(counts.shape[1]):
+            n = counts[t, seg]
+            for k in range(e, e + n, 16):
+                oaken._scatter_entries(masked[t], seg * 64, dense[t], seg * 32, sparse[t], k, e + n - k,
+                                       thr[0], thr[3], scales[t, 1], scales[t, 2])
+            oaken._write_entries(scalar[t], seg * 64, dense[t], seg * 32, sparse[t], e, n,
+                                 thr[0], thr[3], scales[t, 1], scales[t, 2])
+            e += n
+
+
+def test_both_ways_of_writing_sparse_entries_match_the_quantizer():
+    """decode_token writes sparse entries by masked gathers and scatters with AVX-512 and by a scalar
+    loop elsewhere; this host runs one in its kernels, so both are checked here: from 0 to 64 entries
+    a segment (all outer, all inner, both signs), each value as dequantize_token gives it, the middle
+    values around them left alone."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 128)).astype(np.float32)
+    x[0] = rng.choice([-1, 1], 128) * rng.uniform(2.5, 6, 128)  # all outer
+    x[1] = rng.uniform(-0.09, 0.09, 128)  # all inner
+    x[2] = 0.0  # zeros: inner
+    x[3, :64] = rng.uniform(-0.09, 0.09, 64)  # one segment full, the next ordinary
+    x[4, :64] = rng.choice([-1, 1], 64) * rng.uniform(0.5, 1.5, 64)  # a segment without entries
+    dense, sparse, counts, scales, _ = quantize(x, THR)
+    want = dequantize(THR, dense, sparse, counts, scales)
+    assert counts.max() == 64 and counts.min() == 0
+    middle = reference_groups(x, THR) == MIDDLE
+    masked, scalar = (np.where(middle, want, np.float32(np.nan)).astype(np.float32) for _ in range(2))
+    _write_entries_both_ways(THR, dense, sparse, counts, scales, masked, scalar)
+    np.testing.assert_array_equal(masked, want)
+    np.testing.assert_array_equal(scalar, want)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_int16_dots_with_segments_full_of_entries(head_dim):
     """The int16 dot products (oaken.vnni_block_scores, vnni_add_weighted_rows) on full blocks of K
