@@ -504,11 +504,11 @@ def _write_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo, 
     """_scatter_entries for CPUs without AVX-512: all n entries sparse[k : k + n] of one segment,
     one scalar loop, each entry's base and step (by its group and sign bits) from a table of four.
 
-    There LLVM splits _scatter_entries' masked gather and scatter into a branch a lane, and a Numba
-    loop branched on the random group and sign bits. A row of one kv-head (64 values, ~8 entries;
-    ~41-47 ns with none) decoded by load_row on a Zen 1 (bench_oaken_rows' sampled row): 98-102 ns
-    with the masked ones, ~130 with Numba's loop, 64-66 with this one (~12 instructions an entry, no
-    branch but the loop's)."""
+    There _scatter_entries' masked gather and scatter have no single instruction: LLVM expands them
+    lane by lane, sixteen lanes whatever the count. A row of one kv-head (64 values, ~8 entries;
+    41-47 ns with none) decoded by load_row on a Zen 1 (bench_oaken_rows' sampled row): 98-102 ns
+    with the masked ones, 64-66 with this loop (~12 instructions an entry, no branch but the loop's;
+    a Numba loop branched on the random group and sign bits and was slower than either)."""
     if not (c_array(out, 1, types.float32) and c_array(dense, 1, types.uint8) and c_array(sparse, 1, types.uint8)):
         return None
 
