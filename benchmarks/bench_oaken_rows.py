@@ -82,7 +82,7 @@ def main() -> None:
     calls = args.calls
     row_parts, *row_args = _sampled_args(store, rng, kv_heads, head_dim)
     num_rows = len(row_args[0])
-    rounds = max(calls * head_rows // num_rows // 4, 1)
+    rounds = max(calls * head_rows // num_rows // 4, 1)  # a quarter of the int16 parts' rows: each costs more
     rows = []
     for entries in ("stored", "dropped"):
         if entries == "dropped":

@@ -436,6 +436,22 @@ _F32, _I1, _I8, _I16, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8)
                                     ir.IntType(64))  # the IR kernels' types
 
 
+def _entries_args(out, dense, sparse) -> bool:
+    """Typing check of _scatter_entries and _write_entries."""
+    return c_array(out, 1, types.float32) and c_array(dense, 1, types.uint8) and c_array(sparse, 1, types.uint8)
+
+
+def _entries_setup(context, builder, signature, args):
+    """LLVM IR: _scatter_entries' or _write_entries' arguments -> (the addresses of out[out_at], dense[dense_at]
+    and sparse[k] as i64, n, (s_lo, s_hi, s1, s2) as float32)."""
+    sig = signature.args
+    out_at, dense_at, k, n = (context.cast(builder, args[i], sig[i], types.intp) for i in (1, 3, 5, 6))
+    data = [builder.ptrtoint(context.make_array(sig[i])(context, builder, args[i]).data, _I64) for i in (0, 2, 4)]
+    scalars = tuple(context.cast(builder, a, t, types.float32) for a, t in zip(args[7:], sig[7:]))
+    return (builder.add(data[0], builder.shl(out_at, _I64(2))), builder.add(data[1], dense_at), builder.add(data[2], k),
+            n, scalars)
+
+
 @intrinsic
 def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo, s_hi, s1, s2):
     """The sparse entries sparse[k : k + min(n, _LANES)] of one segment -> their values written into
@@ -445,11 +461,12 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
 
     Numba emits no vector gather or scatter, so this is written in LLVM IR: a masked load of the
     entries, a gather of the 32-bit words that hold their nibbles, a scatter of the values (one
-    instruction each with AVX-512; LLVM splits them into branch-free scalar steps on CPUs without).
+    instruction each with AVX-512; LLVM expands them lane by lane on CPUs without, where decode_token
+    uses _write_entries instead).
     Sixteen lanes: a segment has ~9 entries at the default ratios (with eight, two passes: 5 %
     slower). Exact attention at 16 x 8k (one layer) went from 25.6 to 21 ms with it on an AVX-512
     Xeon, and from 27.1 to 22.6 ms compiled for plain x86-64."""
-    if not (c_array(out, 1, types.float32) and c_array(dense, 1, types.uint8) and c_array(sparse, 1, types.uint8)):
+    if not _entries_args(out, dense, sparse):
         return None
 
     def codegen(context, builder, signature, args):
@@ -461,18 +478,12 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
         def lanes(x):  # _LANES copies of the scalar x
             return splat(builder, x, _LANES)
 
-        def address(array, array_type):  # the first element's address as an integer
-            return builder.ptrtoint(context.make_array(array_type)(context, builder, array).data, i64)
-
         def intrinsic_fn(name, ret, params):
             return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
 
-        sig = signature.args
-        idx = [context.cast(builder, args[i], sig[i], types.intp) for i in (1, 3, 5, 6)]
-        out_at, dense_at, k, n = idx
-        s_lo, s_hi, s1, s2 = [context.cast(builder, a, t, types.float32) for a, t in zip(args[7:], sig[7:])]
+        out_base, nibbles, entries, n, (s_lo, s_hi, s1, s2) = _entries_setup(context, builder, signature, args)
         mask = builder.icmp_signed("<", ir.Constant(vec(i64), list(range(_LANES))), lanes(n))
-        at = builder.inttoptr(builder.add(address(args[4], sig[4]), k), ptr)
+        at = builder.inttoptr(entries, ptr)
         load = intrinsic_fn(f"llvm.masked.load.v{_LANES}i8.p0", vec(i8), [ptr, i32, vec(i1), vec(i8)])
         entry = builder.zext(builder.call(load, [at, i32(1), mask, const(i8, 0)]), vec(i32))
         j = builder.and_(entry, const(i32, 63))
@@ -481,7 +492,7 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
         byte = builder.and_(j, const(i32, 31))  # value j's nibble: byte j % 32, high nibble for j >= 32
         shift = builder.add(builder.shl(builder.and_(byte, const(i32, 3)), const(i32, 3)),
                             builder.shl(builder.lshr(j, const(i32, 5)), const(i32, 2)))
-        words = builder.add(lanes(builder.add(address(args[2], sig[2]), dense_at)),
+        words = builder.add(lanes(nibbles),
                             builder.zext(builder.and_(byte, const(i32, ~3)), vec(i64)))
         gather = intrinsic_fn(f"llvm.masked.gather.v{_LANES}i32.v{_LANES}p0", vec(i32),
                               [vec(ptr), i32, vec(i1), vec(i32)])
@@ -490,7 +501,7 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
         base = builder.select(outer, builder.select(negative, lanes(s_lo), lanes(s_hi)), const(f32, 0.0))
         step = builder.select(outer, lanes(s2), lanes(s1))
         value = builder.fadd(base, builder.fmul(y, builder.select(negative, builder.fneg(step), step)))
-        slots = builder.add(lanes(builder.add(address(args[0], sig[0]), builder.shl(out_at, i64(2)))),
+        slots = builder.add(lanes(out_base),
                             builder.shl(builder.zext(j, vec(i64)), const(i64, 2)))
         scatter = intrinsic_fn(f"llvm.masked.scatter.v{_LANES}f32.v{_LANES}p0", ir.VoidType(),
                                [vec(f32), vec(ptr), i32, vec(i1)])
@@ -509,22 +520,17 @@ def _write_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo, 
     41-47 ns with none) decoded by load_row on a Zen 1 (bench_oaken_rows' sampled row): 98-102 ns
     with the masked ones, 64-66 with this loop (~12 instructions an entry, no branch but the loop's;
     a Numba loop branched on the random group and sign bits and was slower than either)."""
-    if not (c_array(out, 1, types.float32) and c_array(dense, 1, types.uint8) and c_array(sparse, 1, types.uint8)):
+    if not _entries_args(out, dense, sparse):
         return None
 
     def codegen(context, builder, signature, args):
         f32, i8, i64 = _F32, _I8, _I64
         b = builder
-        sig = signature.args
-        out_at, dense_at, k, n = (context.cast(b, args[i], sig[i], types.intp) for i in (1, 3, 5, 6))
-        s_lo, s_hi, s1, s2 = (context.cast(b, a, t, types.float32) for a, t in zip(args[7:], sig[7:]))
-        data = [b.ptrtoint(context.make_array(sig[i])(context, b, args[i]).data, i64) for i in (0, 2, 4)]
-        out_base, nibbles, entries = b.add(data[0], b.shl(out_at, i64(2))), b.add(data[1], dense_at), b.add(data[2], k)
+        out_base, nibbles, entries, n, (s_lo, s_hi, s1, s2) = _entries_setup(context, b, signature, args)
         # (base, step) by bits 6 (outer) and 7 (negative) of an entry: inner +-y * s1, outer s_hi + y * s2 or s_lo - y * s2
         table = cgutils.alloca_once(b, ir.ArrayType(f32, 8))
-        for c, (base, step) in enumerate(((0.0, s1), (s_hi, s2), (0.0, b.fneg(s1)), (s_lo, b.fneg(s2)))):
-            for half, x in enumerate((base, step)):
-                b.store(f32(x) if isinstance(x, float) else x, b.gep(table, [_I32(0), _I32(2 * c + half)]))
+        for at, x in enumerate((f32(0.0), s1, s_hi, s2, f32(0.0), b.fneg(s1), s_lo, b.fneg(s2))):
+            b.store(x, b.gep(table, [_I32(0), _I32(at)]))
         with cgutils.for_range(b, n) as loop:
             e = b.zext(b.load(b.inttoptr(b.add(entries, loop.index), i8.as_pointer())), i64)
             j = b.and_(e, i64(63))
