@@ -37,8 +37,9 @@ def pack_signs(proj: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def pack_signs_torch(proj: torch.Tensor, k: int) -> torch.Tensor:
-    """pack_signs in torch operations, for tensors on the accelerator."""
-    bits = (proj > 0).view(*proj.shape[:-1], -1, k).to(torch.int32)
+    """pack_signs in torch operations, for tensors on the accelerator. The table count is spelled out
+    (not -1): a prefill-only step has no decode rows, and torch cannot infer -1 for 0 elements."""
+    bits = (proj > 0).view(*proj.shape[:-1], proj.shape[-1] // k, k).to(torch.int32)
     return (bits * (1 << torch.arange(k, device=proj.device, dtype=torch.int32))).sum(-1, dtype=torch.int32)
 
 

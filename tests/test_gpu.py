@@ -19,3 +19,17 @@ def test_cuda_bf16_agrees_with_fp32_on_most_tokens(tmp_path):
     bf16 = greedy_through_backend(model_dir, PROMPTS_TINY, num_new=10, device="cuda", dtype="bfloat16")
     first_tokens_equal = sum(a[0] == b[0] for a, b in zip(fp32, bf16))
     assert first_tokens_equal >= 2, (fp32, bf16)
+
+
+def test_cuda_magicpig_hashes_on_the_gpu_through_prefill_and_decode(tmp_path):
+    """MagicPIG's codes made on the GPU: prefill-only steps (no decode rows to hash) and sampled decode.
+    The first token comes from exact prefill attention and must match the CPU's; later ones may
+    differ where a projection's sign differs between the two devices' sums."""
+    from cpu_attn.magicpig import LshConfig
+
+    model_dir, _ = tiny_model_dir(tmp_path)
+    lsh = LshConfig(l=20, sinks=1, window=2, dense_layers=(0,), min_context=4, min_collisions=2)
+    cpu, cuda = (greedy_through_backend(model_dir, PROMPTS_TINY, num_new=10, device=d, lsh=lsh)
+                 for d in ("cpu", "cuda"))
+    assert [len(t) for t in cuda] == [10] * len(PROMPTS_TINY)
+    assert [t[0] for t in cuda] == [t[0] for t in cpu]

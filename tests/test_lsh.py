@@ -34,6 +34,8 @@ def test_simhash_codes_are_packed_sign_bits():
     np.testing.assert_array_equal(codes.numpy(), reference_codes(x.numpy(), w.numpy(), 10))
     proj = x @ w  # the accelerator's packing (torch operations) gives the same codes
     assert torch.equal(pack_signs_torch(proj, 10), codes)
+    no_rows = proj[:0]  # a prefill-only step's query projections: no decode rows
+    assert pack_signs_torch(no_rows, 10).shape == simhash(x[:0], w, 10).shape == (0, 3, 15)
 
 
 @pytest.mark.parametrize("bits", [1, 5, 9, 13, 16])
