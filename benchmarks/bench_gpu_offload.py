@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import time
 from pathlib import Path
 
@@ -34,11 +33,12 @@ import torch.nn.functional as F
 from benchmarks.common import RESULTS, machine, print_table
 from benchmarks.e2e.decode_only import run as decode_run
 from cpu_attn.calibrate import calibrate
-from cpu_attn.kv_store import OakenKVStore, bytes_per_block
+from cpu_attn.kv_store import OakenKVStore
 from cpu_attn.magicpig import LshConfig
 from cpu_attn.worker import ChunkLayout
 from gpu_model.config import ModelConfig
 from gpu_model.model import LlamaModel, rope_inv_freq
+from server.hetero import kv_capacity_for
 
 SHAPES = {
     "llama-3.1-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -150,28 +150,21 @@ def gpu_only_max_batch(cfg: ModelConfig, context: int, steps: int, dtype: torch.
     return min(limit, int((free - reserve_bytes) // per_seq))
 
 
-def oaken_block_bytes(cfg: ModelConfig) -> int:
-    return bytes_per_block("oaken", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
-
-
 def host_bytes_per_seq(cfg: ModelConfig, lsh: LshConfig, context: int) -> int:
-    """Oaken KV plus MagicPIG tables (~2L bytes per key, per sampled layer and kv-head) of one sequence."""
-    kv = (math.ceil(context / BLOCK_SIZE) + 2) * oaken_block_bytes(cfg)
-    dense = lsh.dense_layers if lsh.dense_layers is not None else (0, cfg.num_layers // 2)
-    tables = (cfg.num_layers - len(set(dense))) * cfg.num_kv_heads * context * (2 * lsh.l + 4)
-    return kv + tables
+    """Oaken KV plus the most MagicPIG's state can hold (magicpig.host_bytes) for one sequence."""
+    return kv_capacity_for(cfg, "oaken", BLOCK_SIZE, 1, context, lsh) - OakenKVStore.tail_bytes(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, 0)
 
 
 def hetserve_backend(model: LlamaModel, thresholds: Path, context: int, steps: int, max_batch: int, lsh: LshConfig):
     from server.hetero import HeteroBackend
 
-    cfg = model.cfg
-    geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
-    blocks = (max_batch + 1) * (math.ceil(context / BLOCK_SIZE) + math.ceil((steps + 3) / BLOCK_SIZE) + 2)
-    capacity = blocks * oaken_block_bytes(cfg) + OakenKVStore.tail_bytes(*geometry, max_batch + 1)
+    seqs = max_batch + 1  # the prompt's own sequence too
+    capacity = kv_capacity_for(model.cfg, "oaken", BLOCK_SIZE, seqs, context + steps + 3 + 2 * BLOCK_SIZE, lsh,
+                               recent_blocks=seqs)
     return HeteroBackend(None, model=model, device=model.device.type, dtype=str(model.dtype).removeprefix("torch."),
                          kv_format="oaken", kv_capacity_bytes=capacity, block_size=BLOCK_SIZE, max_model_len=None,
-                         oaken_thresholds_path=str(thresholds), oaken_recent_blocks=max_batch + 1, lsh=lsh)
+                         oaken_thresholds_path=str(thresholds), oaken_recent_blocks=seqs, lsh=lsh, max_num_seqs=seqs)
 
 
 def run_context(model: LlamaModel, thresholds: Path, context: int, batches: list[int], steps: int, lsh: LshConfig,

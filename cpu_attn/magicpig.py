@@ -10,13 +10,16 @@ Per sequence and layer:
     tables   per set c (lsh.MAX_KEYS keys each, the last one filling): offsets [Hkv][L, 2^K + 1],
              packed ids [Hkv][L, bytes], norms [Hkv, keys] (|k - mu| of each key as hashed, for
              its angle to the query); together keys 0..indexed-1
-    pending  [P, Hkv, L] int32 codes (and [P, Hkv] norms) of keys indexed .. indexed + P - 1
+    pending  [P, Hkv, L] uint16 codes (and [P, Hkv] norms) of keys indexed .. indexed + P - 1
 Keys stay pending (and are attended exactly, as the local window) until `merge_every` of them
 lie before the window; then they are merged into the tables in one pass (lsh.merge_tables). A
 decode step merges at most `merges_per_step` (sequence, layer) states: sequences that started
 together come due together, and their merges (~5 ms a layer at 8k keys) would stall one step for
 seconds; the others wait a step or more (exact meanwhile), at most until 2 * merge_every are due.
 Layers in `dense_layers`, and sequences shorter than `min_context`, are attended exactly.
+
+`host_bytes` bounds what this state holds, and the serving backends count it in the KV cache's capacity
+(server.hetero.kv_blocks): at L 300 a key's codes or ids take ~7x its 5-bit Oaken K and V.
 """
 from __future__ import annotations
 
@@ -58,6 +61,24 @@ class LshConfig:
             raise ValueError(f"LSH retrieval must be one of {', '.join(RETRIEVALS)}, not {self.retrieval!r}")
 
 
+def sampled_layers(cfg: LshConfig, num_layers: int) -> list[bool]:
+    dense = cfg.dense_layers if cfg.dense_layers is not None else (0, num_layers // 2)
+    return [layer not in dense for layer in range(num_layers)]
+
+
+def host_bytes(cfg: LshConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(per token, per sequence): a sequence of n tokens holds at most per_sequence + n * per_token
+    bytes of MagicPIG state (a merge's new copy of one table set aside, while it is made). Per token
+    and (sampled layer, kv-head): its code in each of the L tables, pending (uint16) or as an id (at
+    most 16 bits), its norm (float32), and the share of a later table set's fixed part. Per sequence:
+    the first set's fixed part (offsets [L, 2^K + 1] uint16, the id rows' padding of up to 16 bytes),
+    which a sequence pays from min_context tokens on (51.6 MB at SmolLM2's shape and L 300), its key
+    centers, and 512 bytes of Python objects."""
+    heads = sum(sampled_layers(cfg, num_layers)) * num_kv_heads
+    fixed = cfg.l * (2 * (2**cfg.k + 1) + 16)
+    return heads * (2 * cfg.l + 4 + -(-fixed // lsh.MAX_KEYS)), heads * (fixed + 4 * head_dim + 512)
+
+
 @dataclass
 class _Layer:
     mu: np.ndarray
@@ -65,7 +86,7 @@ class _Layer:
     ids: list[list[np.ndarray]] = field(default_factory=list)  # per set, per kv-head [L, bytes] (lsh.table_set)
     norms: list[np.ndarray] = field(default_factory=list)  # per set [Hkv, keys]: |k - mu|
     indexed: int = 0
-    pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L]
+    pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L] uint16 (K <= 15 bits)
     pending_norms: list[np.ndarray] = field(default_factory=list)  # their norms [P, Hkv]
     version: int = 0  # bumped by every merge (the tables are new arrays)
 
@@ -78,8 +99,7 @@ class MagicPig:
     def __init__(self, cfg: LshConfig, num_layers: int, num_kv_heads: int, head_dim: int):
         self.cfg = cfg
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        dense = cfg.dense_layers if cfg.dense_layers is not None else (0, num_layers // 2)
-        self.sampled_layers = [layer not in dense for layer in range(num_layers)]
+        self.sampled_layers = sampled_layers(cfg, num_layers)
         self.log_u = lsh.log_u_table(cfg.k, cfg.l, cfg.min_collisions)
         self.seqs: dict[int, list[_Layer | None]] = {}
         self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.uint16), lsh.empty_ids(cfg.l, 0), np.zeros(0, np.float32))
@@ -136,7 +156,7 @@ class MagicPig:
         state = layers[layer]
         if state is None or start_pos == 0:
             state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
-        state.pending.append(k_codes)
+        state.pending.append(np.asarray(k_codes, np.uint16))  # half of int32's bytes: most of a short sequence's state
         state.pending_norms.append(torch.linalg.vector_norm(k - torch.from_numpy(state.mu), dim=-1).numpy())
         n = start_pos + len(k)
         upto = n - self.cfg.window
@@ -150,7 +170,7 @@ class MagicPig:
         """Index keys state.indexed .. upto - 1: into the last set while it has room, then new sets."""
         due = upto - state.indexed
         codes, norms = np.concatenate(state.pending), np.concatenate(state.pending_norms)
-        state.pending, state.pending_norms = [codes[due:]], [norms[due:]]
+        state.pending, state.pending_norms = [codes[due:].copy()], [norms[due:].copy()]  # not views of all
         codes, norms = codes[:due], norms[:due]
         while len(codes):
             in_set = state.indexed % lsh.MAX_KEYS  # keys already in the last set (0: start a new one)
@@ -165,7 +185,7 @@ class MagicPig:
             offsets, ids = state.offsets[-1], state.ids[-1]
             arrays = lsh.table_arrays(self.num_kv_heads, self.cfg.l, 2**self.cfg.k, in_set + len(take))
             for h, (o, i) in enumerate(arrays):
-                new = np.ascontiguousarray(take[:, h])
+                new = np.ascontiguousarray(take[:, h], np.int32)
                 if in_set == 0:
                     lsh.table_set(new, self.cfg.k, (o, i))
                     offsets.append(o)

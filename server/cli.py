@@ -30,7 +30,7 @@ def build_engine(cfg: ServeConfig):
                   cpu_linear_dtype=cfg.cpu_linear_dtype,
                   oaken_thresholds_path=cfg.oaken_thresholds, oaken_sparse_fraction=cfg.oaken_sparse_fraction,
                   oaken_recent_blocks=cfg.max_num_seqs if cfg.oaken_recent_blocks is None else cfg.oaken_recent_blocks,
-                  lsh=cfg.lsh_config())
+                  lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs)
     if cfg.executor == "ray":
         from server.ray_executor import RayBackend
 

@@ -84,8 +84,9 @@ class ServeConfig:
     lsh_min_context: int = _opt(1024, "MagicPIG: shorter sequences are attended exactly")
     lsh_retrieval: str = _opt("group", "MagicPIG: group (a GQA group's heads share the retrieval of their mean query: "
                                        "fewer rows read) or head (each query head retrieves its own keys, as the paper)")
-    kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB (overrides --kv-cache-fraction)", parse=parse_bytes)
-    kv_cache_fraction: float = _opt(0.25, "KV cache capacity as a fraction of total RAM")
+    kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB, MagicPIG's hash tables included "
+                                      "(overrides --kv-cache-fraction)", parse=parse_bytes)
+    kv_cache_fraction: float = _opt(0.25, "KV cache capacity (MagicPIG's tables included) as a fraction of total RAM")
     block_size: int = _opt(16, "tokens per KV block")
     max_num_seqs: int = _opt(64, "most requests in the running batch")
     max_num_batched_tokens: int = _opt(512, "token budget of one step (decodes plus prefill chunks)")

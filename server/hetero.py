@@ -12,7 +12,7 @@ import torch
 from cpu_attn.calibrate import (CALIBRATION_VERSION, CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT,
                                 SPARSE_FRACTION, OakenThresholds, calibrate, text_windows, thresholds_file)
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
-from cpu_attn.magicpig import LshConfig, MagicPig
+from cpu_attn.magicpig import LshConfig, MagicPig, host_bytes
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.loader import load_model
 from gpu_model.model import LlamaModel
@@ -97,16 +97,38 @@ def flatten(inp: StepInput) -> FlatBatch:
     return b
 
 
-def kv_blocks(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_fraction: float,
-              recent_blocks: int) -> tuple[int, int]:
-    """(blocks, bytes per block) of a store of `capacity_bytes` in `kv_format`."""
+def _cache_costs(cfg, kv_format: str, block_size: int, sparse_fraction: float, recent_blocks: int,
+                 lsh: LshConfig | None, max_num_seqs: int) -> tuple[int, int]:
+    """(bytes per block, bytes set aside) of the KV cache. With MagicPIG its state is the cache's too:
+    a block pays for its tokens' codes and the fixed part of `max_num_seqs` sequences is set aside
+    (magicpig.host_bytes), so that admission by free blocks also bounds the hash tables."""
     geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
     per_block = bytes_per_block(kv_format, *geometry, sparse_fraction)
-    recent = recent_blocks if kv_format == "oaken" else 0
-    num_blocks = (capacity_bytes - OakenKVStore.tail_bytes(*geometry, recent)) // per_block
+    fixed = OakenKVStore.tail_bytes(*geometry, recent_blocks if kv_format == "oaken" else 0)
+    if lsh is not None:
+        per_token, per_seq = host_bytes(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        per_block += block_size * per_token
+        fixed += max_num_seqs * per_seq
+    return per_block, fixed
+
+
+def kv_blocks(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_fraction: float,
+              recent_blocks: int, lsh: LshConfig | None = None, max_num_seqs: int = 1) -> tuple[int, int]:
+    """(blocks, bytes per block) of a cache of `capacity_bytes` in `kv_format`, MagicPIG's state included."""
+    per_block, fixed = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh, max_num_seqs)
+    num_blocks = (capacity_bytes - fixed) // per_block
     if num_blocks < 1:
-        raise ValueError(f"KV capacity {capacity_bytes} B is below one block ({per_block} B)")
+        aside = f" after {fixed / 2**20:.1f} MiB set aside for {max_num_seqs} sequences' MagicPIG tables" if lsh else ""
+        raise ValueError(f"KV capacity {capacity_bytes} B is below one block ({per_block} B){aside}")
     return num_blocks, per_block
+
+
+def kv_capacity_for(cfg, kv_format: str, block_size: int, num_seqs: int, tokens_per_seq: int,
+                    lsh: LshConfig | None = None, sparse_fraction: float = SPARSE_FRACTION,
+                    recent_blocks: int = 0) -> int:
+    """The capacity kv_blocks needs for `num_seqs` sequences of `tokens_per_seq` tokens (benchmarks)."""
+    per_block, fixed = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh, num_seqs)
+    return fixed + num_seqs * -(-tokens_per_seq // block_size) * per_block
 
 
 def attention_worker(cfg, kv_format: str, num_blocks: int, block_size: int, cal, sparse_fraction: float,
@@ -131,7 +153,7 @@ class HeteroBackend:
                  gguf_blocks_max_tokens: int | None = None, cpu_linear_dtype: str = "auto",
                  oaken_thresholds_path: str | None = None,
                  oaken_sparse_fraction: float = SPARSE_FRACTION, oaken_recent_blocks: int = 0, lsh: LshConfig | None = None,
-                 model: LlamaModel | None = None):
+                 max_num_seqs: int = 1, model: LlamaModel | None = None):
         """The model comes from `model_dir`, or is `model` already built (benchmarks on random
         weights: then model_dir is None and Oaken needs `oaken_thresholds_path`)."""
         device = pick_device(device)
@@ -140,7 +162,7 @@ class HeteroBackend:
                                                                        gguf_blocks_max_tokens, cpu_linear_dtype)
         cfg = self.model_cfg = self.model.cfg
         num_blocks, per_block = kv_blocks(cfg, kv_format, kv_capacity_bytes, block_size, oaken_sparse_fraction,
-                                          oaken_recent_blocks)
+                                          oaken_recent_blocks, lsh, max_num_seqs)
         cal = oaken_thresholds(self.model, model_dir, oaken_thresholds_path) if kv_format == "oaken" else None
         self.kv_spec = KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=per_block)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

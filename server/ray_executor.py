@@ -40,7 +40,8 @@ class RayBackend:
                  block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int | None = None,
                  cpu_linear_dtype: str = "auto", oaken_thresholds_path: str | None = None,
                  oaken_sparse_fraction: float = SPARSE_FRACTION,
-                 oaken_recent_blocks: int = 0, lsh=None, ray_address: str | None = None, cpu_actors: int = 2,
+                 oaken_recent_blocks: int = 0, lsh=None, max_num_seqs: int = 1, ray_address: str | None = None,
+                 cpu_actors: int = 2,
                  actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
         import ray
 
@@ -72,7 +73,7 @@ class RayBackend:
         cfg = ray.get(self.model_actor.config.remote())
         cal = ray.get(self.model_actor.thresholds.remote(oaken_thresholds_path)) if kv_format == "oaken" else None
         num_blocks, per_block = kv_blocks(cfg, kv_format, kv_capacity_bytes // cpu_actors, block_size,
-                                          oaken_sparse_fraction, oaken_recent_blocks)
+                                          oaken_sparse_fraction, oaken_recent_blocks, lsh, max_num_seqs)
         self.first_blocks = [i * num_blocks for i in range(cpu_actors)]
         actor_opts = {"num_cpus": actor_cpus, **restartable(OMP_WAIT_POLICY="PASSIVE")}
         if kv_resource:

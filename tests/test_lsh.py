@@ -322,6 +322,76 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
     assert 7 not in mp.seqs
 
 
+def _state_bytes(mp) -> int:
+    """Bytes of every array MagicPIG's state holds, each buffer counted once (tables are views of one)."""
+    buffers = {}
+    for layers in mp.seqs.values():
+        for state in filter(None, layers):
+            arrays = [state.mu, *state.norms, *state.pending, *state.pending_norms,
+                      *(a for per_set in state.offsets + state.ids for a in per_set)]
+            for a in arrays:
+                while isinstance(a.base, np.ndarray):
+                    a = a.base
+                buffers[id(a)] = a.nbytes
+    return sum(buffers.values())
+
+
+@pytest.mark.parametrize("lengths", [(1000,), (1100,), (1100, 2600, 40)])
+def test_magicpig_state_stays_within_host_bytes(lengths):
+    """host_bytes (what the serving cache's capacity counts) bounds the state a prefill and decode
+    steps leave: pending codes below min_context, a first table set just past it, longer sequences
+    in a batch (K 6: small offsets, so that int32 pending codes would not fit); and it is not loose by
+    more than 1.5x on a 2.6k-token sequence."""
+    from cpu_attn.magicpig import LshConfig, MagicPig, host_bytes
+
+    cfg = LshConfig(k=6, l=60, window=64, min_context=1024, merge_every=128, dense_layers=(0,))
+    mp = MagicPig(cfg, num_layers=3, num_kv_heads=2, head_dim=64)
+    rng = np.random.default_rng(0)
+    per_token, per_seq = host_bytes(cfg, 3, 2, 64)
+
+    def step(seq, start, n):
+        k = torch.randn(n, 2, 64)
+        for layer in (1, 2):
+            mp.append(layer, seq, start, k, rng.integers(0, 2**cfg.k, (n, 2, cfg.l), dtype=np.int32))
+
+    for seq, n in enumerate(lengths):
+        for start in range(0, n - 40, 512):  # prefill chunks of up to 512, then 40 decode steps
+            step(seq, start, min(512, n - 40 - start))
+    for i in range(40):
+        mp.begin_step()
+        for seq, n in enumerate(lengths):
+            step(seq, n - 40 + i, 1)
+        bound = len(lengths) * per_seq + sum(n - 40 + i + 1 for n in lengths) * per_token
+        assert _state_bytes(mp) <= bound, i
+    if lengths == (1100, 2600, 40):
+        long_only = MagicPig(cfg, num_layers=3, num_kv_heads=2, head_dim=64)
+        long_only.seqs = {1: mp.seqs[1]}
+        assert _state_bytes(long_only) > (per_seq + 2600 * per_token) / 1.5
+
+
+def test_kv_cache_capacity_counts_magicpig_state():
+    """With MagicPIG a block pays for its tokens' codes and max_num_seqs sequences' first table sets are
+    set aside, so that admission by free blocks bounds the tables too; kv_capacity_for inverts it."""
+    from types import SimpleNamespace
+
+    from cpu_attn.calibrate import SPARSE_FRACTION
+    from cpu_attn.kv_store import OakenKVStore
+    from cpu_attn.magicpig import LshConfig, host_bytes
+    from server.hetero import kv_blocks, kv_capacity_for
+
+    shape, lsh = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64), LshConfig()  # SmolLM2's
+    args = ("oaken", 2**30, 16, SPARSE_FRACTION, 8)
+    _, exact_block = kv_blocks(shape, *args)
+    blocks, per_block = kv_blocks(shape, *args, lsh, max_num_seqs=8)
+    per_token, per_seq = host_bytes(lsh, 30, 3, 64)
+    assert per_token == 28 * 3 * (2 * 300 + 4 + 10) and per_block == exact_block + 16 * per_token
+    assert blocks == (2**30 - OakenKVStore.tail_bytes(30, 3, 64, 16, 8) - 8 * per_seq) // per_block
+    need = kv_capacity_for(shape, "oaken", 16, 8, 8000, lsh, recent_blocks=8)
+    assert kv_blocks(shape, "oaken", need, 16, SPARSE_FRACTION, 8, lsh, 8)[0] == 8 * 500
+    with pytest.raises(ValueError, match="set aside for 64 sequences' MagicPIG tables"):
+        kv_blocks(shape, *args, lsh, max_num_seqs=64)
+
+
 def test_decode_merges_spread_over_steps_within_the_budget():
     """Five sequences that come due in the same step merge two per step (merges_per_step), the
     others keep their keys pending; one kept waiting until 2 * merge_every are due merges anyway;
@@ -495,7 +565,7 @@ def test_server_with_magicpig_samples_long_prompts():
     from tests.conftest import SHARED, RunningServer
 
     cfg = ServeConfig(kv_format="oaken", attention="magicpig", lsh_min_context=256, lsh_window=32,
-                      kv_cache_bytes=256 * 2**20, max_num_seqs=8)
+                      kv_cache_bytes=2**30, max_num_seqs=8)
     server = RunningServer(cfg)
     text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:6000]
     try:

@@ -17,7 +17,7 @@ def test_ray_oaken_magicpig_matches_local():
     token. Concurrent requests then only have to complete without losing an actor."""
     text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:20000]
     common = dict(kv_format="oaken", attention="magicpig", lsh_min_context=256, lsh_window=32,
-                  kv_cache_bytes=256 * 2**20, max_num_seqs=8)
+                  kv_cache_bytes=2 * 2**30, max_num_seqs=8)
 
     def run(cfg: ServeConfig) -> tuple[list[str], int]:
         server = RunningServer(cfg)

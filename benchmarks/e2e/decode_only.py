@@ -133,13 +133,19 @@ def main() -> None:
     from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, TargetTokenizer
     from server.cli import build_engine
     from server.config import add_arguments, from_args
+    from server.hetero import kv_capacity_for
 
     serve = argparse.ArgumentParser()
     add_arguments(serve)
-    serve_args = [a for a in args.serve_args if a != "--"]
-    total = max(args.concurrency) * (args.steps + 2 * 16 + args.distinct * args.context_tokens) + args.context_tokens
-    cfg = from_args(serve.parse_args(["--max-num-seqs", str(max(args.concurrency)),
-                                      "--kv-cache-bytes", str(total * 2 * 30 * 3 * 64 * 4), *serve_args]))
+    serve_args = ["--max-num-seqs", str(max(args.concurrency)), *(a for a in args.serve_args if a != "--")]
+    cfg = from_args(serve.parse_args(serve_args))
+    if cfg.kv_cache_bytes is None:  # room for the prompt and every sequence at SmolLM2's shape, MagicPIG's state too
+        shape = argparse.Namespace(num_layers=30, num_kv_heads=3, head_dim=64)
+        need = kv_capacity_for(shape, cfg.kv_format, cfg.block_size, max(args.concurrency) + 1,
+                               args.context_tokens + args.steps + 2 * 16, cfg.lsh_config(),
+                               recent_blocks=max(args.concurrency) + 1)
+        cfg = from_args(serve.parse_args([*serve_args, "--kv-cache-bytes", str(need)]))
+    serve_args = serve_args[2:]
     engine, _, _ = build_engine(cfg)  # the engine thread is not started: the backend is driven directly
     tok = TargetTokenizer.load(None)
     text = PromptBuilder(tok, Path(DEFAULT_TEXT).read_text(encoding="utf-8"), seed=0).build(args.context_tokens).text

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 envs=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done; [ $# -gt 0 ] && shift
 PORT=${PORT:-8017}; OUT=${OUT:-/tmp/hetserve_rss_probe}; mkdir -p "$OUT"; : > "$OUT/actors.log"
 env "${envs[@]}" .venv/bin/hetserve serve --port "$PORT" --log-level warning --max-num-seqs 4 \
-    --kv-cache-bytes 471859200 --max-model-len 4096 "$@" > "$OUT/server.log" 2>&1 &
+    --kv-cache-bytes 1536MiB --max-model-len 4096 "$@" > "$OUT/server.log" 2>&1 &
 PID=$!; trap 'kill $PID 2>/dev/null' EXIT
 for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
 echo "idle: $(grep -E 'VmRSS' /proc/$PID/status)"

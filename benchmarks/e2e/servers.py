@@ -2,6 +2,7 @@
 RSS of its process tree while it serves, stop it."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import socket
@@ -17,8 +18,24 @@ import psutil
 
 from benchmarks.common import wait_healthy
 
-FP16_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
-"""SmolLM2-135M: K and V x 30 layers x 3 kv-heads x head_dim 64 x 2 bytes."""
+SMOLLM2 = argparse.Namespace(num_layers=30, num_kv_heads=3, head_dim=64)
+"""SmolLM2-135M's KV shape."""
+
+
+def kv_cache_bytes(args: tuple[str, ...], concurrency: int, context_tokens: int) -> int:
+    """hetserve's --kv-cache-bytes for `concurrency` sequences of `context_tokens` at SmolLM2's shape: what
+    fp16 KV needs plus 25 %, or more where the configuration's KV format and MagicPIG's state need it.
+    Untouched capacity costs no memory (the stores' pages are zero until written)."""
+    from server.config import add_arguments, from_args
+    from server.hetero import kv_capacity_for
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = from_args(parser.parse_args(list(args)))
+    need = [kv_capacity_for(SMOLLM2, fmt, cfg.block_size, concurrency, context_tokens, lsh, recent_blocks=concurrency)
+            for fmt, lsh in (("fp16", None), (cfg.kv_format, cfg.lsh_config()))]
+    actors = cfg.ray_cpu_actors if cfg.executor == "ray" else 1  # each actor's share may have to hold every sequence
+    return int(max(1.25 * need[0], actors * need[1]))
 
 
 @dataclass(frozen=True)
@@ -69,7 +86,7 @@ def command(cfg: ServerConfig, port: int, concurrency: int, context_tokens: int,
             llama_server: Path | None, threads: int) -> list[str]:
     """The server's command line for `concurrency` sequences of up to `context_tokens` each."""
     if cfg.kind == "hetserve":
-        kv_bytes = int(1.25 * concurrency * context_tokens * FP16_KV_BYTES_PER_TOKEN)  # fp16 need + 25 %
+        kv_bytes = kv_cache_bytes(cfg.args, concurrency, context_tokens)
         return [str(Path(sys.executable).parent / "hetserve"), "serve", "--port", str(port), "--log-level", "warning",
                 "--max-num-seqs", str(concurrency), "--kv-cache-bytes", str(kv_bytes),
                 "--max-model-len", str(context_tokens), *cfg.args]
