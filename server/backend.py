@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+class KVCapacityError(ValueError):
+    """The KV capacity holds no block (the CLI says so without a traceback)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0

@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "func"):
         return args.func(args) or 0
     from gpu_model.loader import ModelLoadError
+    from server.backend import KVCapacityError
 
     if args.command in ("calibrate", "eval"):
         logs.configure("info", "text")
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         command = partial(serve, cfg)
     try:
         command()
-    except ModelLoadError as exc:  # a wrong --model path: say so, without a traceback
+    except (ModelLoadError, KVCapacityError) as exc:  # a wrong --model path, too small a cache: no traceback
         parser.exit(1, f"hetserve {args.command}: error: {exc}\n")
     return 0
 

@@ -17,7 +17,7 @@ from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.loader import load_model
 from gpu_model.model import LlamaModel
 from gpu_model.worker import ModelWorker
-from server.backend import KVSpec, StepInput, StepOutput
+from server.backend import KVCapacityError, KVSpec, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,8 @@ def kv_blocks(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_
     num_blocks = (capacity_bytes - fixed) // per_block
     if num_blocks < 1:
         aside = f" after {fixed / 2**20:.1f} MiB set aside for {max_num_seqs} sequences' MagicPIG tables" if lsh else ""
-        raise ValueError(f"KV capacity {capacity_bytes} B is below one block ({per_block} B){aside}")
+        raise KVCapacityError(f"KV capacity {capacity_bytes / 2**20:.1f} MiB is below one block ({per_block} B){aside}: "
+                              f"raise --kv-cache-bytes{' or lower --max-num-seqs' if lsh else ''}")
     return num_blocks, per_block
 
 
