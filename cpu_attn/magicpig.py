@@ -72,7 +72,7 @@ def host_bytes(cfg: LshConfig, num_layers: int, num_kv_heads: int, head_dim: int
     and (sampled layer, kv-head): its code in each of the L tables, pending (uint16) or as an id (at
     most 16 bits), its norm (float32), and the share of a later table set's fixed part. Per sequence:
     the first set's fixed part (offsets [L, 2^K + 1] uint16, the id rows' padding of up to 16 bytes),
-    which a sequence pays from min_context tokens on (51.6 MB at SmolLM2's shape and L 300), its key
+    which a sequence pays from min_context tokens on (52 MB at SmolLM2's shape and L 300), its key
     centers, and 512 bytes of Python objects."""
     heads = sum(sampled_layers(cfg, num_layers)) * num_kv_heads
     fixed = cfg.l * (2 * (2**cfg.k + 1) + 16)

@@ -41,8 +41,7 @@ class RayBackend:
                  cpu_linear_dtype: str = "auto", oaken_thresholds_path: str | None = None,
                  oaken_sparse_fraction: float = SPARSE_FRACTION,
                  oaken_recent_blocks: int = 0, lsh=None, max_num_seqs: int = 1, ray_address: str | None = None,
-                 cpu_actors: int = 2,
-                 actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
+                 cpu_actors: int = 2, actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
         import ray
 
         from server.hetero import kv_blocks
