@@ -66,17 +66,18 @@ def sampled_layers(cfg: LshConfig, num_layers: int) -> list[bool]:
     return [layer not in dense for layer in range(num_layers)]
 
 
-def host_bytes(cfg: LshConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """(per token, per sequence): a sequence of n tokens holds at most per_sequence + n * per_token
-    bytes of MagicPIG state (a merge's new copy of one table set aside, while it is made). Per token
-    and (sampled layer, kv-head): its code in each of the L tables, pending (uint16) or as an id (at
-    most 16 bits), its norm (float32), and the share of a later table set's fixed part. Per sequence:
-    the first set's fixed part (offsets [L, 2^K + 1] uint16, the id rows' padding of up to 16 bytes),
-    which a sequence pays from min_context tokens on (52 MB at SmolLM2's shape and L 300), its key
-    centers, and 512 bytes of Python objects."""
+def host_bytes(cfg: LshConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(per token, per sequence, per sequence with tables): a sequence of n tokens holds at most
+    per_sequence + n * per_token bytes of MagicPIG state, plus per_sequence_with_tables once it has
+    tables, which it gets only at min_context tokens (a merge's new copy of one table set aside, while
+    it is made). Per token and (sampled layer, kv-head): its code in each of the L tables, pending
+    (uint16) or as an id (at most 16 bits), its norm (float32), and the share of a later table set's
+    fixed part. Per sequence: its key centers and 512 bytes of Python objects. With tables: the first
+    set's fixed part (offsets [L, 2^K + 1] uint16, the id rows' padding of up to 16 bytes), 52 MB at
+    SmolLM2's shape and L 300."""
     heads = sum(sampled_layers(cfg, num_layers)) * num_kv_heads
     fixed = cfg.l * (2 * (2**cfg.k + 1) + 16)
-    return heads * (2 * cfg.l + 4 + -(-fixed // lsh.MAX_KEYS)), heads * (fixed + 4 * head_dim + 512)
+    return heads * (2 * cfg.l + 4 + -(-fixed // lsh.MAX_KEYS)), heads * (4 * head_dim + 512), heads * fixed
 
 
 @dataclass

@@ -98,38 +98,49 @@ def flatten(inp: StepInput) -> FlatBatch:
 
 
 def _cache_costs(cfg, kv_format: str, block_size: int, sparse_fraction: float, recent_blocks: int,
-                 lsh: LshConfig | None, max_num_seqs: int) -> tuple[int, int]:
-    """(bytes per block, bytes set aside) of the KV cache. With MagicPIG its state is the cache's too:
-    a block pays for its tokens' codes and the fixed part of `max_num_seqs` sequences is set aside
-    (magicpig.host_bytes), so that admission by free blocks also bounds the hash tables."""
+                 lsh: LshConfig | None, max_num_seqs: int) -> tuple[int, int, int]:
+    """(bytes per block, bytes set aside, bytes per sequence with MagicPIG tables) of the KV cache. With
+    MagicPIG its state is the cache's too (magicpig.host_bytes): a block pays for its tokens' codes, and
+    `max_num_seqs` sequences' centers are set aside."""
     geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
     per_block = bytes_per_block(kv_format, *geometry, sparse_fraction)
     fixed = OakenKVStore.tail_bytes(*geometry, recent_blocks if kv_format == "oaken" else 0)
-    if lsh is not None:
-        per_token, per_seq = host_bytes(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        per_block += block_size * per_token
-        fixed += max_num_seqs * per_seq
-    return per_block, fixed
+    if lsh is None:
+        return per_block, fixed, 0
+    per_token, per_seq, per_tabled = host_bytes(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    return per_block + block_size * per_token, fixed + max_num_seqs * per_seq, per_tabled
 
 
 def kv_blocks(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_fraction: float,
               recent_blocks: int, lsh: LshConfig | None = None, max_num_seqs: int = 1) -> tuple[int, int]:
-    """(blocks, bytes per block) of a cache of `capacity_bytes` in `kv_format`, MagicPIG's state included."""
-    per_block, fixed = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh, max_num_seqs)
-    num_blocks = (capacity_bytes - fixed) // per_block
+    """(blocks, bytes per block) of a cache of `capacity_bytes` in `kv_format`, MagicPIG's state included,
+    so that admission by free blocks bounds the hash tables too. A sequence gets its first table set
+    (per_tabled bytes) only at min_context tokens, so at most min(max_num_seqs, blocks * block_size //
+    min_context) hold one: the most blocks is the larger of two counts, each safe on its own: every
+    sequence's first set set aside, or each block paying a min_context-token sequence's share of one."""
+    per_block, fixed, per_tabled = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
+                                                max_num_seqs)
+    room = capacity_bytes - fixed
+    num_blocks = room // per_block
+    if lsh is not None:
+        num_blocks = max((room - max_num_seqs * per_tabled) // per_block,
+                         room * lsh.min_context // (per_block * lsh.min_context + per_tabled * block_size))
     if num_blocks < 1:
-        aside = f" after {fixed / 2**20:.1f} MiB set aside for {max_num_seqs} sequences' MagicPIG tables" if lsh else ""
-        raise KVCapacityError(f"KV capacity {capacity_bytes / 2**20:.1f} MiB is below one block ({per_block} B){aside}: "
-                              f"raise --kv-cache-bytes{' or lower --max-num-seqs' if lsh else ''}")
+        tables = ", MagicPIG's tables included" if lsh else ""
+        raise KVCapacityError(f"KV capacity {capacity_bytes / 2**20:.1f} MiB holds no block of {block_size} tokens "
+                              f"({per_block} B{tables}) beside the {fixed / 2**20:.1f} MiB it sets aside: raise "
+                              "--kv-cache-bytes")
     return num_blocks, per_block
 
 
 def kv_capacity_for(cfg, kv_format: str, block_size: int, num_seqs: int, tokens_per_seq: int,
                     lsh: LshConfig | None = None, sparse_fraction: float = SPARSE_FRACTION,
                     recent_blocks: int = 0) -> int:
-    """The capacity kv_blocks needs for `num_seqs` sequences of `tokens_per_seq` tokens (benchmarks)."""
-    per_block, fixed = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh, num_seqs)
-    return fixed + num_seqs * -(-tokens_per_seq // block_size) * per_block
+    """A capacity in which kv_blocks finds room for `num_seqs` sequences of `tokens_per_seq` tokens, each
+    with MagicPIG tables (benchmarks)."""
+    per_block, fixed, per_tabled = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
+                                                num_seqs)
+    return fixed + num_seqs * (per_tabled + -(-tokens_per_seq // block_size) * per_block)
 
 
 def attention_worker(cfg, kv_format: str, num_blocks: int, block_size: int, cal, sparse_fraction: float,

@@ -80,13 +80,13 @@ def test_a_missing_model_is_an_error_message_not_a_traceback(command, tmp_path, 
 
 
 def test_too_small_a_cache_for_magicpig_is_an_error_message_not_a_traceback(capsys):
-    """MagicPIG's tables count in the KV capacity: 64 sequences' first table sets (3.2 GiB at SmolLM2's
-    shape) do not fit in 100 MiB, and `hetserve serve` says what to change."""
+    """MagicPIG's tables count in the KV capacity: a block of 16 tokens takes ~0.9 MiB with them at
+    SmolLM2's shape, and `hetserve serve` says what to change."""
     from server.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--kv-format", "oaken", "--attention", "magicpig", "--kv-cache-bytes", "100MiB"])
+        main(["serve", "--kv-format", "oaken", "--attention", "magicpig", "--kv-cache-bytes", "1MiB"])
     assert exc.value.code == 1
     err = capsys.readouterr().err
-    assert "error: KV capacity 100.0 MiB is below one block" in err and "3226.6 MiB set aside for 64 sequences'" in err
-    assert "raise --kv-cache-bytes or lower --max-num-seqs" in err and "Traceback" not in err
+    assert "error: KV capacity 1.0 MiB holds no block of 16 tokens (949056 B, MagicPIG's tables included)" in err
+    assert "raise --kv-cache-bytes" in err and "Traceback" not in err

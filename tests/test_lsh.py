@@ -339,20 +339,23 @@ def _state_bytes(mp) -> int:
 @pytest.mark.parametrize("lengths", [(1000,), (1100,), (1100, 2600, 40)])
 def test_magicpig_state_stays_within_host_bytes(lengths):
     """host_bytes (what the serving cache's capacity counts) bounds the state a prefill and decode
-    steps leave: pending codes below min_context, a first table set just past it, longer sequences
-    in a batch (K 6: small offsets, so that int32 pending codes would not fit); and it is not loose by
-    more than 1.5x on a 2.6k-token sequence."""
+    steps leave: pending codes below min_context (no tables yet), a first table set just past it,
+    longer sequences in a batch (K 6: small offsets, so that int32 pending codes would not fit); and
+    it is not loose by more than 1.5x on a 2.6k-token sequence."""
     from cpu_attn.magicpig import LshConfig, MagicPig, host_bytes
 
     cfg = LshConfig(k=6, l=60, window=64, min_context=1024, merge_every=128, dense_layers=(0,))
     mp = MagicPig(cfg, num_layers=3, num_kv_heads=2, head_dim=64)
     rng = np.random.default_rng(0)
-    per_token, per_seq = host_bytes(cfg, 3, 2, 64)
+    per_token, per_seq, per_tabled = host_bytes(cfg, 3, 2, 64)
 
     def step(seq, start, n):
         k = torch.randn(n, 2, 64)
         for layer in (1, 2):
             mp.append(layer, seq, start, k, rng.integers(0, 2**cfg.k, (n, 2, cfg.l), dtype=np.int32))
+
+    def bound(n):
+        return per_seq + n * per_token + (per_tabled if n >= cfg.min_context else 0)
 
     for seq, n in enumerate(lengths):
         for start in range(0, n - 40, 512):  # prefill chunks of up to 512, then 40 decode steps
@@ -361,17 +364,18 @@ def test_magicpig_state_stays_within_host_bytes(lengths):
         mp.begin_step()
         for seq, n in enumerate(lengths):
             step(seq, n - 40 + i, 1)
-        bound = len(lengths) * per_seq + sum(n - 40 + i + 1 for n in lengths) * per_token
-        assert _state_bytes(mp) <= bound, i
+        assert _state_bytes(mp) <= sum(bound(n - 40 + i + 1) for n in lengths), i
+        assert all(bool(mp.seqs[s][1].offsets) == (n - 40 + i + 1 >= cfg.min_context) for s, n in enumerate(lengths))
     if lengths == (1100, 2600, 40):
         long_only = MagicPig(cfg, num_layers=3, num_kv_heads=2, head_dim=64)
         long_only.seqs = {1: mp.seqs[1]}
-        assert _state_bytes(long_only) > (per_seq + 2600 * per_token) / 1.5
+        assert _state_bytes(long_only) > bound(2600) / 1.5
 
 
 def test_kv_cache_capacity_counts_magicpig_state():
-    """With MagicPIG a block pays for its tokens' codes and max_num_seqs sequences' first table sets are
-    set aside, so that admission by free blocks bounds the tables too; kv_capacity_for inverts it."""
+    """With MagicPIG a block pays for its tokens' codes, and room is kept for the first table sets of
+    min(max_num_seqs, blocks * block_size // min_context) sequences: set aside for every sequence,
+    or paid by each block, whichever leaves more blocks. kv_capacity_for inverts it."""
     from types import SimpleNamespace
 
     from cpu_attn.calibrate import SPARSE_FRACTION
@@ -382,14 +386,21 @@ def test_kv_cache_capacity_counts_magicpig_state():
     shape, lsh = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64), LshConfig()  # SmolLM2's
     args = ("oaken", 2**30, 16, SPARSE_FRACTION, 8)
     _, exact_block = kv_blocks(shape, *args)
-    blocks, per_block = kv_blocks(shape, *args, lsh, max_num_seqs=8)
-    per_token, per_seq = host_bytes(lsh, 30, 3, 64)
-    assert per_token == 28 * 3 * (2 * 300 + 4 + 10) and per_block == exact_block + 16 * per_token
-    assert blocks == (2**30 - OakenKVStore.tail_bytes(30, 3, 64, 16, 8) - 8 * per_seq) // per_block
+    per_token, per_seq, per_tabled = host_bytes(lsh, 30, 3, 64)
+    assert per_token == 28 * 3 * (2 * 300 + 4 + 10) and per_tabled == 28 * 3 * 300 * (2 * 1025 + 16)
+    room = 2**30 - OakenKVStore.tail_bytes(30, 3, 64, 16, 8)
+    for seqs in (8, 64):
+        blocks, per_block = kv_blocks(shape, *args, lsh, max_num_seqs=seqs)
+        assert per_block == exact_block + 16 * per_token
+        aside = (room - seqs * (per_seq + per_tabled)) // per_block  # 8: 685 blocks; 64: none
+        shared = (room - seqs * per_seq) // (per_block + per_tabled * 16 // 1024)  # 64 sequences: 603 blocks
+        assert blocks == max(aside, shared) and (blocks == aside) == (seqs == 8)
+        tabled = min(seqs, blocks * 16 // 1024)  # the most sequences that can have tables in these blocks
+        assert blocks * per_block + seqs * per_seq + tabled * per_tabled <= room
     need = kv_capacity_for(shape, "oaken", 16, 8, 8000, lsh, recent_blocks=8)
     assert kv_blocks(shape, "oaken", need, 16, SPARSE_FRACTION, 8, lsh, 8)[0] == 8 * 500
-    with pytest.raises(ValueError, match="set aside for 64 sequences' MagicPIG tables"):
-        kv_blocks(shape, *args, lsh, max_num_seqs=64)
+    with pytest.raises(ValueError, match="holds no block of 16 tokens .* MagicPIG's tables included"):
+        kv_blocks(shape, "oaken", 2**20, 16, SPARSE_FRACTION, 8, lsh, max_num_seqs=8)
 
 
 def test_decode_merges_spread_over_steps_within_the_budget():
