@@ -21,6 +21,7 @@ KV block layout of each concurrency's group of sequences (the next group reuses 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: `hetserve serve` options")
     args = ap.parse_args()
 
+    from benchmarks.e2e.servers import SMOLLM2
     from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, TargetTokenizer
     from server.cli import build_engine
     from server.config import add_arguments, from_args
@@ -137,15 +139,13 @@ def main() -> None:
 
     serve = argparse.ArgumentParser()
     add_arguments(serve)
-    serve_args = ["--max-num-seqs", str(max(args.concurrency)), *(a for a in args.serve_args if a != "--")]
-    cfg = from_args(serve.parse_args(serve_args))
+    serve_args = [a for a in args.serve_args if a != "--"]
+    cfg = from_args(serve.parse_args(["--max-num-seqs", str(max(args.concurrency)), *serve_args]))
     if cfg.kv_cache_bytes is None:  # room for the prompt and every sequence at SmolLM2's shape, MagicPIG's state too
-        shape = argparse.Namespace(num_layers=30, num_kv_heads=3, head_dim=64)
-        need = kv_capacity_for(shape, cfg.kv_format, cfg.block_size, max(args.concurrency) + 1,
-                               args.context_tokens + args.steps + 2 * 16, cfg.lsh_config(),
-                               recent_blocks=max(args.concurrency) + 1)
-        cfg = from_args(serve.parse_args([*serve_args, "--kv-cache-bytes", str(need)]))
-    serve_args = serve_args[2:]
+        seqs = max(args.concurrency) + 1
+        cfg = dataclasses.replace(cfg, kv_cache_bytes=kv_capacity_for(
+            SMOLLM2, cfg.kv_format, cfg.block_size, seqs, args.context_tokens + args.steps + 2 * 16, cfg.lsh_config(),
+            recent_blocks=seqs))
     engine, _, _ = build_engine(cfg)  # the engine thread is not started: the backend is driven directly
     tok = TargetTokenizer.load(None)
     text = PromptBuilder(tok, Path(DEFAULT_TEXT).read_text(encoding="utf-8"), seed=0).build(args.context_tokens).text
