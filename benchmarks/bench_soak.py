@@ -4,11 +4,12 @@ requests for --minutes; its RSS, KV usage and /health latency over time.
     python -m benchmarks.bench_soak [--minutes 10] [--concurrency 16] [--disconnect-frac 0.5]
 
 Each of --concurrency clients loops: with --bad-frac probability a malformed request (expects a
-4xx); otherwise a completion or chat request (random prompt of 3-300 words, max_tokens 4-64,
+4xx); otherwise a completion or chat request (random prompt of 3 to --max-prompt-words words, max_tokens 4-64,
 streamed or not) which, with --disconnect-frac probability, it abandons at a random point (after
-k chunks, or a client timeout of 0.1-2 s). Every --sample-s: the server's VmRSS, /metrics
-(running, waiting, KV usage), /health latency. At the end: seconds until KV usage is back to 0,
-then SIGTERM and the exit code. Writes results/soak.json and results/soak_rss.png.
+k chunks, or a client timeout of 0.1-2 s). Every --sample-s: the RSS of the server and all its
+processes (with `--executor ray`, the Ray processes and actors), /metrics (running, waiting, the
+fullest KV shard's usage), /health latency. At the end: seconds until every shard's KV usage is
+back to 0, then SIGTERM and the exit code. Writes results/<--out>.json and results/<--out>_rss.png.
 """
 from __future__ import annotations
 
@@ -23,21 +24,16 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import psutil
 
 from benchmarks.common import RESULTS, machine, start_hetserve, write_json
+from benchmarks.e2e.servers import tree_rss
 
 WORDS = ["the", "river", "light", "stone", "market", "winter", "engine", "garden", "letter", "window", "number",
          "silver", "morning", "city", "question", "paper", "music", "forest", "signal", "answer"]
 BAD = [b"{not json", b'{"prompt": "\xff\xfe"}', b'{"prompt": ""}', b'{"prompt": "hi", "max_tokens": 0}',
        b'{"prompt": "hi", "temperature": 9}', b'{"messages": []}', b'{"prompt": "hi", "n": 3}',
        b'{"prompt": "hi", "model": "nope"}', b"[" * 5000]
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -49,12 +45,17 @@ def scrape(text: str) -> dict[str, float]:
     return out
 
 
+def kv_usage(metrics: dict[str, float]) -> float:
+    """The fullest CPU attention shard's KV usage (0-1)."""
+    return max(v for k, v in metrics.items() if k.startswith("hetserve:kv_cache_usage_perc"))
+
+
 async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, args) -> str:
     if rng.random() < args.bad_frac:
         r = await client.post(url + "/v1/completions", content=rng.choice(BAD),
                               headers={"content-type": "application/json"})
         return "bad_4xx" if 400 <= r.status_code < 500 else f"bad_{r.status_code}"
-    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 300)))
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, args.max_prompt_words)))
     chat = rng.random() < 0.5
     body = {"max_tokens": rng.randint(4, 64), "stream": rng.random() < 0.6, "temperature": rng.choice([0, 0.8])}
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
@@ -91,17 +92,18 @@ async def client_loop(client: httpx.AsyncClient, url: str, seed: int, end: float
 
 
 async def sampler(url: str, pid: int, t0: float, end: float, outcomes: Counter, samples: list, every_s: float) -> None:
+    server = psutil.Process(pid)
     async with httpx.AsyncClient(timeout=10) as client:  # its own connection: never queued behind the load
         while True:
             h0 = time.perf_counter()
             health = await client.get(url + "/health")
             health_s = time.perf_counter() - h0
             m = scrape((await client.get(url + "/metrics")).text)
-            samples.append({"t_s": round(time.monotonic() - t0, 1), "rss_mib": round(rss_mib(pid), 1),
+            samples.append({"t_s": round(time.monotonic() - t0, 1), "rss_mib": round(tree_rss(server) / 2**20, 1),
                             "health_s": round(health_s, 4), "health_status": health.status_code,
                             "running": m["hetserve:num_requests_running"],
                             "waiting": m["hetserve:num_requests_waiting"],
-                            "kv_usage": m['hetserve:kv_cache_usage_perc{shard="0"}'],
+                            "kv_usage": kv_usage(m),
                             "requests": sum(outcomes.values())})
             print(f"{samples[-1]['t_s']:7.1f}s rss {samples[-1]['rss_mib']:8.1f} MiB  kv {samples[-1]['kv_usage']:.3f}"
                   f"  running {samples[-1]['running']:3.0f}  requests {samples[-1]['requests']}", flush=True)
@@ -123,20 +125,20 @@ async def soak(url: str, pid: int, args) -> tuple[Counter, list[dict]]:
     return outcomes, samples
 
 
-def plot(samples: list[dict], path: Path) -> None:
+def plot(samples: list[dict], path: Path, server_args: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
     minutes = [s["t_s"] / 60 for s in samples]
-    ax.plot(minutes, [s["rss_mib"] for s in samples], label="server RSS (MiB)")
+    ax.plot(minutes, [s["rss_mib"] for s in samples], label="server RSS, all its processes (MiB)")
     ax.set_xlabel("minutes")
     ax.set_ylabel("RSS (MiB)")
     ax2 = ax.twinx()
     ax2.plot(minutes, [s["requests"] for s in samples], color="gray", linestyle="--", label="requests sent")
     ax2.set_ylabel("requests sent (cumulative)")
-    ax.set_title("hetserve soak: RSS under load with random disconnects")
+    ax.set_title(f"hetserve soak: RSS under load with random disconnects\n{server_args}", fontsize=9)
     fig.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -149,8 +151,10 @@ def main() -> None:
     p.add_argument("--disconnect-frac", type=float, default=0.5)
     p.add_argument("--bad-frac", type=float, default=0.1)
     p.add_argument("--sample-s", type=float, default=5)
+    p.add_argument("--max-prompt-words", type=int, default=300, help="prompts of 3 to this many words (a token each)")
     p.add_argument("--server-args", default="--kv-cache-bytes 256MiB --max-num-seqs 32 --request-timeout-s 120",
                    help="extra `hetserve serve` arguments")
+    p.add_argument("--out", default="soak", help="results/<out>.json and results/<out>_rss.png")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,7 +164,7 @@ def main() -> None:
     try:
         outcomes, samples = asyncio.run(soak(url, proc.pid, args))
         t_end = time.monotonic()
-        while scrape(httpx.get(url + "/metrics").text)['hetserve:kv_cache_usage_perc{shard="0"}'] > 0:
+        while kv_usage(scrape(httpx.get(url + "/metrics").text)) > 0:
             time.sleep(0.1)
         kv_zero_after_s = time.monotonic() - t_end
         metrics_end = scrape(httpx.get(url + "/metrics").text)
@@ -172,6 +176,7 @@ def main() -> None:
     rss = [s["rss_mib"] for s in samples]
     after_1min = [s["rss_mib"] for s in samples if s["t_s"] >= 60] or rss
     summary = {"minutes": args.minutes, "concurrency": args.concurrency, "disconnect_frac": args.disconnect_frac,
+               "max_prompt_words": args.max_prompt_words,
                "bad_frac": args.bad_frac, "server_args": args.server_args, "server_ready_s": round(ready_s, 1),
                "rss_start_mib": rss[0], "rss_at_1min_mib": after_1min[0], "rss_end_mib": rss[-1],
                "rss_max_mib": max(rss), "rss_growth_after_1min_mib": round(rss[-1] - after_1min[0], 1),
@@ -182,9 +187,9 @@ def main() -> None:
                                                if k.startswith("hetserve:request_success_total")},
                "num_preemptions": metrics_end["hetserve:num_preemptions_total"], "sigterm_exit_code": exit_code}
     print(json.dumps(summary, indent=1))
-    write_json("soak.json", {**summary, "machine": machine(), "samples": samples})
-    plot(samples, RESULTS / "soak_rss.png")
-    print(f"wrote {RESULTS / 'soak.json'} and {RESULTS / 'soak_rss.png'}")
+    path = write_json(f"{args.out}.json", {**summary, "machine": machine(), "samples": samples})
+    plot(samples, RESULTS / f"{args.out}_rss.png", args.server_args)
+    print(f"wrote {path} and {RESULTS / f'{args.out}_rss.png'}")
 
 
 if __name__ == "__main__":

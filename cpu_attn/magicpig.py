@@ -19,7 +19,7 @@ seconds; the others wait a step or more (exact meanwhile), at most until 2 * mer
 Layers in `dense_layers`, and sequences shorter than `min_context`, are attended exactly.
 
 `host_bytes` bounds what this state holds, and the serving backends count it in the KV cache's capacity
-(server.hetero.kv_blocks): at L 300 a key's codes or ids take ~7x its 5-bit Oaken K and V.
+(server.hetero.kv_spec): at L 300 a key's codes or ids take ~7x its 5-bit Oaken K and V.
 """
 from __future__ import annotations
 

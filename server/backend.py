@@ -74,6 +74,24 @@ class KVSpec:
     shards: tuple[int, ...] = ()
     """Blocks of each CPU attention worker, in block-id order (empty: one store of num_blocks).
     A sequence's blocks all come from one shard."""
+    reserve_blocks: int = 0
+    """Blocks a sequence also holds, never written, once it has `reserve_from` tokens: the room of
+    state its worker keeps beside the KV from then on (MagicPIG's first table set)."""
+    reserve_from: int = 0
+
+    def reserve_for(self, num_tokens: int) -> int:
+        return self.reserve_blocks if num_tokens >= self.reserve_from else 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` tokens holds, its reserve included."""
+        return -(-num_tokens // self.block_size) + self.reserve_for(num_tokens)
+
+    def max_tokens(self, num_blocks: int) -> int:
+        """The most tokens a sequence can have in `num_blocks` blocks."""
+        tokens = num_blocks * self.block_size
+        if self.reserve_blocks and tokens >= self.reserve_from:
+            tokens = max(self.reserve_from - 1, (num_blocks - self.reserve_blocks) * self.block_size)
+        return tokens
 
 
 class WorkerLost(RuntimeError):

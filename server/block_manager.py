@@ -5,6 +5,8 @@
     a sequence of 10 tokens holds 3 blocks; token p lives in block_table[p // 4], slot p % 4
 
 The KV store (cpu_attn) is the physical memory addressed by these ids; it never allocates.
+A sequence may also hold blocks outside its table (KVSpec.reserve_blocks): room for state its
+worker keeps beside the KV, counted here so that admission by free blocks bounds that state too.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class BlockManager:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self._free: list[deque[int]] = [deque(range(a, a + n)) for a, n in zip(starts, sizes)]
         self._tables: dict[int, list[int]] = {}
+        self._reserved: dict[int, list[int]] = {}
         self._shard_of: dict[int, int] = {}
         self.live: set[int] = set(range(len(sizes)))
         self.max_seq_blocks = max(sizes)
@@ -50,12 +53,15 @@ class BlockManager:
         sizes = self.spec.shards or (self.spec.num_blocks,)
         return [(n - len(f)) * self.spec.bytes_per_block for n, f in zip(sizes, self._free)]
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.spec.block_size)
+    def _missing(self, seq_id: int, num_tokens: int) -> tuple[int, int]:
+        """(table blocks, reserved blocks) `seq_id` still needs to hold `num_tokens` tokens."""
+        spec = self.spec
+        return (max(0, -(-num_tokens // spec.block_size) - len(self._tables.get(seq_id, ()))),
+                max(0, spec.reserve_for(num_tokens) - len(self._reserved.get(seq_id, ()))))
 
     def num_missing(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks `seq_id` still needs to hold `num_tokens` tokens."""
-        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
+        """Blocks `seq_id` still needs to hold `num_tokens` tokens, its reserve included."""
+        return sum(self._missing(seq_id, num_tokens))
 
     def shard_of(self, seq_id: int) -> int | None:
         return self._shard_of.get(seq_id)
@@ -71,21 +77,25 @@ class BlockManager:
         return shard is not None and self.num_missing(seq_id, num_tokens) + reserve <= len(self._free[shard])
 
     def allocate(self, seq_id: int, num_tokens: int) -> tuple[int, ...]:
-        """Grow `seq_id`'s table to cover `num_tokens`; returns the whole table."""
-        missing = self.num_missing(seq_id, num_tokens)
+        """Grow `seq_id`'s table to cover `num_tokens`, and take its reserve once due; returns the
+        whole table."""
+        to_table, to_reserve = self._missing(seq_id, num_tokens)
         shard = self._shard_for(seq_id)
         free = self._free[shard] if shard is not None else deque()
-        if missing > len(free):
-            raise MemoryError(f"sequence {seq_id} needs {missing} blocks, {len(free)} free in its shard")
+        if to_table + to_reserve > len(free):
+            raise MemoryError(f"sequence {seq_id} needs {to_table + to_reserve} blocks, {len(free)} free in its shard")
         self._shard_of[seq_id] = shard
         table = self._tables.setdefault(seq_id, [])
-        table.extend(free.popleft() for _ in range(missing))
+        table.extend(free.popleft() for _ in range(to_table))
+        if to_reserve:
+            self._reserved.setdefault(seq_id, []).extend(free.popleft() for _ in range(to_reserve))
         return tuple(table)
 
     def free(self, seq_id: int) -> None:
         shard = self._shard_of.pop(seq_id, None)
         if shard is not None:
             self._free[shard].extend(self._tables.pop(seq_id, ()))
+            self._free[shard].extend(self._reserved.pop(seq_id, ()))
 
     def table(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._tables.get(seq_id, ()))

@@ -99,48 +99,53 @@ def flatten(inp: StepInput) -> FlatBatch:
 
 def _cache_costs(cfg, kv_format: str, block_size: int, sparse_fraction: float, recent_blocks: int,
                  lsh: LshConfig | None, max_num_seqs: int) -> tuple[int, int, int]:
-    """(bytes per block, bytes set aside, bytes per sequence with MagicPIG tables) of the KV cache. With
-    MagicPIG its state is the cache's too (magicpig.host_bytes): a block pays for its tokens' codes, and
-    `max_num_seqs` sequences' centers are set aside."""
+    """(bytes per block, bytes set aside, blocks reserved by a sequence with MagicPIG tables) of the
+    KV cache. With MagicPIG its state is the cache's too (magicpig.host_bytes): a block pays for its
+    tokens' codes, `max_num_seqs` sequences' centers are set aside, and a sequence reserves blocks
+    for its first table set. The reserve is counted against the codes' share of a block alone: the
+    reserved blocks' own KV pages may still be in memory from an earlier sequence."""
     geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
     per_block = bytes_per_block(kv_format, *geometry, sparse_fraction)
     fixed = OakenKVStore.tail_bytes(*geometry, recent_blocks if kv_format == "oaken" else 0)
     if lsh is None:
         return per_block, fixed, 0
     per_token, per_seq, per_tabled = host_bytes(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    return per_block + block_size * per_token, fixed + max_num_seqs * per_seq, per_tabled
+    reserve = -(-per_tabled // (block_size * per_token))
+    return per_block + block_size * per_token, fixed + max_num_seqs * per_seq, reserve
 
 
-def kv_blocks(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_fraction: float,
-              recent_blocks: int, lsh: LshConfig | None = None, max_num_seqs: int = 1) -> tuple[int, int]:
-    """(blocks, bytes per block) of a cache of `capacity_bytes` in `kv_format`, MagicPIG's state included,
-    so that admission by free blocks bounds the hash tables too. A sequence gets its first table set
-    (per_tabled bytes) only at min_context tokens, so at most min(max_num_seqs, blocks * block_size //
-    min_context) hold one: the most blocks is the larger of two counts, each safe on its own: every
-    sequence's first set set aside, or each block paying a min_context-token sequence's share of one."""
-    per_block, fixed, per_tabled = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
-                                                max_num_seqs)
-    room = capacity_bytes - fixed
-    num_blocks = room // per_block
-    if lsh is not None:
-        num_blocks = max((room - max_num_seqs * per_tabled) // per_block,
-                         room * lsh.min_context // (per_block * lsh.min_context + per_tabled * block_size))
-    if num_blocks < 1:
-        tables = ", MagicPIG's tables included" if lsh else ""
-        raise KVCapacityError(f"KV capacity {capacity_bytes / 2**20:.1f} MiB holds no block of {block_size} tokens "
-                              f"({per_block} B{tables}) beside the {fixed / 2**20:.1f} MiB it sets aside: raise "
+def kv_spec(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_fraction: float,
+            recent_blocks: int, lsh: LshConfig | None = None, max_num_seqs: int = 1) -> KVSpec:
+    """The blocks of a cache of `capacity_bytes` in `kv_format`, MagicPIG's state included, so that
+    admission by free blocks bounds the hash tables too: a sequence reserves blocks for its first
+    table set once it has min_context tokens (when it may get one)."""
+    per_block, fixed, reserve = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
+                                             max_num_seqs)
+    spec = KVSpec(block_size, max(0, capacity_bytes - fixed) // per_block, per_block, reserve_blocks=reserve,
+                  reserve_from=lsh.min_context if lsh else 0)
+    least = spec.blocks_for(lsh.min_context) if lsh else 1
+    if spec.num_blocks < least:
+        what = (f"a sequence of {lsh.min_context} tokens with its MagicPIG tables ({least} blocks of {per_block} B)"
+                if lsh else f"one block of {block_size} tokens ({per_block} B)")
+        raise KVCapacityError(f"KV capacity {capacity_bytes / 2**20:.1f} MiB has room for {spec.num_blocks} blocks "
+                              f"beside the {fixed / 2**20:.1f} MiB it sets aside, too few for {what}: raise "
                               "--kv-cache-bytes")
-    return num_blocks, per_block
+    return spec
+
+
+def reserve_note(spec: KVSpec) -> str:
+    return (f"; a sequence of {spec.reserve_from} tokens or more also holds {spec.reserve_blocks} for its MagicPIG "
+            "tables" if spec.reserve_blocks else "")
 
 
 def kv_capacity_for(cfg, kv_format: str, block_size: int, num_seqs: int, tokens_per_seq: int,
                     lsh: LshConfig | None = None, sparse_fraction: float = SPARSE_FRACTION,
                     recent_blocks: int = 0) -> int:
-    """A capacity in which kv_blocks finds room for `num_seqs` sequences of `tokens_per_seq` tokens, each
+    """A capacity in which kv_spec finds room for `num_seqs` sequences of `tokens_per_seq` tokens, each
     with MagicPIG tables (benchmarks)."""
-    per_block, fixed, per_tabled = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
-                                                num_seqs)
-    return fixed + num_seqs * (per_tabled + -(-tokens_per_seq // block_size) * per_block)
+    per_block, fixed, reserve = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
+                                             num_seqs)
+    return fixed + num_seqs * (reserve + -(-tokens_per_seq // block_size)) * per_block
 
 
 def attention_worker(cfg, kv_format: str, num_blocks: int, block_size: int, cal, sparse_fraction: float,
@@ -173,16 +178,16 @@ class HeteroBackend:
         self.model = model if model is not None else load_model(model_dir, device, pick_dtype(dtype, device),
                                                                        gguf_blocks_max_tokens, cpu_linear_dtype)
         cfg = self.model_cfg = self.model.cfg
-        num_blocks, per_block = kv_blocks(cfg, kv_format, kv_capacity_bytes, block_size, oaken_sparse_fraction,
-                                          oaken_recent_blocks, lsh, max_num_seqs)
+        self.kv_spec = kv_spec(cfg, kv_format, kv_capacity_bytes, block_size, oaken_sparse_fraction,
+                               oaken_recent_blocks, lsh, max_num_seqs)
+        num_blocks, per_block = self.kv_spec.num_blocks, self.kv_spec.bytes_per_block
         cal = oaken_thresholds(self.model, model_dir, oaken_thresholds_path) if kv_format == "oaken" else None
-        self.kv_spec = KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=per_block)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_worker = model_worker(self.model, lsh, device)
         self.attn_worker = attention_worker(cfg, kv_format, num_blocks, block_size, cal, oaken_sparse_fraction,
                                             oaken_recent_blocks, lsh)
-        log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s", num_blocks, block_size,
-                 num_blocks * per_block / 2**20, kv_format, device)
+        log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s%s", num_blocks, block_size,
+                 num_blocks * per_block / 2**20, kv_format, device, reserve_note(self.kv_spec))
 
     def step(self, inp: StepInput) -> StepOutput:
         t0 = time.perf_counter()

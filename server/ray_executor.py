@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cpu_attn.calibrate import SPARSE_FRACTION
-from server.backend import KVSpec, StepInput, StepOutput, WorkerLost
+from server.backend import StepInput, StepOutput, WorkerLost
 from server.ray_actors import STEP_TIMEOUT_S, AttentionActor, ModelActor
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class RayBackend:
                  cpu_actors: int = 2, actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
         import ray
 
-        from server.hetero import kv_blocks
+        from server.hetero import kv_spec, reserve_note
 
         actor_cpus = actor_cpus or max(1, (os.cpu_count() or 1) // cpu_actors)
         self._owns_ray = not ray.is_initialized()
@@ -71,8 +71,9 @@ class RayBackend:
             str(model_dir), device, dtype, gguf_blocks_max_tokens, cpu_linear_dtype, lsh, threads, microbatches)
         cfg = ray.get(self.model_actor.config.remote())
         cal = ray.get(self.model_actor.thresholds.remote(oaken_thresholds_path)) if kv_format == "oaken" else None
-        num_blocks, per_block = kv_blocks(cfg, kv_format, kv_capacity_bytes // cpu_actors, block_size,
-                                          oaken_sparse_fraction, oaken_recent_blocks, lsh, max_num_seqs)
+        shard = kv_spec(cfg, kv_format, kv_capacity_bytes // cpu_actors, block_size, oaken_sparse_fraction,
+                        oaken_recent_blocks, lsh, max_num_seqs)
+        num_blocks, per_block = shard.num_blocks, shard.bytes_per_block
         self.first_blocks = [i * num_blocks for i in range(cpu_actors)]
         actor_opts = {"num_cpus": actor_cpus, **restartable(OMP_WAIT_POLICY="PASSIVE")}
         if kv_resource:
@@ -80,7 +81,7 @@ class RayBackend:
         self.cpu_actors = [ray.remote(AttentionActor).options(**actor_opts).remote(
             cfg, kv_format, num_blocks, first, block_size, cal, oaken_sparse_fraction, oaken_recent_blocks, lsh,
             actor_cpus) for first in self.first_blocks]
-        self.kv_spec = KVSpec(block_size, num_blocks * cpu_actors, per_block, shards=(num_blocks,) * cpu_actors)
+        self.kv_spec = replace(shard, num_blocks=num_blocks * cpu_actors, shards=(num_blocks,) * cpu_actors)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_cfg = cfg
         self.down: set[int] = set(range(cpu_actors))
@@ -91,8 +92,8 @@ class RayBackend:
         self._connect_all()
         if self.down:
             raise RuntimeError(f"CPU attention actors {sorted(self.down)} did not start")
-        log.info("Ray executor: %d CPU attention actors x %d CPUs, %d KV blocks each (%.1f MiB), %s",
-                 cpu_actors, actor_cpus, num_blocks, num_blocks * per_block / 2**20, kv_format)
+        log.info("Ray executor: %d CPU attention actors x %d CPUs, %d KV blocks each (%.1f MiB), %s%s",
+                 cpu_actors, actor_cpus, num_blocks, num_blocks * per_block / 2**20, kv_format, reserve_note(shard))
 
     def _connect_all(self, timeout_s: float = 300.0) -> None:
         addresses = self.ray.get([a.address.remote() for a in self.cpu_actors], timeout=timeout_s)

@@ -88,5 +88,6 @@ def test_too_small_a_cache_for_magicpig_is_an_error_message_not_a_traceback(caps
         main(["serve", "--kv-format", "oaken", "--attention", "magicpig", "--kv-cache-bytes", "1MiB"])
     assert exc.value.code == 1
     err = capsys.readouterr().err
-    assert "error: KV capacity 1.0 MiB holds no block of 16 tokens (949056 B, MagicPIG's tables included)" in err
+    assert "error: KV capacity 1.0 MiB has room for 0 blocks beside the" in err
+    assert "too few for a sequence of 1024 tokens with its MagicPIG tables (128 blocks of 949056 B)" in err
     assert "raise --kv-cache-bytes" in err and "Traceback" not in err

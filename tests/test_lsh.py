@@ -373,34 +373,44 @@ def test_magicpig_state_stays_within_host_bytes(lengths):
 
 
 def test_kv_cache_capacity_counts_magicpig_state():
-    """With MagicPIG a block pays for its tokens' codes, and room is kept for the first table sets of
-    min(max_num_seqs, blocks * block_size // min_context) sequences: set aside for every sequence,
-    or paid by each block, whichever leaves more blocks. kv_capacity_for inverts it."""
+    """With MagicPIG a block pays for its tokens' codes, and a sequence of min_context tokens or more
+    reserves blocks for its first table set: however the blocks are shared out, the state stays in
+    the capacity, even when every block's own KV pages are in memory. kv_capacity_for inverts it."""
     from types import SimpleNamespace
 
     from cpu_attn.calibrate import SPARSE_FRACTION
     from cpu_attn.kv_store import OakenKVStore
     from cpu_attn.magicpig import LshConfig, host_bytes
-    from server.hetero import kv_blocks, kv_capacity_for
+    from server.backend import KVCapacityError
+    from server.hetero import kv_capacity_for, kv_spec
 
     shape, lsh = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64), LshConfig()  # SmolLM2's
     args = ("oaken", 2**30, 16, SPARSE_FRACTION, 8)
-    _, exact_block = kv_blocks(shape, *args)
+    exact = kv_spec(shape, *args)
     per_token, per_seq, per_tabled = host_bytes(lsh, 30, 3, 64)
     assert per_token == 28 * 3 * (2 * 300 + 4 + 10) and per_tabled == 28 * 3 * 300 * (2 * 1025 + 16)
     room = 2**30 - OakenKVStore.tail_bytes(30, 3, 64, 16, 8)
+    assert exact.reserve_blocks == 0 and exact.num_blocks == room // exact.bytes_per_block
     for seqs in (8, 64):
-        blocks, per_block = kv_blocks(shape, *args, lsh, max_num_seqs=seqs)
-        assert per_block == exact_block + 16 * per_token
-        aside = (room - seqs * (per_seq + per_tabled)) // per_block  # 8: 685 blocks; 64: none
-        shared = (room - seqs * per_seq) // (per_block + per_tabled * 16 // 1024)  # 64 sequences: 603 blocks
-        assert blocks == max(aside, shared) and (blocks == aside) == (seqs == 8)
-        tabled = min(seqs, blocks * 16 // 1024)  # the most sequences that can have tables in these blocks
-        assert blocks * per_block + seqs * per_seq + tabled * per_tabled <= room
+        spec = kv_spec(shape, *args, lsh, max_num_seqs=seqs)
+        assert spec.bytes_per_block == exact.bytes_per_block + 16 * per_token
+        assert spec.num_blocks == (room - seqs * per_seq) // spec.bytes_per_block  # 1043 blocks at 64 sequences
+        assert spec.reserve_from == 1024 and spec.reserve_blocks * 16 * per_token >= per_tabled
+        assert spec.blocks_for(1023) == 64 and spec.blocks_for(1024) == 64 + spec.reserve_blocks
+        # each tabled sequence (>= 1024 tokens) holds its reserve: the most tables fit whatever the split
+        for length in (1024, 1500, 8000):
+            tabled = min(seqs, spec.num_blocks // spec.blocks_for(length))
+            kv_pages = spec.num_blocks * exact.bytes_per_block  # every block's K and V written at some time
+            codes = tabled * -(-length // 16) * 16 * per_token
+            assert kv_pages + codes + tabled * per_tabled + seqs * per_seq <= room
     need = kv_capacity_for(shape, "oaken", 16, 8, 8000, lsh, recent_blocks=8)
-    assert kv_blocks(shape, "oaken", need, 16, SPARSE_FRACTION, 8, lsh, 8)[0] == 8 * 500
-    with pytest.raises(ValueError, match="holds no block of 16 tokens .* MagicPIG's tables included"):
-        kv_blocks(shape, "oaken", 2**20, 16, SPARSE_FRACTION, 8, lsh, max_num_seqs=8)
+    spec = kv_spec(shape, "oaken", need, 16, SPARSE_FRACTION, 8, lsh, 8)
+    assert spec.num_blocks == 8 * spec.blocks_for(8000)
+    with pytest.raises(KVCapacityError, match="room for 104 blocks .* too few for a sequence of 1024 tokens with its "
+                                              r"MagicPIG tables \(128 blocks"):
+        kv_spec(shape, "oaken", 100 * 2**20, 16, SPARSE_FRACTION, 8, lsh, max_num_seqs=1)
+    with pytest.raises(KVCapacityError, match="room for 0 blocks .* too few for one block of 16 tokens"):
+        kv_spec(shape, "oaken", 2**10, 16, SPARSE_FRACTION, 0)
 
 
 def test_decode_merges_spread_over_steps_within_the_budget():
@@ -578,6 +588,7 @@ def test_server_with_magicpig_samples_long_prompts():
     cfg = ServeConfig(kv_format="oaken", attention="magicpig", lsh_min_context=256, lsh_window=32,
                       kv_cache_bytes=2**30, max_num_seqs=8)
     server = RunningServer(cfg)
+    assert server.engine.blocks.spec.reserve_blocks > 0  # a prompt of 256 tokens or more holds room for its tables
     text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:6000]
     try:
         def ask(i):

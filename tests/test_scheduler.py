@@ -34,6 +34,32 @@ def test_block_manager_exact_accounting():
     assert bm.used_bytes == 0
 
 
+def test_a_sequence_past_reserve_from_holds_its_reserve_outside_its_table():
+    """MagicPIG's first table set: blocks taken once a sequence has reserve_from tokens, never in its
+    table (the store does not see them), freed with it, and counted by admission and preemption."""
+    spec = KVSpec(block_size=4, num_blocks=12, bytes_per_block=100, reserve_blocks=3, reserve_from=8)
+    assert [spec.blocks_for(n) for n in (7, 8, 9)] == [2, 5, 6]
+    assert [spec.max_tokens(n) for n in (1, 2, 4, 5, 6)] == [4, 7, 7, 8, 12]
+    bm = BlockManager(spec)
+    assert bm.allocate(0, 7) == (0, 1) and bm.num_free_blocks == 10
+    assert bm.num_missing(0, 8) == 3 and bm.allocate(0, 8) == (0, 1)  # the reserve, no new table block
+    assert bm.num_free_blocks == 7 and bm.used_bytes == 500
+    assert bm.allocate(0, 9) == (0, 1, 5) and bm.num_missing(0, 12) == 0
+    assert bm.allocate(1, 12) == (6, 7, 8) and bm.num_free_blocks == 0  # 3 blocks of table and its reserve of 3
+    bm.free(0)
+    assert bm.num_free_blocks == 6 and sorted(bm._free[0]) == [0, 1, 2, 3, 4, 5]
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockManager(spec))
+    for i in range(3):
+        s.add(Sequence(i, list(range(6)), GREEDY))
+    run_step(s)  # three prompts of 6 tokens: 2 blocks each, no reserve yet
+    assert s.blocks.num_free_blocks == 6
+    run_step(s)  # each reaches 7 tokens
+    inp, _ = run_step(s)  # 8 tokens: sequences 0 and 1 take their reserve (3 blocks each); 2 is preempted
+    assert [c.seq_id for c in inp.chunks] == [0, 1] and s.num_preemptions == 1
+    assert s.waiting[0].seq_id == 2 and s.blocks.num_free_blocks == 2
+
+
 def test_prefill_is_chunked_under_the_token_budget_and_decodes_join():
     s, _ = make(budget=6)
     s.add(Sequence(0, list(range(10)), GREEDY))

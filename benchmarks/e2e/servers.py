@@ -98,6 +98,17 @@ def command(cfg: ServerConfig, port: int, concurrency: int, context_tokens: int,
             "-t", str(threads), "-tb", str(threads), "-cram", "0", "--no-webui", *cfg.args]
 
 
+def tree_rss(proc: psutil.Process) -> int:
+    """The summed RSS of a process and all its descendants (with `--executor ray`, its Ray processes and actors)."""
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:  # a child exited between listing and reading
+            pass
+    return total
+
+
 class PeakRss:
     """Samples the summed RSS of a process and all its descendants every `interval_s` in a thread."""
 
@@ -109,19 +120,10 @@ class PeakRss:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _sample(self) -> int:
-        total = 0
-        for p in [self._proc, *self._proc.children(recursive=True)]:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:  # a child exited between listing and reading
-                pass
-        return total
-
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.peak_bytes = max(self.peak_bytes, self._sample())
+                self.peak_bytes = max(self.peak_bytes, tree_rss(self._proc))
             except psutil.Error:
                 return
             self._stop.wait(self._interval_s)
