@@ -19,6 +19,7 @@ import json
 import random
 import signal
 import socket
+import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -138,8 +139,9 @@ def plot(samples: list[dict], path: Path, server_args: str) -> None:
     ax2 = ax.twinx()
     ax2.plot(minutes, [s["requests"] for s in samples], color="gray", linestyle="--", label="requests sent")
     ax2.set_ylabel("requests sent (cumulative)")
-    ax.set_title(f"hetserve soak: RSS under load with random disconnects\n{server_args}", fontsize=9)
-    fig.legend(loc="lower right")
+    ax.set_title("hetserve soak: RSS under load with random disconnects\n" + textwrap.fill(server_args, 110), fontsize=8)
+    ax.legend(ax.get_lines() + ax2.get_lines(), [line.get_label() for line in ax.get_lines() + ax2.get_lines()],
+              loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
