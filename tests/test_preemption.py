@@ -30,6 +30,9 @@ def test_small_kv_forces_preemption_with_identical_greedy_text(server):
         assert small.engine.scheduler.num_preemptions > 0
         assert texts == reference
         assert small.engine.blocks.used_bytes == 0
+        too_long = httpx.post(small.url + "/v1/completions", json={"prompt": "river " * 400, "max_tokens": 1}, timeout=60)
+        assert too_long.status_code == 400
+        assert "the KV cache holds at most 320 of a sequence" in too_long.json()["error"]["message"]
     finally:
         small.close()
 
