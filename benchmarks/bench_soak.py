@@ -9,7 +9,7 @@ streamed or not) which, with --disconnect-frac probability, it abandons at a ran
 k chunks, or a client timeout of 0.1-2 s). Every --sample-s: the RSS of the server and all its
 processes (with `--executor ray`, the Ray processes and actors), /metrics (running, waiting, the
 fullest KV shard's usage), /health latency. At the end: seconds until every shard's KV usage is
-back to 0, then SIGTERM and the exit code. Writes results/<--out>.json and results/<--out>_rss.png.
+back to 0, the RSS once idle, then SIGTERM and the exit code. Writes results/<--out>.json and results/<--out>_rss.png.
 """
 from __future__ import annotations
 
@@ -139,7 +139,8 @@ def plot(samples: list[dict], path: Path, server_args: str) -> None:
     ax2 = ax.twinx()
     ax2.plot(minutes, [s["requests"] for s in samples], color="gray", linestyle="--", label="requests sent")
     ax2.set_ylabel("requests sent (cumulative)")
-    ax.set_title("hetserve soak: RSS under load with random disconnects\n" + textwrap.fill(server_args, 110), fontsize=8)
+    title = "hetserve soak: RSS under load with random disconnects\n" + textwrap.fill(server_args, 110)
+    ax.set_title(title, fontsize=8)
     ax.legend(ax.get_lines() + ax2.get_lines(), [line.get_label() for line in ax.get_lines() + ax2.get_lines()],
               loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -169,6 +170,8 @@ def main() -> None:
         while kv_usage(scrape(httpx.get(url + "/metrics").text)) > 0:
             time.sleep(0.1)
         kv_zero_after_s = time.monotonic() - t_end
+        time.sleep(args.sample_s)  # a step's worth for the workers to drop the last sequences' state
+        rss_drained = tree_rss(psutil.Process(proc.pid)) / 2**20
         metrics_end = scrape(httpx.get(url + "/metrics").text)
         proc.send_signal(signal.SIGTERM)
         exit_code = proc.wait(timeout=60)
@@ -182,6 +185,7 @@ def main() -> None:
                "bad_frac": args.bad_frac, "server_args": args.server_args, "server_ready_s": round(ready_s, 1),
                "rss_start_mib": rss[0], "rss_at_1min_mib": after_1min[0], "rss_end_mib": rss[-1],
                "rss_max_mib": max(rss), "rss_growth_after_1min_mib": round(rss[-1] - after_1min[0], 1),
+               "rss_drained_mib": round(rss_drained, 1),
                "health_max_s": max(s["health_s"] for s in samples),
                "health_non_200": sum(s["health_status"] != 200 for s in samples),
                "outcomes": dict(outcomes), "kv_zero_after_s": round(kv_zero_after_s, 2),
