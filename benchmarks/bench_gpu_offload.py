@@ -209,6 +209,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
             out.append({"context": r["context"], "hetserve_batch": h.get("concurrency"),
                         "hetserve_tok_s": h.get("decode_tok_s"), "hetserve_step_ms": h.get("mean_step_ms"),
                         "cpu_attn_ms": h.get("parts_ms", {}).get("cpu_attn"),
+                        "exact_layers_ms": h.get("parts_ms", {}).get("cpu_attn_dense"),
                         "keys_touched": r.get("keys_touched_frac"), "gpu_only_batch": gpu.get("batch"),
                         "gpu_only_tok_s": gpu.get("decode_tok_s"),
                         "ratio": h["decode_tok_s"] / gpu["decode_tok_s"] if h and gpu else None})
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 args.max_gpu_batch))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "hetserve"}), flush=True)
     print_table(table_rows(rows), ["context", "hetserve_batch", "hetserve_tok_s", "hetserve_step_ms", "cpu_attn_ms",
-                                   "keys_touched", "gpu_only_batch", "gpu_only_tok_s", "ratio"])
+                                   "exact_layers_ms", "keys_touched", "gpu_only_batch", "gpu_only_tok_s", "ratio"])
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"shape": args.shape, "device": device, "machine": machine(), "torch": torch.__version__,
               "steps": args.steps, "lsh_l": args.lsh_l, "lsh_min_collisions": args.lsh_min_collisions, "rows": rows}

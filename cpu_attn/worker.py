@@ -50,7 +50,9 @@ class AttentionWorker:
         self.sparse = sparse
         self.scale = head_dim**-0.5
         self.busy_s = 0.0
-        """Seconds spent in attention and KV writes since the last `take_busy_s`."""
+        """Seconds spent in attention and KV writes since the last `take_timings`."""
+        self.dense_s = 0.0
+        """Of those, the layers a sparse part keeps exact (MagicPIG's dense layers)."""
         self._plan: _StepPlan | None = None
 
     def begin_step(self, chunks: Sequence[ChunkLayout]) -> None:
@@ -97,7 +99,7 @@ class AttentionWorker:
         q_codes = None if codes is None else codes[0].numpy()
         if not plan.prefills:  # decode-only step: the kernel's output is the whole answer
             o = self._decode(layer, q.numpy(), q_codes)
-            self.busy_s += time.perf_counter() - t0
+            self._count(layer, t0)
             return torch.from_numpy(o).reshape(q.shape[0], -1)
         out = torch.empty(q.shape, dtype=q.dtype)
         if len(plan.decode_rows):
@@ -110,8 +112,14 @@ class AttentionWorker:
                 k_np, v_np = self.store.gather(layer, table, start + n)
                 k_ctx, v_ctx = torch.from_numpy(k_np), torch.from_numpy(v_np)
             out[first : first + n] = prefill_attention(q[first : first + n], k_ctx, v_ctx, start, self.scale)
-        self.busy_s += time.perf_counter() - t0
+        self._count(layer, t0)
         return out.reshape(q.shape[0], -1)
+
+    def _count(self, layer: int, t0: float) -> None:
+        took = time.perf_counter() - t0
+        self.busy_s += took
+        if self.sparse is not None and not self.sparse.sampled_layers[layer]:
+            self.dense_s += took
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_codes: torch.Tensor | None = None) -> None:
         """Write the step's k, v [T, Hkv, D] to the store (and k to the sparse part's tables) only."""
@@ -138,6 +146,9 @@ class AttentionWorker:
         if self.sparse is not None:
             self.sparse.free(seq_ids)
 
-    def take_busy_s(self) -> float:
-        busy, self.busy_s = self.busy_s, 0.0
-        return busy
+    def take_timings(self) -> dict[str, float]:
+        """Seconds since the last call: `cpu_attn`, and with a sparse part `cpu_attn_dense`, of those the
+        layers it keeps exact."""
+        timings = {"cpu_attn": self.busy_s, **({"cpu_attn_dense": self.dense_s} if self.sparse is not None else {})}
+        self.busy_s = self.dense_s = 0.0
+        return timings

@@ -201,7 +201,7 @@ class HeteroBackend:
                                                  self.attn_worker.attend, b.chunks)
         return StepOutput(
             sampled=dict(zip(b.sampled_ids, tokens)),
-            timings_s={"accelerator": accel_s, "cpu_attn": self.attn_worker.take_busy_s(),
+            timings_s={"accelerator": accel_s, **self.attn_worker.take_timings(),
                        "step": time.perf_counter() - t0},
         )
 

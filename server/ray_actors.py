@@ -80,7 +80,7 @@ class AttentionActor:
                                    for n, start, table, seq in h["layout"]])
             q, k, v, *codes = (torch.from_numpy(a) for a in arrays)
             o = worker.attend(h["layer"], q, k, v, tuple(codes) or None)
-            channel.send(conn, {"busy_s": worker.take_busy_s()} if h.get("last") else {}, [o.numpy()])
+            channel.send(conn, worker.take_timings() if h.get("last") else {}, [o.numpy()])
             if h.get("last"):
                 self.trimmer.worked()
                 self.trimmer.maybe_release()  # server/memory.py
@@ -175,6 +175,7 @@ class ModelActor:
             return {}, {}
         mbs = [self._micro_batch(c) for c in split(inp.chunks, self.microbatches)]
         busy: dict[int, float] = {}
+        dense: dict[int, float] = {}  # of busy, the layers MagicPIG keeps exact
         last = self.model.cfg.num_layers - 1
 
         # Between the first send and the last reply the CPU actors may hold every core: no torch op
@@ -198,7 +199,9 @@ class ModelActor:
                 h, arrays = self._recv(s)
                 if "error" in h:
                     raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
-                busy[s] = busy.get(s, 0.0) + h.get("busy_s", 0.0)
+                busy[s] = busy.get(s, 0.0) + h.get("cpu_attn", 0.0)
+                if "cpu_attn_dense" in h:
+                    dense[s] = dense.get(s, 0.0) + h["cpu_attn_dense"]
                 if rows is None:
                     out = arrays[0]
                 else:
@@ -215,7 +218,7 @@ class ModelActor:
         accel_s += time.perf_counter() - t1
         return dict(zip([i for b, _ in mbs for i in b.sampled_ids], tokens)), {
             "accelerator": accel_s, "cpu_attn": sum(busy.values()), "cpu_attn_max": max(busy.values()),
-            "step": step_s}
+            **({"cpu_attn_dense": sum(dense.values())} if dense else {}), "step": step_s}
 
     def _micro_batch(self, chunks) -> tuple:
         """The flat batch of `chunks` and, per shard, (its rows and its rows among the decode rows
