@@ -12,7 +12,8 @@ from typing import Protocol
 
 
 class KVCapacityError(ValueError):
-    """The KV capacity holds no block (the CLI says so without a traceback)."""
+    """The KV capacity is too small to serve (no block, or no min_context sequence with its MagicPIG
+    tables): the CLI says so without a traceback."""
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,16 @@ class KVSpec:
     state its worker keeps beside the KV from then on (MagicPIG's first table set)."""
     reserve_from: int = 0
 
+    def table_blocks(self, num_tokens: int) -> int:
+        """Blocks of a sequence's block table at `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
     def reserve_for(self, num_tokens: int) -> int:
         return self.reserve_blocks if num_tokens >= self.reserve_from else 0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` tokens holds, its reserve included."""
-        return -(-num_tokens // self.block_size) + self.reserve_for(num_tokens)
+        return self.table_blocks(num_tokens) + self.reserve_for(num_tokens)
 
     def max_tokens(self, num_blocks: int) -> int:
         """The most tokens a sequence can have in `num_blocks` blocks."""

@@ -56,7 +56,7 @@ class BlockManager:
     def _missing(self, seq_id: int, num_tokens: int) -> tuple[int, int]:
         """(table blocks, reserved blocks) `seq_id` still needs to hold `num_tokens` tokens."""
         spec = self.spec
-        return (max(0, -(-num_tokens // spec.block_size) - len(self._tables.get(seq_id, ()))),
+        return (max(0, spec.table_blocks(num_tokens) - len(self._tables.get(seq_id, ()))),
                 max(0, spec.reserve_for(num_tokens) - len(self._reserved.get(seq_id, ()))))
 
     def num_missing(self, seq_id: int, num_tokens: int) -> int:
