@@ -9,6 +9,8 @@ from which the engine derives each request's simulated timing.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from accel_sim.cost import StepWork, step_cost
 from accel_sim.hardware import SYSTEMS, System, make_system
 from accel_sim.models import get_model
@@ -63,7 +65,7 @@ class SimBackend:
             return out
         cost = step_cost(self.system, step_work(inp, self.system.model.sliding_window))
         self.clock_s += cost.time_s
-        return StepOutput(out.sampled, {**out.timings_s, "sim_step_s": cost.time_s, "sim_clock_s": self.clock_s})
+        return replace(out, timings_s={**out.timings_s, "sim_step_s": cost.time_s, "sim_clock_s": self.clock_s})
 
     def reset_clock(self) -> None:
         self.clock_s = 0.0

@@ -16,6 +16,7 @@ class SamplingLike(Protocol):
     top_p: float
     top_k: int
     seed: int
+    logprobs: int | None
 
 
 def _row_seed(seed: int, output_index: int) -> int:
@@ -50,3 +51,23 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingLike], output_indices:
         noise = -torch.log(-torch.log(torch.rand(scaled.shape, generator=gen).clamp_min(1e-20)))
         tokens[row] = int((scaled + noise).argmax())
     return tokens
+
+
+def logprobs(logits: torch.Tensor, tokens: Sequence[int], params: Sequence[SamplingLike]) -> list[tuple | None]:
+    """For each row whose params ask for logprobs: (log-probability of its sampled token, the
+    `p.logprobs` most likely (token, log-probability) pairs, best first); None for the others.
+
+    Log-probabilities are the model's own distribution: before temperature, top-k and top-p."""
+    rows = [r for r, p in enumerate(params) if p.logprobs is not None]
+    out: list[tuple | None] = [None] * len(params)
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows].float(), -1)
+    chosen = logp.gather(1, torch.tensor([[tokens[r]] for r in rows], device=logp.device)).squeeze(1).tolist()
+    k = max(params[r].logprobs for r in rows)
+    top_lp, top_ids = (logp.topk(k, -1) if k else (logp[:, :0], logp[:, :0].long()))
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    for i, r in enumerate(rows):
+        n = params[r].logprobs
+        out[r] = (chosen[i], tuple(zip(top_ids[i][:n], top_lp[i][:n])))
+    return out

@@ -9,7 +9,7 @@ import torch
 
 from gpu_model.lsh import LshCoder
 from gpu_model.model import LlamaModel
-from gpu_model.sampler import SamplingLike, sample
+from gpu_model.sampler import SamplingLike, logprobs, sample
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], codes) -> [T, Hq * D], all CPU float32;
 # codes: (query codes [D, Hq, L] of the D decode rows (one-token chunks), key codes [T, Hkv, L]) int32 from the
@@ -83,14 +83,14 @@ class ModelWorker:
         output_indices: Sequence[int],
         attend: AttendFn,
         chunks: Chunks = (),
-    ) -> tuple[list[int], float]:
+    ) -> tuple[list[int], list, float]:
         """Run every layer over the flat batch; sample one token at each of `sample_rows`.
 
-        Returns the sampled tokens and the seconds spent outside `attend`.
+        Returns the sampled tokens, their logprobs (sampler.logprobs) and the seconds spent outside `attend`.
         """
         logits, busy_s = self.forward(token_ids, positions, sample_rows, attend, chunks)
         if not sample_rows:
-            return [], busy_s
+            return [], [], busy_s
         t0 = time.perf_counter()
         tokens = sample(logits, params, output_indices)
-        return tokens, busy_s + time.perf_counter() - t0
+        return tokens, logprobs(logits, tokens, params), busy_s + time.perf_counter() - t0

@@ -33,9 +33,10 @@ from server.protocol import (
     chat_messages,
     check_common,
     completion_prompt,
+    num_logprobs,
     stop_list,
 )
-from server.responses import EngineStream, Shape, event_error
+from server.responses import EngineStream, Logprobs, Shape, event_error
 
 log = logging.getLogger("hetserve.api")
 
@@ -153,8 +154,9 @@ def create_app(state: ServerState) -> FastAPI:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        logprobs = num_logprobs(body)
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                  seed=body.seed if body.seed is not None else random.getrandbits(63))
+                                  seed=body.seed if body.seed is not None else random.getrandbits(63), logprobs=logprobs)
         arrival, timeout_s = time.monotonic(), state.cfg.request_timeout_s
         engine.submit(EngineRequest(request_id, ids, sampling, max_tokens,
                                     on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
@@ -162,15 +164,16 @@ def create_app(state: ServerState) -> FastAPI:
                                     deadline_s=arrival + timeout_s if timeout_s else None))
         log.debug("submitted %s: %d prompt tokens, max_tokens %d", request_id, len(ids), max_tokens,
                   extra={"completion_id": request_id, "num_prompt_tokens": len(ids)})
-        shape = Shape(request_id, state.model_name, chat)
+        shape = Shape(request_id, state.model_name, chat,
+                      Logprobs(tok.token_bytes, chat) if logprobs is not None else None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EngineStream(engine, events, shape, include_usage)
-        text, ev = await _collect(engine, events, request, request_id)
-        err = event_error(ev)
+        done = await _collect(engine, events, request, request_id)
+        err = event_error(done[-1])
         if err is not None:
             raise err
-        return shape.whole(text, ev)
+        return shape.whole(done)
 
     return app
 
@@ -212,10 +215,10 @@ def _admit(state: ServerState) -> None:
                             f"{max_waiting}); retry shortly", code="queue_full", headers={"Retry-After": "1"})
 
 
-async def _collect(engine: Engine, events: asyncio.Queue, request: Request, request_id: str) -> tuple[str, RequestEvent]:
-    """The whole output; a client that disconnects first aborts the request (its KV is freed)."""
+async def _collect(engine: Engine, events: asyncio.Queue, request: Request, request_id: str) -> list[RequestEvent]:
+    """The request's events up to its last; a client that disconnects first aborts the request (its KV is freed)."""
     gone = asyncio.ensure_future(_wait_disconnect(request))
-    text, ev = [], None
+    done, ev = [], None
     try:
         while ev is None or ev.finish_reason is None:
             get = asyncio.ensure_future(events.get())
@@ -224,9 +227,9 @@ async def _collect(engine: Engine, events: asyncio.Queue, request: Request, requ
                 get.cancel()
                 raise APIError(499, "client disconnected; request aborted", code="client_disconnected")
             ev = get.result()
-            text.append(ev.text)
+            done.append(ev)
     finally:
         gone.cancel()
         if ev is None or ev.finish_reason is None:
             engine.abort(request_id)
-    return "".join(text), ev
+    return done

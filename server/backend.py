@@ -26,6 +26,8 @@ class SamplingParams:
     """Keep the k most likely tokens; 0 keeps everything."""
     seed: int = 0
     """Seed of this request's random stream (drawn at arrival when the client gives none)."""
+    logprobs: int | None = None
+    """Also return each sampled token's log-probability and the `logprobs` most likely tokens' (None: off)."""
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,16 @@ class StepInput:
     """Sequences finished or preempted since the last step: drop any per-sequence state."""
 
 
+TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+"""A sampled token's log-probability, and the most likely tokens' (token id, log-probability), best first."""
+
+
 @dataclass(frozen=True)
 class StepOutput:
     sampled: dict[int, int]
     """seq_id -> next token, for every chunk that had `sampling` set."""
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    """seq_id -> the sampled token's logprobs, for the chunks whose sampling asked for them."""
     timings_s: dict[str, float] = field(default_factory=dict)
     """Where the step's time went (e.g. accelerator, cpu_attn), for metrics."""
 

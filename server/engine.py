@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable
 
-from server.backend import Backend, SamplingParams, StepInput, WorkerLost
+from server.backend import Backend, SamplingParams, StepInput, TokenLogprobs, WorkerLost
 from server.block_manager import BlockManager
 from server.detokenizer import IncrementalDetokenizer
 from server.memory import Trimmer
@@ -37,6 +37,8 @@ class RequestEvent:
     error: str | None = None
     sim: dict | None = None
     """Simulated timing (seconds on the backend's virtual clock), when the backend reports one."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """Each of `token_ids`' logprobs when the request asked for them; none for an end-of-sequence token."""
 
 
 @dataclass
@@ -247,7 +249,7 @@ class Engine:
             if sim_clock is not None:
                 live.sim_first_s = sim_clock if live.sim_first_s is None else live.sim_first_s
                 live.sim_last_s = sim_clock
-            self._on_token(live, token)
+            self._on_token(live, token, out.logprobs.get(seq.seq_id))
         if sim_clock is not None:
             self.sim_clock_s = sim_clock
             self.sim_steps += 1
@@ -261,11 +263,11 @@ class Engine:
         except WorkerLost as exc:
             log.warning("finished sequences not freed in the backend yet: %s", exc)
 
-    def _on_token(self, live: _Live, token: int) -> None:
+    def _on_token(self, live: _Live, token: int, logprobs: TokenLogprobs | None) -> None:
         req, seq = live.req, live.seq
-        reason = None
+        reason, lps = None, () if logprobs is None else (logprobs,)
         if not req.ignore_eos and token in self.tokenizer.eos_token_ids:
-            reason, text = "stop", ""
+            reason, text, lps = "stop", "", ()
         else:
             text = live.detok.add(token)
             if live.detok.is_stopped:
@@ -273,22 +275,22 @@ class Engine:
         if reason is None and (len(seq.output_token_ids) >= req.max_tokens or seq.num_tokens >= self.backend.max_model_len):
             reason = "length"
         if reason is None:
-            req.on_event(self._event(live, text, (token,)))
+            req.on_event(self._event(live, text, (token,), logprobs=lps))
         else:
-            self._finish(live, reason, text=text, token_ids=(token,))
+            self._finish(live, reason, text=text, token_ids=(token,), logprobs=lps)
 
     def _event(self, live: _Live, text: str, token_ids: tuple[int, ...], reason: str | None = None,
-               error: str | None = None) -> RequestEvent:
+               error: str | None = None, logprobs: tuple[TokenLogprobs, ...] = ()) -> RequestEvent:
         sim = None
         if live.sim_first_s is not None and live.sim_last_s is not None:
             n = len(live.seq.output_token_ids)
             sim = {"ttft_s": live.sim_first_s - live.sim_start_s, "e2e_s": live.sim_last_s - live.sim_start_s,
                    "tpot_s": (live.sim_last_s - live.sim_first_s) / (n - 1) if n > 1 else None}
         return RequestEvent(live.req.request_id, text, token_ids, len(live.seq.prompt_token_ids),
-                            len(live.seq.output_token_ids), reason, error, sim)
+                            len(live.seq.output_token_ids), reason, error, sim, logprobs)
 
     def _finish(self, live: _Live, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
-                error: str | None = None) -> None:
+                error: str | None = None, logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
         self.scheduler.finish(live.seq)
         del self._live[live.seq.seq_id]
         del self._by_request_id[live.req.request_id]
@@ -297,4 +299,4 @@ class Engine:
         now, n = time.monotonic(), len(live.seq.output_token_ids)
         first = live.first_token_s
         self.metrics.on_finish(reason, now - live.req.arrival_s, (now - first) / (n - 1) if first and n > 1 else None)
-        live.req.on_event(self._event(live, text, token_ids, reason, error))
+        live.req.on_event(self._event(live, text, token_ids, reason, error, logprobs))

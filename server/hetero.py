@@ -197,10 +197,11 @@ class HeteroBackend:
         self.attn_worker.begin_step(b.layouts)
         if not b.token_ids:
             return StepOutput(sampled={})
-        tokens, accel_s = self.model_worker.step(b.token_ids, b.positions, b.sample_rows, b.params, b.output_indices,
-                                                 self.attn_worker.attend, b.chunks)
+        tokens, lps, accel_s = self.model_worker.step(b.token_ids, b.positions, b.sample_rows, b.params,
+                                                      b.output_indices, self.attn_worker.attend, b.chunks)
         return StepOutput(
             sampled=dict(zip(b.sampled_ids, tokens)),
+            logprobs={i: lp for i, lp in zip(b.sampled_ids, lps) if lp is not None},
             timings_s={"accelerator": accel_s, **self.attn_worker.take_timings(),
                        "step": time.perf_counter() - t0},
         )

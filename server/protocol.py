@@ -81,11 +81,11 @@ class CommonParams(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
 
 
 class CompletionRequest(CommonParams):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -99,13 +99,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(CommonParams):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
     top_logprobs: int | None = None
 
 
 MAX_STOP_STRINGS = 8
+MAX_LOGPROBS = 20
 MAX_STOP_CHARS = 256
-_NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "logprobs": None,
-            "echo": False, "best_of": None, "suffix": None, "top_logprobs": None}
+_NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "echo": False,
+            "best_of": None, "suffix": None}
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -115,7 +117,7 @@ def check_common(req: CommonParams) -> None:
         raise APIError(400, f"unsupported parameter {name!r}", param=name, code="unsupported_parameter")
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name, neutral)
-        if value != neutral and not (name == "logprobs" and value is False):
+        if value != neutral:
             raise APIError(400, f"parameter {name!r} is not supported (leave it at {neutral!r})", param=name,
                            code="unsupported_parameter")
     if not 0.0 <= req.temperature <= 2.0:
@@ -130,6 +132,20 @@ def check_common(req: CommonParams) -> None:
     if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
                        param="stop")
+    num_logprobs(req)
+
+
+def num_logprobs(req: CommonParams) -> int | None:
+    """How many most likely tokens to return beside each sampled token's logprob; None: no logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        name, n = "top_logprobs", (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        name, n = "logprobs", getattr(req, "logprobs", None)
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise APIError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", param=name)
+    return n
 
 
 def stop_list(req: CommonParams) -> list[str]:

@@ -159,8 +159,9 @@ class ModelActor:
                     self.addresses[s] = None
         return WorkerLost(f"CPU attention worker {shard} lost: {type(exc).__name__}: {exc}", shard)
 
-    def step(self, inp: StepInput) -> tuple[dict[int, int], dict[str, float]]:
-        from gpu_model.sampler import sample
+    def step(self, inp: StepInput) -> tuple[dict[int, int], dict[int, tuple], dict[str, float]]:
+        """-> (seq_id: sampled token, seq_id: its logprobs where asked, timings)."""
+        from gpu_model.sampler import logprobs, sample
 
         t0 = time.perf_counter()
         self.trimmer.maybe_release()  # what the previous steps freed (server/memory.py)
@@ -172,7 +173,7 @@ class ModelActor:
                 self._send(s, {"op": "free", "seq_ids": pending}, [])
                 pending.clear()
         if not inp.chunks:
-            return {}, {}
+            return {}, {}, {}
         mbs = [self._micro_batch(c) for c in split(inp.chunks, self.microbatches)]
         busy: dict[int, float] = {}
         dense: dict[int, float] = {}  # of busy, the layers MagicPIG keeps exact
@@ -212,11 +213,16 @@ class ModelActor:
         logits, accel_s = self.worker.forward_pipelined(
             [(b.token_ids, b.positions, b.sample_rows, b.chunks) for b, _ in mbs], send, recv)
         t1 = time.perf_counter()
-        tokens = sample(torch.cat(logits), [p for b, _ in mbs for p in b.params],
-                        [i for b, _ in mbs for i in b.output_indices]) if any(b.sample_rows for b, _ in mbs) else []
+        params = [p for b, _ in mbs for p in b.params]
+        tokens = lps = []
+        if any(b.sample_rows for b, _ in mbs):
+            logits = torch.cat(logits)
+            tokens = sample(logits, params, [i for b, _ in mbs for i in b.output_indices])
+            lps = logprobs(logits, tokens, params)
         step_s = time.perf_counter() - t0
         accel_s += time.perf_counter() - t1
-        return dict(zip([i for b, _ in mbs for i in b.sampled_ids], tokens)), {
+        ids = [i for b, _ in mbs for i in b.sampled_ids]
+        return dict(zip(ids, tokens)), {i: lp for i, lp in zip(ids, lps) if lp is not None}, {
             "accelerator": accel_s, "cpu_attn": sum(busy.values()), "cpu_attn_max": max(busy.values()),
             **({"cpu_attn_dense": sum(dense.values())} if dense else {}), "step": step_s}
 

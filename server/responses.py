@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
 
@@ -23,6 +24,36 @@ def event_error(ev: RequestEvent) -> APIError | None:
     return None
 
 
+@dataclass
+class Logprobs:
+    """OpenAI's `logprobs` object of a run of tokens: chat's `content` list, or completions' four lists
+    (whose `text_offset` runs on from one streamed chunk to the next)."""
+
+    token_bytes: Callable[[int], bytes]
+    chat: bool
+    offset: int = 0
+
+    def __call__(self, events: Sequence[RequestEvent]) -> dict:
+        pairs = [(t, lp) for ev in events for t, lp in zip(ev.token_ids, ev.logprobs)]
+        if self.chat:
+            return {"content": [{**self._token(t, lp), "top_logprobs": [self._token(i, x) for i, x in top]}
+                                for t, (lp, top) in pairs]}
+        tokens = [self._text(t) for t, _ in pairs]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
+                "top_logprobs": [{self._text(i): x for i, x in top} for _, (_, top) in pairs], "text_offset": offsets}
+
+    def _text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        raw = self.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
 @dataclass(frozen=True)
 class Shape:
     """Builds OpenAI response objects for one request."""
@@ -30,6 +61,8 @@ class Shape:
     request_id: str
     model: str
     chat: bool
+    logprobs: Logprobs | None = field(default=None, compare=False)
+    """Set when the request asked for logprobs."""
 
     def _base(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -40,20 +73,27 @@ class Shape:
         return {"prompt_tokens": ev.num_prompt_tokens, "completion_tokens": ev.num_output_tokens,
                 "total_tokens": ev.num_prompt_tokens + ev.num_output_tokens}
 
-    def whole(self, text: str, ev: RequestEvent) -> dict:
+    def whole(self, events: Sequence[RequestEvent]) -> dict:
+        text, ev = "".join(e.text for e in events), events[-1]
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": ev.finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": ev.finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=self.logprobs(events) if self.logprobs else None, finish_reason=ev.finish_reason)
         sim = {"x_sim": ev.sim} if ev.sim else {}
         return {**self._base(False), "choices": [choice], "usage": self.usage(ev), **sim}
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def chunk(self, ev: RequestEvent | None) -> dict:
+        """A stream's chunk of `ev`; None: chat's first chunk, which gives the role."""
+        if ev is None:
+            return {**self._base(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]}
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": {"content": ev.text} if ev.text else {}}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": ev.text}
+        choice.update(logprobs=self.logprobs([ev]) if self.logprobs and ev.logprobs else None,
+                      finish_reason=ev.finish_reason)
         return {**self._base(True), "choices": [choice]}
 
 
@@ -65,16 +105,16 @@ async def stream(engine: Engine, events: asyncio.Queue, shape: Shape, include_us
     ev = None
     try:
         if shape.chat:
-            yield _sse(shape.chunk(None, None, role=True))
+            yield _sse(shape.chunk(None))
         while ev is None or ev.finish_reason is None:
             ev = await events.get()
             err = event_error(ev)
             if err is not None:
                 yield _sse(err.body())
                 break
-            if ev.text or ev.finish_reason:
+            if ev.text or ev.finish_reason or (shape.logprobs and ev.logprobs):
                 sim = {"x_sim": ev.sim} if ev.finish_reason and ev.sim else {}
-                yield _sse({**shape.chunk(ev.text, ev.finish_reason), **sim})
+                yield _sse({**shape.chunk(ev), **sim})
         if include_usage:
             yield _sse({**shape._base(True), "choices": [], "usage": shape.usage(ev)})
         yield "data: [DONE]\n\n"

@@ -38,7 +38,9 @@ CASES = [
     ("POST", C, {"prompt": "hi", "stop": [f"s{i}" for i in range(9)]}, 400, BAD, "stop"),  # too many
     ("POST", C, {"prompt": "hi", "stop": "x" * 257}, 400, BAD, "stop"),  # too long
     ("POST", C, {"prompt": "hi", "n": 2}, 400, BAD, "n"),  # known but unsupported
-    ("POST", C, {"prompt": "hi", "logprobs": 5}, 400, BAD, "logprobs"),
+    ("POST", C, {"prompt": "hi", "logprobs": 21}, 400, BAD, "logprobs"),
+    ("POST", C, {"prompt": "hi", "logprobs": -1}, 400, BAD, "logprobs"),
+    ("POST", C, {"prompt": "hi", "logprobs": "all"}, 422, BAD, "logprobs"),
     ("POST", C, {"prompt": "hi", "echo": True}, 400, BAD, "echo"),
     ("POST", C, {"prompt": "hi", "presence_penalty": 0.5}, 400, BAD, "presence_penalty"),
     ("POST", C, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, BAD, "logit_bias"),
@@ -54,7 +56,8 @@ CASES = [
      400, BAD, "messages[0].content"),
     ("POST", CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, BAD, "max_completion_tokens"),
     ("POST", CHAT, {"messages": USER, "max_tokens": 4, "max_completion_tokens": 5}, 400, BAD, "max_completion_tokens"),
-    ("POST", CHAT, {"messages": USER, "top_logprobs": 3}, 400, BAD, "top_logprobs"),
+    ("POST", CHAT, {"messages": USER, "top_logprobs": 3}, 400, BAD, "top_logprobs"),  # without logprobs: true
+    ("POST", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, BAD, "top_logprobs"),
     ("POST", CHAT, {"messages": USER, "model": "gpt-9"}, 404, NOT_FOUND, "model"),
     ("POST", "/v1/embeddings", {"input": "hi"}, 404, NOT_FOUND, None),  # no such route
     ("GET", C, None, 405, BAD, None),

@@ -57,6 +57,11 @@ def test_ray_executor_matches_local_token_for_token(server, ray_server):
         ray_texts = list(pool.map(lambda i: complete(ray_server.url, i), range(6)))
     local_texts = [complete(server.url, i) for i in range(6)]
     assert ray_texts == local_texts
+    lps = [httpx.post(url + "/v1/completions", json={**body(1, 8), "logprobs": 2}, timeout=600).json()["choices"][0]
+           ["logprobs"] for url in (ray_server.url, server.url)]  # the model actor returns them too
+    assert lps[0]["tokens"] == lps[1]["tokens"] and len(lps[0]["tokens"]) == 8
+    assert lps[0]["token_logprobs"] == pytest.approx(lps[1]["token_logprobs"], abs=1e-3)
+    assert all(len(top) == 2 for top in lps[0]["top_logprobs"])
     assert all(b == 0 for b in ray_server.engine.blocks.shard_used_bytes())
 
 

@@ -31,14 +31,20 @@ def chat(url: str, prompt: str, **kw) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(server):
-    """Greedy continuations from HF transformers' generate on the same dequantized GGUF weights."""
+def hf_model(server):
+    """HF transformers' tokenizer and model on the same dequantized GGUF weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = server.engine.backend.model_dir
-    tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf.generation_config.eos_token_id = None  # compare with ignore_eos: run past <|im_end|>
+    return AutoTokenizer.from_pretrained(model_dir), hf
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model):
+    """Greedy continuations from HF transformers' generate."""
+    tok, hf = hf_model
     refs = []
     for p in PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -122,3 +128,42 @@ def test_stop_string_and_natural_eos(server):
     assert out["choices"][0]["finish_reason"] == "stop" and " 7" not in out["choices"][0]["text"]
     reply = chat(server.url, "Say just the word yes.", max_tokens=64)
     assert reply["choices"][0]["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] < 64
+
+
+def test_logprobs_equal_hf_log_softmax(server, hf_model):
+    """Completions' logprobs (the sampled token's and the top 3) against HF's log-softmax over the same tokens;
+    chat's logprobs through the openai client, whole and streamed, with bytes that rebuild the text."""
+    import openai
+
+    tok, hf = hf_model
+    prompt, n = "The capital of France is", 8
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 3}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    lp = out["logprobs"]
+    assert "".join(lp["tokens"]) == out["text"] and len(lp["tokens"]) == n
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(n)]
+    ids = server.engine.tokenizer.encode(prompt)
+    gen = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(gen[None]).logits[0, len(ids) - 1 : -1].float(), -1)
+    for i, t in enumerate(gen[len(ids):].tolist()):
+        assert lp["token_logprobs"][i] == pytest.approx(ref[i, t].item(), abs=1e-3)
+        top = ref[i].topk(3)
+        want = {tok.decode([j]): v for j, v in zip(top.indices.tolist(), top.values.tolist())}
+        assert lp["top_logprobs"][i] == pytest.approx(want, abs=1e-3)
+        assert max(lp["top_logprobs"][i].values()) == pytest.approx(lp["token_logprobs"][i])  # greedy: the best
+    none = httpx.post(server.url + "/v1/completions", json={**body, "logprobs": None}, timeout=60).json()
+    assert none["choices"][0]["logprobs"] is None
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    kw = {"model": server.model_name, "messages": [{"role": "user", "content": "Say café in Japanese."}],
+          "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = client.chat.completions.create(**kw).choices[0]
+    content = whole.logprobs.content
+    assert bytes(b for c in content for b in c.bytes).decode() == whole.message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs]
+    streamed = [c for ch in chunks for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None}).choices[0]
+    assert plain.logprobs is None and plain.message.content == whole.message.content
