@@ -17,6 +17,8 @@ class SamplingLike(Protocol):
     top_k: int
     seed: int
     logprobs: int | None
+    presence_penalty: float
+    frequency_penalty: float
 
 
 def _row_seed(seed: int, output_index: int) -> int:
@@ -38,14 +40,29 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingLike], output_indices: Sequence[int]) -> list[int]:
-    """logits: [N, V] -> one token id per row."""
+def penalize(logits: torch.Tensor, p: SamplingLike, history: Sequence[int]) -> torch.Tensor:
+    """logits: [V] -> a copy less OpenAI's presence and frequency penalties of the tokens in `history`."""
+    ids, counts = torch.unique(torch.tensor(history, dtype=torch.long), return_counts=True)
+    out = logits.clone()
+    out[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    return out
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingLike], output_indices: Sequence[int],
+           histories: Sequence[Sequence[int]] = ()) -> list[int]:
+    """logits: [N, V] -> one token id per row. histories: each row's request's outputs so far, for
+    its penalties (may be empty)."""
     logits = logits.float().cpu()
     tokens = logits.argmax(-1).tolist()
     for row, (p, index) in enumerate(zip(params, output_indices)):
-        if p.temperature == 0.0:
+        history = histories[row] if histories else ()
+        if p.temperature == 0.0 and not history:
             continue
-        scaled = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
+        row_logits = penalize(logits[row], p, history) if history else logits[row]
+        if p.temperature == 0.0:
+            tokens[row] = int(row_logits.argmax())
+            continue
+        scaled = filter_logits(row_logits / p.temperature, p.top_k, p.top_p)
         gen = torch.Generator().manual_seed(_row_seed(p.seed, index))
         # Gumbel-max: argmax(log p - log(-log u)) draws from softmax(scaled)
         noise = -torch.log(-torch.log(torch.rand(scaled.shape, generator=gen).clamp_min(1e-20)))

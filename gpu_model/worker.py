@@ -83,6 +83,7 @@ class ModelWorker:
         output_indices: Sequence[int],
         attend: AttendFn,
         chunks: Chunks = (),
+        histories: Sequence[Sequence[int]] = (),
     ) -> tuple[list[int], list, float]:
         """Run every layer over the flat batch; sample one token at each of `sample_rows`.
 
@@ -92,5 +93,5 @@ class ModelWorker:
         if not sample_rows:
             return [], [], busy_s
         t0 = time.perf_counter()
-        tokens = sample(logits, params, output_indices)
+        tokens = sample(logits, params, output_indices, histories)
         return tokens, logprobs(logits, tokens, params), busy_s + time.perf_counter() - t0

@@ -156,7 +156,8 @@ def create_app(state: ServerState) -> FastAPI:
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         logprobs = num_logprobs(body)
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                  seed=body.seed if body.seed is not None else random.getrandbits(63), logprobs=logprobs)
+                                  seed=body.seed if body.seed is not None else random.getrandbits(63), logprobs=logprobs,
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
         arrival, timeout_s = time.monotonic(), state.cfg.request_timeout_s
         engine.submit(EngineRequest(request_id, ids, sampling, max_tokens,
                                     on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),

@@ -28,6 +28,14 @@ class SamplingParams:
     """Seed of this request's random stream (drawn at arrival when the client gives none)."""
     logprobs: int | None = None
     """Also return each sampled token's log-probability and the `logprobs` most likely tokens' (None: off)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the request has sampled so far (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for each time the request has sampled it so far (OpenAI's)."""
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class SeqChunk:
     """Set when this chunk ends at the sequence's last token: sample the next one."""
     output_index: int = 0
     """Index among the request's outputs of the token to sample (keys its random stream)."""
+    output_token_ids: tuple[int, ...] = ()
+    """The request's tokens sampled so far, when its sampling has penalties (which count them)."""
 
 
 @dataclass(frozen=True)

@@ -77,13 +77,15 @@ class FlatBatch:
     sample_rows: list[int]
     params: list
     output_indices: list[int]
+    histories: list[tuple[int, ...]]
+    """Each sampled row's request's outputs so far, for penalties (empty without)."""
     sampled_ids: list[int]
     layouts: list[ChunkLayout]
     chunks: list[tuple[int, int, int]]  # (seq_id, start_pos, num_tokens)
 
 
 def flatten(inp: StepInput) -> FlatBatch:
-    b = FlatBatch([], [], [], [], [], [], [], [])
+    b = FlatBatch([], [], [], [], [], [], [], [], [])
     for c in inp.chunks:
         b.token_ids.extend(c.token_ids)
         b.positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
@@ -91,6 +93,7 @@ def flatten(inp: StepInput) -> FlatBatch:
             b.sample_rows.append(len(b.token_ids) - 1)
             b.params.append(c.sampling)
             b.output_indices.append(c.output_index)
+            b.histories.append(c.output_token_ids)
             b.sampled_ids.append(c.seq_id)
         b.layouts.append(ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id))
         b.chunks.append((c.seq_id, c.start_pos, len(c.token_ids)))
@@ -198,7 +201,8 @@ class HeteroBackend:
         if not b.token_ids:
             return StepOutput(sampled={})
         tokens, lps, accel_s = self.model_worker.step(b.token_ids, b.positions, b.sample_rows, b.params,
-                                                      b.output_indices, self.attn_worker.attend, b.chunks)
+                                                      b.output_indices, self.attn_worker.attend, b.chunks,
+                                                      b.histories)
         return StepOutput(
             sampled=dict(zip(b.sampled_ids, tokens)),
             logprobs={i: lp for i, lp in zip(b.sampled_ids, lps) if lp is not None},

@@ -76,10 +76,10 @@ class CommonParams(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
-    # known but unimplemented: accepted only at their neutral values
-    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # known but unimplemented: accepted only at their neutral values
+    n: int = 1
     logit_bias: dict[str, float] | None = None
 
 
@@ -106,8 +106,7 @@ class ChatCompletionRequest(CommonParams):
 MAX_STOP_STRINGS = 8
 MAX_LOGPROBS = 20
 MAX_STOP_CHARS = 256
-_NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "echo": False,
-            "best_of": None, "suffix": None}
+_NEUTRAL = {"n": 1, "logit_bias": None, "echo": False, "best_of": None, "suffix": None}
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -124,6 +123,9 @@ def check_common(req: CommonParams) -> None:
         raise APIError(400, f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
     if not 0.0 < req.top_p <= 1.0:
         raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= getattr(req, name) <= 2.0:
+            raise APIError(400, f"{name} must be in [-2, 2], got {getattr(req, name)}", param=name)
     if req.top_k < -1:
         raise APIError(400, f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}", param="top_k")
     if req.max_tokens is not None and req.max_tokens < 1:

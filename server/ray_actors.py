@@ -217,7 +217,8 @@ class ModelActor:
         tokens = lps = []
         if any(b.sample_rows for b, _ in mbs):
             logits = torch.cat(logits)
-            tokens = sample(logits, params, [i for b, _ in mbs for i in b.output_indices])
+            tokens = sample(logits, params, [i for b, _ in mbs for i in b.output_indices],
+                            [h for b, _ in mbs for h in b.histories])
             lps = logprobs(logits, tokens, params)
         step_s = time.perf_counter() - t0
         accel_s += time.perf_counter() - t1

@@ -105,6 +105,7 @@ class Scheduler:
         table = self.blocks.allocate(seq.seq_id, stop)
         self._scheduled.append((seq, n))
         is_last = stop == seq.num_tokens
+        penalized = is_last and seq.sampling.has_penalties
         return SeqChunk(
             seq_id=seq.seq_id,
             token_ids=seq.token_slice(seq.num_computed, stop),
@@ -112,6 +113,7 @@ class Scheduler:
             block_table=table,
             sampling=seq.sampling if is_last else None,
             output_index=len(seq.output_token_ids),
+            output_token_ids=tuple(seq.output_token_ids) if penalized else (),
         )
 
     def schedule(self) -> StepInput:

@@ -42,7 +42,8 @@ CASES = [
     ("POST", C, {"prompt": "hi", "logprobs": -1}, 400, BAD, "logprobs"),
     ("POST", C, {"prompt": "hi", "logprobs": "all"}, 422, BAD, "logprobs"),
     ("POST", C, {"prompt": "hi", "echo": True}, 400, BAD, "echo"),
-    ("POST", C, {"prompt": "hi", "presence_penalty": 0.5}, 400, BAD, "presence_penalty"),
+    ("POST", C, {"prompt": "hi", "presence_penalty": 2.5}, 400, BAD, "presence_penalty"),
+    ("POST", C, {"prompt": "hi", "frequency_penalty": -3}, 400, BAD, "frequency_penalty"),
     ("POST", C, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, BAD, "logit_bias"),
     ("POST", C, {"prompt": "hi", "frobnicate": True}, 400, BAD, "frobnicate"),  # unknown parameter
     ("POST", C, {"prompt": "hi", "model": "gpt-9"}, 404, NOT_FOUND, "model"),

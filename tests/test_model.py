@@ -1,6 +1,7 @@
 """The split model + CPU attention against HF transformers on tiny random Llama models."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -143,3 +144,27 @@ def test_sampler_top_k_top_p_and_seed():
     assert draws == [sample(logits[None], [p], [i])[0] for i in range(200)]
     freq0 = draws.count(0) / len(draws)
     assert 0.55 < freq0 < 0.8  # softmax([3,2,1,0])[0] = 0.64
+
+
+def test_sampler_penalties_and_logprobs_against_numpy():
+    from gpu_model.sampler import logprobs, penalize, sample
+
+    rng = np.random.default_rng(0)
+    logits = torch.from_numpy(rng.normal(size=(3, 50)).astype(np.float32))
+    history = [7, 7, 7, 3, 49]
+    p = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=-0.25, logprobs=4)
+    want = logits[0].numpy().copy()
+    for t in set(history):  # OpenAI's definition: counts of the request's sampled tokens
+        want[t] -= 0.5 + -0.25 * history.count(t)
+    np.testing.assert_allclose(penalize(logits[0], p, history).numpy(), want, rtol=0, atol=1e-6)
+    assert sample(logits[:1], [p], [0], [history]) == [int(want.argmax())]
+    logits[1, 11] = 50.0  # a clear winner the penalty must overturn
+    greedy = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    assert sample(logits[1:2], [greedy], [0], [[11] * 30]) != [11]
+    assert sample(logits[1:2], [greedy], [0], [()]) == [11]
+    lps = logprobs(logits, [5, 11, 0], [p, SamplingParams(logprobs=0), SamplingParams()])
+    ref = logits[0].double().numpy() - np.log(np.exp(logits[0].double().numpy()).sum())
+    assert lps[0][0] == pytest.approx(ref[5], abs=1e-5)  # the raw distribution, not the penalized one
+    assert [i for i, _ in lps[0][1]] == list(np.argsort(-ref)[:4])
+    assert np.allclose([x for _, x in lps[0][1]], np.sort(ref)[::-1][:4], atol=1e-5)
+    assert lps[1][1] == () and lps[1][0] == pytest.approx(0.0, abs=1e-5) and lps[2] is None

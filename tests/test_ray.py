@@ -62,6 +62,10 @@ def test_ray_executor_matches_local_token_for_token(server, ray_server):
     assert lps[0]["tokens"] == lps[1]["tokens"] and len(lps[0]["tokens"]) == 8
     assert lps[0]["token_logprobs"] == pytest.approx(lps[1]["token_logprobs"], abs=1e-3)
     assert all(len(top) == 2 for top in lps[0]["top_logprobs"])
+    penalized = {**body(2), "frequency_penalty": 1.5}  # the model actor needs each request's outputs for them
+    texts = [httpx.post(url + "/v1/completions", json=penalized, timeout=600).json()["choices"][0]["text"]
+             for url in (ray_server.url, server.url)]
+    assert texts[0] == texts[1] and texts[0] != local_texts[2]
     assert all(b == 0 for b in ray_server.engine.blocks.shard_used_bytes())
 
 

@@ -167,3 +167,25 @@ def test_logprobs_equal_hf_log_softmax(server, hf_model):
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
     plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None}).choices[0]
     assert plain.logprobs is None and plain.message.content == whole.message.content
+
+
+def test_penalties_equal_a_penalized_hf_greedy_loop(server, hf_model):
+    """presence and frequency penalties, greedy: token for token what HF's logits give with OpenAI's penalty
+    subtracted (counts of the tokens sampled so far), and not the unpenalized text."""
+    _, hf = hf_model
+    prompt, n, presence, frequency = "Repeat after me: la la la la la la la", 24, 0.4, 0.8
+    ids = server.engine.tokenizer.encode(prompt)
+    seq, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([seq])).logits[0, -1].float()
+            for t in set(out):
+                logits[t] -= presence + frequency * out.count(t)
+            out.append(int(logits.argmax()))
+            seq.append(out[-1])
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    got = httpx.post(server.url + "/v1/completions", json={**body, "presence_penalty": presence,
+                                                             "frequency_penalty": frequency}, timeout=60).json()
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert got["choices"][0]["text"] == server.engine.tokenizer.decode(out)
+    assert plain["choices"][0]["text"] != got["choices"][0]["text"]
