@@ -36,7 +36,7 @@ from server.protocol import (
     num_logprobs,
     stop_list,
 )
-from server.responses import EngineStream, Logprobs, Shape, event_error
+from server.responses import EngineStream, Logprobs, Shape, abort_unfinished, event_error
 
 log = logging.getLogger("hetserve.api")
 
@@ -150,30 +150,32 @@ def create_app(state: ServerState) -> FastAPI:
         return await _run(body, ids, max_tokens, request, chat=True)
 
     async def _run(body: CommonParams, ids: list[int], max_tokens: int, request: Request, chat: bool):
-        _admit(state)
+        _admit(state, body.n)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        events: asyncio.Queue[tuple[int, RequestEvent]] = asyncio.Queue()
         logprobs = num_logprobs(body)
-        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                  seed=body.seed if body.seed is not None else random.getrandbits(63), logprobs=logprobs,
-                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+        shape = Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, state.model_name, chat, body.n,
+                      tuple(Logprobs(tok.token_bytes, chat) for _ in range(body.n)) if logprobs is not None else ())
+        seed = body.seed if body.seed is not None else random.getrandbits(63)
         arrival, timeout_s = time.monotonic(), state.cfg.request_timeout_s
-        engine.submit(EngineRequest(request_id, ids, sampling, max_tokens,
-                                    on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                    stop=tuple(stop_list(body)), ignore_eos=body.ignore_eos, arrival_s=arrival,
-                                    deadline_s=arrival + timeout_s if timeout_s else None))
-        log.debug("submitted %s: %d prompt tokens, max_tokens %d", request_id, len(ids), max_tokens,
-                  extra={"completion_id": request_id, "num_prompt_tokens": len(ids)})
-        shape = Shape(request_id, state.model_name, chat,
-                      Logprobs(tok.token_bytes, chat) if logprobs is not None else None)
+        for i, request_id in enumerate(shape.engine_ids):  # choice i draws from seed + i
+            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                                      seed=(seed + i) % 2**63, logprobs=logprobs,
+                                      presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+            engine.submit(EngineRequest(request_id, ids, sampling, max_tokens,
+                                        on_event=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
+                                        stop=tuple(stop_list(body)), ignore_eos=body.ignore_eos, arrival_s=arrival,
+                                        deadline_s=arrival + timeout_s if timeout_s else None))
+        log.debug("submitted %s: %d prompt tokens, max_tokens %d, n %d", shape.request_id, len(ids), max_tokens,
+                  body.n, extra={"completion_id": shape.request_id, "num_prompt_tokens": len(ids)})
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EngineStream(engine, events, shape, include_usage)
-        done = await _collect(engine, events, request, request_id)
-        err = event_error(done[-1])
-        if err is not None:
-            raise err
+        done = await _collect(engine, events, request, shape)
+        for evs in done:
+            err = event_error(evs[-1])
+            if err is not None:
+                raise err
         return shape.whole(done)
 
     return app
@@ -207,30 +209,31 @@ def _limits(state: ServerState, body: CommonParams, prompt_ids: list[int], max_t
     return max_tokens if max_tokens is not None else room
 
 
-def _admit(state: ServerState) -> None:
-    """Bounded queue: beyond max_num_seqs running plus max_waiting_requests queued, 429."""
+def _admit(state: ServerState, n: int = 1) -> None:
+    """Bounded queue: beyond max_num_seqs running plus max_waiting_requests queued, 429 (a request of n
+    choices takes n places)."""
     engine, max_waiting = state.engine, state.cfg.max_waiting_requests
-    if engine.num_running + engine.num_waiting >= engine.scheduler.cfg.max_num_seqs + max_waiting:
+    if engine.num_running + engine.num_waiting + n > engine.scheduler.cfg.max_num_seqs + max_waiting:
         engine.metrics.on_rejected("queue_full")
         raise APIError(429, f"the server is at capacity ({engine.num_waiting} requests queued, at most "
                             f"{max_waiting}); retry shortly", code="queue_full", headers={"Retry-After": "1"})
 
 
-async def _collect(engine: Engine, events: asyncio.Queue, request: Request, request_id: str) -> list[RequestEvent]:
-    """The request's events up to its last; a client that disconnects first aborts the request (its KV is freed)."""
+async def _collect(engine: Engine, events: asyncio.Queue, request: Request, shape: Shape) -> list[list[RequestEvent]]:
+    """Each choice's events up to its last; a client that disconnects first aborts the request (its KV is freed)."""
     gone = asyncio.ensure_future(_wait_disconnect(request))
-    done, ev = [], None
+    done: list[list[RequestEvent]] = [[] for _ in range(shape.n)]
+    last: dict[int, RequestEvent] = {}
     try:
-        while ev is None or ev.finish_reason is None:
+        while len(last) < shape.n or any(ev.finish_reason is None for ev in last.values()):
             get = asyncio.ensure_future(events.get())
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
                 raise APIError(499, "client disconnected; request aborted", code="client_disconnected")
-            ev = get.result()
-            done.append(ev)
+            i, last[i] = get.result()
+            done[i].append(last[i])
     finally:
         gone.cancel()
-        if ev is None or ev.finish_reason is None:
-            engine.abort(request_id)
+        abort_unfinished(engine, shape, last)
     return done

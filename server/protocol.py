@@ -78,8 +78,8 @@ class CommonParams(BaseModel):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    # known but unimplemented: accepted only at their neutral values
     n: int = 1
+    # known but unimplemented: accepted only at their neutral values
     logit_bias: dict[str, float] | None = None
 
 
@@ -105,8 +105,9 @@ class ChatCompletionRequest(CommonParams):
 
 MAX_STOP_STRINGS = 8
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16
 MAX_STOP_CHARS = 256
-_NEUTRAL = {"n": 1, "logit_bias": None, "echo": False, "best_of": None, "suffix": None}
+_NEUTRAL = {"logit_bias": None, "echo": False, "best_of": None, "suffix": None}
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -126,6 +127,8 @@ def check_common(req: CommonParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2.0 <= getattr(req, name) <= 2.0:
             raise APIError(400, f"{name} must be in [-2, 2], got {getattr(req, name)}", param=name)
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", param="n")
     if req.top_k < -1:
         raise APIError(400, f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}", param="top_k")
     if req.max_tokens is not None and req.max_tokens < 1:

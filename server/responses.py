@@ -56,43 +56,53 @@ class Logprobs:
 
 @dataclass(frozen=True)
 class Shape:
-    """Builds OpenAI response objects for one request."""
+    """Builds OpenAI response objects for one request, of `n` choices (each an engine request of its own)."""
 
     request_id: str
     model: str
     chat: bool
-    logprobs: Logprobs | None = field(default=None, compare=False)
-    """Set when the request asked for logprobs."""
+    n: int = 1
+    logprobs: tuple[Logprobs, ...] = field(default=(), compare=False)
+    """One per choice, when the request asked for logprobs."""
+
+    @property
+    def engine_ids(self) -> list[str]:
+        """The engine's request id of each choice."""
+        return [self.request_id] if self.n == 1 else [f"{self.request_id}-{i}" for i in range(self.n)]
 
     def _base(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.request_id, "object": obj, "created": int(time.time()), "model": self.model}
 
     @staticmethod
-    def usage(ev: RequestEvent) -> dict:
-        return {"prompt_tokens": ev.num_prompt_tokens, "completion_tokens": ev.num_output_tokens,
-                "total_tokens": ev.num_prompt_tokens + ev.num_output_tokens}
+    def usage(last: Sequence[RequestEvent]) -> dict:
+        """From each choice's last event: the prompt counted once, every choice's outputs."""
+        prompt, completion = last[0].num_prompt_tokens, sum(ev.num_output_tokens for ev in last)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def whole(self, events: Sequence[RequestEvent]) -> dict:
-        text, ev = "".join(e.text for e in events), events[-1]
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=self.logprobs(events) if self.logprobs else None, finish_reason=ev.finish_reason)
-        sim = {"x_sim": ev.sim} if ev.sim else {}
-        return {**self._base(False), "choices": [choice], "usage": self.usage(ev), **sim}
+    def whole(self, events: Sequence[Sequence[RequestEvent]]) -> dict:
+        """events: each choice's events, its last with its finish_reason."""
+        choices = []
+        for i, evs in enumerate(events):
+            text = "".join(e.text for e in evs)
+            choice = {"index": i, "message": {"role": "assistant", "content": text}} if self.chat else \
+                {"index": i, "text": text}
+            choice.update(logprobs=self.logprobs[i](evs) if self.logprobs else None, finish_reason=evs[-1].finish_reason)
+            choices.append(choice)
+        last = [evs[-1] for evs in events]
+        sim = {"x_sim": last[0].sim} if last[0].sim else {}
+        return {**self._base(False), "choices": choices, "usage": self.usage(last), **sim}
 
-    def chunk(self, ev: RequestEvent | None) -> dict:
-        """A stream's chunk of `ev`; None: chat's first chunk, which gives the role."""
+    def chunk(self, i: int, ev: RequestEvent | None) -> dict:
+        """A stream's chunk of choice i's `ev`; None: chat's first chunk of a choice, which gives the role."""
         if ev is None:
-            return {**self._base(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            return {**self._base(True), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]}
         if self.chat:
-            choice = {"index": 0, "delta": {"content": ev.text} if ev.text else {}}
+            choice = {"index": i, "delta": {"content": ev.text} if ev.text else {}}
         else:
-            choice = {"index": 0, "text": ev.text}
-        choice.update(logprobs=self.logprobs([ev]) if self.logprobs and ev.logprobs else None,
+            choice = {"index": i, "text": ev.text}
+        choice.update(logprobs=self.logprobs[i]([ev]) if self.logprobs and ev.logprobs else None,
                       finish_reason=ev.finish_reason)
         return {**self._base(True), "choices": [choice]}
 
@@ -101,26 +111,34 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def abort_unfinished(engine: Engine, shape: Shape, last: dict[int, RequestEvent]) -> None:
+    for i, request_id in enumerate(shape.engine_ids):
+        if i not in last or last[i].finish_reason is None:
+            engine.abort(request_id)
+
+
 async def stream(engine: Engine, events: asyncio.Queue, shape: Shape, include_usage: bool):
-    ev = None
+    """events: (choice, event) pairs of the request's choices."""
+    last: dict[int, RequestEvent] = {}
     try:
         if shape.chat:
-            yield _sse(shape.chunk(None))
-        while ev is None or ev.finish_reason is None:
-            ev = await events.get()
+            for i in range(shape.n):
+                yield _sse(shape.chunk(i, None))
+        while len(last) < shape.n or any(ev.finish_reason is None for ev in last.values()):
+            i, ev = await events.get()
+            last[i] = ev
             err = event_error(ev)
             if err is not None:
                 yield _sse(err.body())
                 break
             if ev.text or ev.finish_reason or (shape.logprobs and ev.logprobs):
                 sim = {"x_sim": ev.sim} if ev.finish_reason and ev.sim else {}
-                yield _sse({**shape.chunk(ev), **sim})
-        if include_usage:
-            yield _sse({**shape._base(True), "choices": [], "usage": shape.usage(ev)})
+                yield _sse({**shape.chunk(i, ev), **sim})
+        if include_usage and len(last) == shape.n:
+            yield _sse({**shape._base(True), "choices": [], "usage": shape.usage([last[i] for i in range(shape.n)])})
         yield "data: [DONE]\n\n"
     finally:
-        if ev is None or ev.finish_reason is None:
-            engine.abort(shape.request_id)
+        abort_unfinished(engine, shape, last)
 
 
 class EngineStream(StreamingResponse):
@@ -130,10 +148,11 @@ class EngineStream(StreamingResponse):
 
     def __init__(self, engine: Engine, events: asyncio.Queue, shape: Shape, include_usage: bool):
         super().__init__(stream(engine, events, shape, include_usage), media_type="text/event-stream")
-        self._engine, self._request_id = engine, shape.request_id
+        self._engine, self._shape = engine, shape
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._engine.abort(self._request_id)
+            for request_id in self._shape.engine_ids:
+                self._engine.abort(request_id)

@@ -2,6 +2,7 @@
 client, concurrency, seeds and KV accounting."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -189,3 +190,38 @@ def test_penalties_equal_a_penalized_hf_greedy_loop(server, hf_model):
     plain = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
     assert got["choices"][0]["text"] == server.engine.tokenizer.decode(out)
     assert plain["choices"][0]["text"] != got["choices"][0]["text"]
+
+
+def test_n_choices_whole_and_streamed(server):
+    """n choices: choice i samples from seed + i (so choice 0 is the n = 1 request), usage counts the prompt once;
+    a stream interleaves the choices by index; greedy choices are all the same."""
+    import json
+
+    body = {"prompt": "My favourite animal is", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    out = httpx.post(server.url + "/v1/completions", json={**body, "n": 3, "logprobs": 1}, timeout=60).json()
+    texts = [c["text"] for c in out["choices"]]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2] and len(set(texts)) == 3
+    for c in out["choices"]:  # each choice's offsets start at 0 (special tokens are listed, though text skips them)
+        assert len(c["logprobs"]["tokens"]) == 12 and c["logprobs"]["text_offset"][0] == 0
+    one = [httpx.post(server.url + "/v1/completions", json={**body, "seed": 7 + i}, timeout=60).json() for i in range(3)]
+    assert texts == [o["choices"][0]["text"] for o in one]
+    assert out["usage"]["prompt_tokens"] == one[0]["usage"]["prompt_tokens"]
+    assert out["usage"]["completion_tokens"] == 36
+    streamed = ["", "", ""]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "n": 3, "stream": True,
+                                                                     "stream_options": {"include_usage": True}},
+                      timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    for ev in events[:-1]:
+        streamed[ev["choices"][0]["index"]] += ev["choices"][0]["text"]
+    assert streamed == texts and events[-1]["usage"]["completion_tokens"] == 36
+    greedy = chat(server.url, "Say hello.", n=2, max_tokens=8)["choices"]
+    assert len(greedy) == 2 and greedy[0]["message"] == greedy[1]["message"]
+    assert server.engine.blocks.used_bytes == 0
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "n": 3, "max_tokens": 500, "stream": True},
+                      timeout=60) as r:
+        next(r.iter_lines())  # a client that leaves after the first chunk: all three choices are aborted
+    deadline = time.monotonic() + 5  # 1500 tokens would take far longer
+    while server.engine.num_running + server.engine.num_waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine.num_running + server.engine.num_waiting == 0 and server.engine.blocks.used_bytes == 0
