@@ -9,7 +9,6 @@ import torch
 
 from gpu_model.lsh import LshCoder
 from gpu_model.model import LlamaModel
-from gpu_model.sampler import SamplingLike, logprobs, sample
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], codes) -> [T, Hq * D], all CPU float32;
 # codes: (query codes [D, Hq, L] of the D decode rows (one-token chunks), key codes [T, Hkv, L]) int32 from the
@@ -73,25 +72,3 @@ class ModelWorker:
                     issue(b, i + 1)
         logits = [m.logits(x[torch.tensor(rows, device=dev, dtype=torch.long)]) for x, (_, _, rows, _) in zip(xs, batches)]
         return logits, time.perf_counter() - t0 - wait_s
-
-    def step(
-        self,
-        token_ids: Sequence[int],
-        positions: Sequence[int],
-        sample_rows: Sequence[int],
-        params: Sequence[SamplingLike],
-        output_indices: Sequence[int],
-        attend: AttendFn,
-        chunks: Chunks = (),
-        histories: Sequence[Sequence[int]] = (),
-    ) -> tuple[list[int], list, float]:
-        """Run every layer over the flat batch; sample one token at each of `sample_rows`.
-
-        Returns the sampled tokens, their logprobs (sampler.logprobs) and the seconds spent outside `attend`.
-        """
-        logits, busy_s = self.forward(token_ids, positions, sample_rows, attend, chunks)
-        if not sample_rows:
-            return [], [], busy_s
-        t0 = time.perf_counter()
-        tokens = sample(logits, params, output_indices, histories)
-        return tokens, logprobs(logits, tokens, params), busy_s + time.perf_counter() - t0

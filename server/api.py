@@ -140,7 +140,8 @@ def create_app(state: ServerState) -> FastAPI:
             if any(not 0 <= t < tok.vocab_size for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
         max_tokens = _limits(state, body, ids, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
-        return await _run(body, ids, max_tokens, request, chat=False)
+        echo = (prompt if isinstance(prompt, str) else await asyncio.to_thread(tok.decode, ids)) if body.echo else None
+        return await _run(body, ids, max_tokens, request, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -149,18 +150,23 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = _limits(state, body, ids, body.max_completion_tokens or body.max_tokens)
         return await _run(body, ids, max_tokens, request, chat=True)
 
-    async def _run(body: CommonParams, ids: list[int], max_tokens: int, request: Request, chat: bool):
+    async def _run(body: CommonParams, ids: list[int], max_tokens: int, request: Request, chat: bool,
+                   echo: str | None = None):
+        """echo: the prompt's text, when a completion request echoes it (and its logprobs, with logprobs)."""
         _admit(state, body.n)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, RequestEvent]] = asyncio.Queue()
         logprobs = num_logprobs(body)
+        prompt_ids = tuple(ids) if echo is not None else ()
         shape = Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, state.model_name, chat, body.n,
-                      tuple(Logprobs(tok.token_bytes, chat) for _ in range(body.n)) if logprobs is not None else ())
+                      tuple(Logprobs(tok.token_bytes, chat, prompt_ids) for _ in range(body.n))
+                      if logprobs is not None else (), echo)
         seed = body.seed if body.seed is not None else random.getrandbits(63)
         arrival, timeout_s = time.monotonic(), state.cfg.request_timeout_s
         for i, request_id in enumerate(shape.engine_ids):  # choice i draws from seed + i
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                       seed=(seed + i) % 2**63, logprobs=logprobs,
+                                      prompt_logprobs=logprobs if prompt_ids else None,
                                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
             engine.submit(EngineRequest(request_id, ids, sampling, max_tokens,
                                         on_event=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),

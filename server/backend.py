@@ -28,6 +28,9 @@ class SamplingParams:
     """Seed of this request's random stream (drawn at arrival when the client gives none)."""
     logprobs: int | None = None
     """Also return each sampled token's log-probability and the `logprobs` most likely tokens' (None: off)."""
+    prompt_logprobs: int | None = None
+    """Also score the prompt: each prompt token's log-probability after the tokens before it, and that many
+    most likely tokens' (None: off)."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token the request has sampled so far (OpenAI's)."""
     frequency_penalty: float = 0.0
@@ -56,6 +59,11 @@ class SeqChunk:
     """Index among the request's outputs of the token to sample (keys its random stream)."""
     output_token_ids: tuple[int, ...] = ()
     """The request's tokens sampled so far, when its sampling has penalties (which count them)."""
+    prompt_targets: tuple[int, ...] = ()
+    """With prompt_logprobs: the prompt tokens that follow this chunk's first rows, to score there (row i
+    predicts the token at start_pos + i + 1)."""
+    prompt_top: int = 0
+    """With prompt_targets: most likely tokens to list beside each (the request's prompt_logprobs)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,8 @@ class StepOutput:
     """seq_id -> next token, for every chunk that had `sampling` set."""
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     """seq_id -> the sampled token's logprobs, for the chunks whose sampling asked for them."""
+    prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+    """seq_id -> (position, logprobs of the prompt token there) for each of its chunk's `prompt_targets`."""
     timings_s: dict[str, float] = field(default_factory=dict)
     """Where the step's time went (e.g. accelerator, cpu_attn), for metrics."""
 

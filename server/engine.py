@@ -39,6 +39,9 @@ class RequestEvent:
     """Simulated timing (seconds on the backend's virtual clock), when the backend reports one."""
     logprobs: tuple[TokenLogprobs, ...] = ()
     """Each of `token_ids`' logprobs when the request asked for them; none for an end-of-sequence token."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    """In the request's first event with a token, when it asked for them (sampling.prompt_logprobs): those of
+    its prompt tokens from the second on."""
 
 
 @dataclass
@@ -67,6 +70,9 @@ class _Live:
     sim_last_s: float | None = None
     scheduled_s: float | None = None
     first_token_s: float | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Of prompt positions 1, 2, ... as the prefill chunks score them (a recomputed chunk's again: dropped)."""
+    prompt_logprobs_sent: bool = False
 
 
 class Engine:
@@ -240,6 +246,11 @@ class Engine:
         self.last_step_timings_s = out.timings_s
         self.metrics.on_step(out.timings_s, len(out.sampled))
         sim_clock = out.timings_s.get("sim_clock_s")
+        for seq_id, scored in out.prompt_logprobs.items():
+            live = self._live.get(seq_id)
+            for pos, lp in scored if live else ():
+                if pos == len(live.prompt_logprobs) + 1:
+                    live.prompt_logprobs.append(lp)
         now = time.monotonic()
         for seq, token in self.scheduler.update(out):
             live = self._live[seq.seq_id]
@@ -265,6 +276,9 @@ class Engine:
 
     def _on_token(self, live: _Live, token: int, logprobs: TokenLogprobs | None) -> None:
         req, seq = live.req, live.seq
+        if req.max_tokens == 0:  # echo's prompt scoring alone: the prompt's logprobs came with this token, dropped
+            self._finish(live, "length")
+            return
         reason, lps = None, () if logprobs is None else (logprobs,)
         if not req.ignore_eos and token in self.tokenizer.eos_token_ids:
             reason, text, lps = "stop", "", ()
@@ -286,8 +300,12 @@ class Engine:
             n = len(live.seq.output_token_ids)
             sim = {"ttft_s": live.sim_first_s - live.sim_start_s, "e2e_s": live.sim_last_s - live.sim_start_s,
                    "tpot_s": (live.sim_last_s - live.sim_first_s) / (n - 1) if n > 1 else None}
+        prompt = ()
+        if error is None and live.req.sampling.prompt_logprobs is not None and not live.prompt_logprobs_sent:
+            prompt, live.prompt_logprobs_sent = tuple(live.prompt_logprobs), True
         return RequestEvent(live.req.request_id, text, token_ids, len(live.seq.prompt_token_ids),
-                            len(live.seq.output_token_ids), reason, error, sim, logprobs)
+                            min(len(live.seq.output_token_ids), live.req.max_tokens), reason, error, sim, logprobs,
+                            prompt)
 
     def _finish(self, live: _Live, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
                 error: str | None = None, logprobs: tuple[TokenLogprobs, ...] = ()) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.loader import load_model
 from gpu_model.model import LlamaModel
 from gpu_model.worker import ModelWorker
-from server.backend import KVCapacityError, KVSpec, StepInput, StepOutput
+from server.backend import KVCapacityError, KVSpec, SamplingParams, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,20 @@ class FlatBatch:
     sampled_ids: list[int]
     layouts: list[ChunkLayout]
     chunks: list[tuple[int, int, int]]  # (seq_id, start_pos, num_tokens)
+    scored: list[tuple[int, int, int, int, SamplingParams]] = field(default_factory=list)
+    """Prompt rows to score (SeqChunk.prompt_targets): (row, seq_id, position of the target, target, params whose
+    `logprobs` is the number of most likely tokens to list)."""
+
+    @property
+    def logit_rows(self) -> list[int]:
+        return self.sample_rows + [s[0] for s in self.scored]
 
 
 def flatten(inp: StepInput) -> FlatBatch:
     b = FlatBatch([], [], [], [], [], [], [], [], [])
     for c in inp.chunks:
+        first, top = len(b.token_ids), SamplingParams(logprobs=c.prompt_top)
+        b.scored.extend((first + i, c.seq_id, c.start_pos + i + 1, t, top) for i, t in enumerate(c.prompt_targets))
         b.token_ids.extend(c.token_ids)
         b.positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
         if c.sampling is not None:
@@ -98,6 +107,28 @@ def flatten(inp: StepInput) -> FlatBatch:
         b.layouts.append(ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id))
         b.chunks.append((c.seq_id, c.start_pos, len(c.token_ids)))
     return b
+
+
+def sample_batches(logits: list[torch.Tensor], batches: list[FlatBatch]) -> StepOutput:
+    """Sample every batch's sample rows and score its prompt rows, from the logits of its `logit_rows`."""
+    from gpu_model.sampler import logprobs, sample
+
+    num = [len(b.sample_rows) for b in batches]
+    out = StepOutput(sampled={})
+    if sum(num):
+        rows = torch.cat([x[:n] for x, n in zip(logits, num)])
+        params = [p for b in batches for p in b.params]
+        tokens = sample(rows, params, [i for b in batches for i in b.output_indices],
+                        [h for b in batches for h in b.histories])
+        ids = [i for b in batches for i in b.sampled_ids]
+        out.sampled.update(zip(ids, tokens))
+        out.logprobs.update((i, lp) for i, lp in zip(ids, logprobs(rows, tokens, params)) if lp is not None)
+    scored = [s for b in batches for s in b.scored]
+    if scored:
+        rows = torch.cat([x[n:] for x, n in zip(logits, num)])
+        for (_, seq_id, pos, _, _), lp in zip(scored, logprobs(rows, [s[3] for s in scored], [s[4] for s in scored])):
+            out.prompt_logprobs.setdefault(seq_id, []).append((pos, lp))
+    return out
 
 
 def _cache_costs(cfg, kv_format: str, block_size: int, sparse_fraction: float, recent_blocks: int,
@@ -200,15 +231,13 @@ class HeteroBackend:
         self.attn_worker.begin_step(b.layouts)
         if not b.token_ids:
             return StepOutput(sampled={})
-        tokens, lps, accel_s = self.model_worker.step(b.token_ids, b.positions, b.sample_rows, b.params,
-                                                      b.output_indices, self.attn_worker.attend, b.chunks,
-                                                      b.histories)
-        return StepOutput(
-            sampled=dict(zip(b.sampled_ids, tokens)),
-            logprobs={i: lp for i, lp in zip(b.sampled_ids, lps) if lp is not None},
-            timings_s={"accelerator": accel_s, **self.attn_worker.take_timings(),
-                       "step": time.perf_counter() - t0},
-        )
+        logits, accel_s = self.model_worker.forward(b.token_ids, b.positions, b.logit_rows, self.attn_worker.attend,
+                                                    b.chunks)
+        t1 = time.perf_counter()
+        out = sample_batches([logits], [b])
+        accel_s += time.perf_counter() - t1
+        return replace(out, timings_s={"accelerator": accel_s, **self.attn_worker.take_timings(),
+                                       "step": time.perf_counter() - t0})
 
     def close(self) -> None:
         pass

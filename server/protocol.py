@@ -84,7 +84,7 @@ class CommonParams(BaseModel):
 
 
 class CompletionRequest(CommonParams):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -107,7 +107,7 @@ MAX_STOP_STRINGS = 8
 MAX_LOGPROBS = 20
 MAX_CHOICES = 16
 MAX_STOP_CHARS = 256
-_NEUTRAL = {"logit_bias": None, "echo": False, "best_of": None, "suffix": None}
+_NEUTRAL = {"logit_bias": None, "best_of": None, "suffix": None}
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -131,8 +131,9 @@ def check_common(req: CommonParams) -> None:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", param="n")
     if req.top_k < -1:
         raise APIError(400, f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}", param="top_k")
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {req.max_tokens}", param="max_tokens")
+    if req.max_tokens is not None and req.max_tokens < (0 if getattr(req, "echo", False) else 1):
+        raise APIError(400, f"max_tokens must be at least 1 (0 only with echo), got {req.max_tokens}",
+                       param="max_tokens")
     stops = stop_list(req)
     if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
@@ -183,7 +184,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "send one prompt per request (batched prompts are not supported)", param="prompt")
         prompt = prompt[0]

@@ -9,13 +9,14 @@ import os
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from server import channel
-from server.backend import StepInput, WorkerLost
+from server.backend import StepInput, StepOutput, WorkerLost
 from server.memory import Trimmer
 
 log = logging.getLogger(__name__)
@@ -159,9 +160,8 @@ class ModelActor:
                     self.addresses[s] = None
         return WorkerLost(f"CPU attention worker {shard} lost: {type(exc).__name__}: {exc}", shard)
 
-    def step(self, inp: StepInput) -> tuple[dict[int, int], dict[int, tuple], dict[str, float]]:
-        """-> (seq_id: sampled token, seq_id: its logprobs where asked, timings)."""
-        from gpu_model.sampler import logprobs, sample
+    def step(self, inp: StepInput) -> StepOutput:
+        from server.hetero import sample_batches
 
         t0 = time.perf_counter()
         self.trimmer.maybe_release()  # what the previous steps freed (server/memory.py)
@@ -173,7 +173,7 @@ class ModelActor:
                 self._send(s, {"op": "free", "seq_ids": pending}, [])
                 pending.clear()
         if not inp.chunks:
-            return {}, {}, {}
+            return StepOutput(sampled={})
         mbs = [self._micro_batch(c) for c in split(inp.chunks, self.microbatches)]
         busy: dict[int, float] = {}
         dense: dict[int, float] = {}  # of busy, the layers MagicPIG keeps exact
@@ -211,21 +211,14 @@ class ModelActor:
             return torch.from_numpy(out)
 
         logits, accel_s = self.worker.forward_pipelined(
-            [(b.token_ids, b.positions, b.sample_rows, b.chunks) for b, _ in mbs], send, recv)
+            [(b.token_ids, b.positions, b.logit_rows, b.chunks) for b, _ in mbs], send, recv)
         t1 = time.perf_counter()
-        params = [p for b, _ in mbs for p in b.params]
-        tokens = lps = []
-        if any(b.sample_rows for b, _ in mbs):
-            logits = torch.cat(logits)
-            tokens = sample(logits, params, [i for b, _ in mbs for i in b.output_indices],
-                            [h for b, _ in mbs for h in b.histories])
-            lps = logprobs(logits, tokens, params)
+        out = sample_batches(logits, [b for b, _ in mbs])
         step_s = time.perf_counter() - t0
         accel_s += time.perf_counter() - t1
-        ids = [i for b, _ in mbs for i in b.sampled_ids]
-        return dict(zip(ids, tokens)), {i: lp for i, lp in zip(ids, lps) if lp is not None}, {
+        return replace(out, timings_s={
             "accelerator": accel_s, "cpu_attn": sum(busy.values()), "cpu_attn_max": max(busy.values()),
-            **({"cpu_attn_dense": sum(dense.values())} if dense else {}), "step": step_s}
+            **({"cpu_attn_dense": sum(dense.values())} if dense else {}), "step": step_s})
 
     def _micro_batch(self, chunks) -> tuple:
         """The flat batch of `chunks` and, per shard, (its rows and its rows among the decode rows

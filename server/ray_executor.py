@@ -149,7 +149,7 @@ class RayBackend:
             self._unsent_frees = inp.freed_seq_ids
             raise WorkerLost("the accelerator worker is restarting")
         try:
-            sampled, lps, timings = self.ray.get(self.model_actor.step.remote(inp), timeout=STEP_TIMEOUT_S)
+            out = self.ray.get(self.model_actor.step.remote(inp), timeout=STEP_TIMEOUT_S)
         except WorkerLost as exc:  # raised in the model actor, after it took the frees; Ray hands it back wrapped
             lost = getattr(exc, "cause", exc)
             self.down.add(lost.shard)
@@ -158,7 +158,7 @@ class RayBackend:
             self.model_down = True
             self._unsent_frees = inp.freed_seq_ids
             raise WorkerLost(f"the accelerator worker died ({type(exc).__name__}); restarting it") from None
-        return StepOutput(sampled=sampled, logprobs=lps, timings_s=timings)
+        return out
 
     def close(self) -> None:
         for a in [self.model_actor, *self.cpu_actors]:

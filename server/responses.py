@@ -31,10 +31,16 @@ class Logprobs:
 
     token_bytes: Callable[[int], bytes]
     chat: bool
+    prompt_ids: tuple[int, ...] = ()
+    """Completions' echo: the prompt's tokens, listed before the first token (the first with no logprob)."""
     offset: int = 0
 
     def __call__(self, events: Sequence[RequestEvent]) -> dict:
-        pairs = [(t, lp) for ev in events for t, lp in zip(ev.token_ids, ev.logprobs)]
+        pairs = []
+        for ev in events:
+            if ev.prompt_logprobs and self.prompt_ids:
+                pairs += [(self.prompt_ids[0], None), *zip(self.prompt_ids[1:], ev.prompt_logprobs)]
+            pairs += zip(ev.token_ids, ev.logprobs)
         if self.chat:
             return {"content": [{**self._token(t, lp), "top_logprobs": [self._token(i, x) for i, x in top]}
                                 for t, (lp, top) in pairs]}
@@ -43,8 +49,9 @@ class Logprobs:
         for text in tokens:
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
-                "top_logprobs": [{self._text(i): x for i, x in top} for _, (_, top) in pairs], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp[0] for _, lp in pairs],
+                "top_logprobs": [None if lp is None else {self._text(i): x for i, x in lp[1]} for _, lp in pairs],
+                "text_offset": offsets}
 
     def _text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
@@ -64,6 +71,10 @@ class Shape:
     n: int = 1
     logprobs: tuple[Logprobs, ...] = field(default=(), compare=False)
     """One per choice, when the request asked for logprobs."""
+    echo: str | None = None
+    """Completions' echo: the prompt's text, put before each choice's text."""
+    _echoed: set[int] = field(default_factory=set, compare=False)
+    """Choices whose stream has sent `echo`."""
 
     @property
     def engine_ids(self) -> list[str]:
@@ -84,7 +95,7 @@ class Shape:
         """events: each choice's events, its last with its finish_reason."""
         choices = []
         for i, evs in enumerate(events):
-            text = "".join(e.text for e in evs)
+            text = (self.echo or "") + "".join(e.text for e in evs)
             choice = {"index": i, "message": {"role": "assistant", "content": text}} if self.chat else \
                 {"index": i, "text": text}
             choice.update(logprobs=self.logprobs[i](evs) if self.logprobs else None, finish_reason=evs[-1].finish_reason)
@@ -100,6 +111,9 @@ class Shape:
                                                      "logprobs": None, "finish_reason": None}]}
         if self.chat:
             choice = {"index": i, "delta": {"content": ev.text} if ev.text else {}}
+        elif self.echo is not None and i not in self._echoed:
+            self._echoed.add(i)
+            choice = {"index": i, "text": self.echo + ev.text}
         else:
             choice = {"index": i, "text": ev.text}
         choice.update(logprobs=self.logprobs[i]([ev]) if self.logprobs and ev.logprobs else None,

@@ -106,6 +106,8 @@ class Scheduler:
         self._scheduled.append((seq, n))
         is_last = stop == seq.num_tokens
         penalized = is_last and seq.sampling.has_penalties
+        start, num_prompt = seq.num_computed, len(seq.prompt_token_ids)
+        scored = seq.sampling.prompt_logprobs is not None and not seq.output_token_ids  # until its first token
         return SeqChunk(
             seq_id=seq.seq_id,
             token_ids=seq.token_slice(seq.num_computed, stop),
@@ -114,6 +116,8 @@ class Scheduler:
             sampling=seq.sampling if is_last else None,
             output_index=len(seq.output_token_ids),
             output_token_ids=tuple(seq.output_token_ids) if penalized else (),
+            prompt_targets=tuple(seq.prompt_token_ids[start + 1 : min(stop, num_prompt - 1) + 1]) if scored else (),
+            prompt_top=seq.sampling.prompt_logprobs if scored else 0,
         )
 
     def schedule(self) -> StepInput:

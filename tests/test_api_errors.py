@@ -43,7 +43,8 @@ CASES = [
     ("POST", C, {"prompt": "hi", "logprobs": 21}, 400, BAD, "logprobs"),
     ("POST", C, {"prompt": "hi", "logprobs": -1}, 400, BAD, "logprobs"),
     ("POST", C, {"prompt": "hi", "logprobs": "all"}, 422, BAD, "logprobs"),
-    ("POST", C, {"prompt": "hi", "echo": True}, 400, BAD, "echo"),
+    ("POST", C, {"prompt": [[1, 2], [3, 4]]}, 400, BAD, "prompt"),  # batched token prompts
+    ("POST", C, {"prompt": "hi", "max_tokens": 0}, 400, BAD, "max_tokens"),  # 0 only with echo
     ("POST", C, {"prompt": "hi", "presence_penalty": 2.5}, 400, BAD, "presence_penalty"),
     ("POST", C, {"prompt": "hi", "frequency_penalty": -3}, 400, BAD, "frequency_penalty"),
     ("POST", C, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, BAD, "logit_bias"),

@@ -11,12 +11,12 @@ from tests.conftest import RunningServer
 BYTES_PER_BLOCK_FP32 = 2 * 30 * 3 * 16 * 64 * 4  # SmolLM2-135M, block_size 16
 
 
-def complete(url, i):
+def complete(url, i, **kw):
     body = {"prompt": f"Request {i}. Tell me about the history of the number {i * 37}.", "max_tokens": 48,
-            "temperature": 0, "ignore_eos": True}
+            "temperature": 0, "ignore_eos": True, **kw}
     r = httpx.post(url + "/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
+    return r.json()["choices"][0]["text"] if not kw else r.json()["choices"][0]["logprobs"]["token_logprobs"]
 
 
 def test_small_kv_forces_preemption_with_identical_greedy_text(server):
@@ -30,6 +30,14 @@ def test_small_kv_forces_preemption_with_identical_greedy_text(server):
         assert small.engine.scheduler.num_preemptions > 0
         assert texts == reference
         assert small.engine.blocks.used_bytes == 0
+        # echo's prompt logprobs: a recomputed prompt is scored again, each position reported once
+        preempted = small.engine.scheduler.num_preemptions
+        with ThreadPoolExecutor(8) as pool:
+            scores = list(pool.map(lambda i: complete(small.url, i, echo=True, logprobs=0), range(8)))
+        assert small.engine.scheduler.num_preemptions > preempted
+        for i, got in enumerate(scores):
+            want = complete(server.url, i, echo=True, logprobs=0)
+            assert got[0] is None and len(got) == len(want) and got[1:] == pytest.approx(want[1:], abs=1e-3)
         too_long = httpx.post(small.url + "/v1/completions", json={"prompt": "river " * 400, "max_tokens": 1}, timeout=60)
         assert too_long.status_code == 400
         assert "the KV cache holds at most 320 of a sequence" in too_long.json()["error"]["message"]

@@ -66,6 +66,11 @@ def test_ray_executor_matches_local_token_for_token(server, ray_server):
     texts = [httpx.post(url + "/v1/completions", json=penalized, timeout=600).json()["choices"][0]["text"]
              for url in (ray_server.url, server.url)]
     assert texts[0] == texts[1] and texts[0] != local_texts[2]
+    echo = {"prompt": body(3)["prompt"] * 40, "max_tokens": 0, "echo": True, "logprobs": 1}  # scored over 2 actors
+    scored = [httpx.post(url + "/v1/completions", json=echo, timeout=600).json()["choices"][0]["logprobs"]
+              for url in (ray_server.url, server.url)]
+    assert len(scored[0]["tokens"]) > 512 and scored[0]["tokens"] == scored[1]["tokens"]
+    assert scored[0]["token_logprobs"][1:] == pytest.approx(scored[1]["token_logprobs"][1:], abs=1e-3)
     assert all(b == 0 for b in ray_server.engine.blocks.shard_used_bytes())
 
 

@@ -225,3 +225,35 @@ def test_n_choices_whole_and_streamed(server):
     while server.engine.num_running + server.engine.num_waiting and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.engine.num_running + server.engine.num_waiting == 0 and server.engine.blocks.used_bytes == 0
+
+
+def test_echo_scores_the_prompt_like_hf(server, hf_model):
+    """echo with logprobs: each prompt token's logprob after the ones before it (the first has none), over a
+    prompt that prefills in two chunks (max_num_batched_tokens 512), against HF's log-softmax; max_tokens 0
+    scores alone; a prompt of token ids in a one-element batch (lm-eval-harness' form) is taken."""
+    _, hf = hf_model
+    text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
+    ids = server.engine.tokenizer.encode(text)
+    assert 512 < len(ids) < 1024
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    want = [ref[i - 1, t].item() for i, t in enumerate(ids) if i]
+    out = httpx.post(server.url + "/v1/completions", json={"prompt": text, "max_tokens": 0, "echo": True,
+                                                           "logprobs": 2}, timeout=120).json()
+    choice = out["choices"][0]
+    assert choice["text"] == text and out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
+                                                       "total_tokens": len(ids)}
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-3)
+    assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
+    short = ids[:20]
+    both = httpx.post(server.url + "/v1/completions", json={"prompt": [short], "max_tokens": 3, "echo": True,
+                                                            "logprobs": 0, "temperature": 0}, timeout=60).json()
+    lp = both["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 23 and lp["token_logprobs"][1:20] == pytest.approx(want[:19], abs=1e-3)
+    assert both["choices"][0]["text"].startswith(server.engine.tokenizer.decode(short))
+    plain = httpx.post(server.url + "/v1/completions", json={"prompt": short, "max_tokens": 3, "echo": True,
+                                                             "temperature": 0}, timeout=60).json()["choices"][0]
+    assert plain["text"] == both["choices"][0]["text"] and plain["logprobs"] is None
+    assert server.engine.blocks.used_bytes == 0
