@@ -19,6 +19,7 @@ class SamplingLike(Protocol):
     logprobs: int | None
     presence_penalty: float
     frequency_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
 
 
 def _row_seed(seed: int, output_index: int) -> int:
@@ -41,10 +42,14 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def penalize(logits: torch.Tensor, p: SamplingLike, history: Sequence[int]) -> torch.Tensor:
-    """logits: [V] -> a copy less OpenAI's presence and frequency penalties of the tokens in `history`."""
-    ids, counts = torch.unique(torch.tensor(history, dtype=torch.long), return_counts=True)
+    """logits: [V] -> a copy plus the request's logit_bias, less OpenAI's presence and frequency penalties
+    of the tokens in `history`."""
     out = logits.clone()
-    out[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    if history:
+        ids, counts = torch.unique(torch.tensor(history, dtype=torch.long), return_counts=True)
+        out[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    for token, bias in p.logit_bias:
+        out[token] += bias
     return out
 
 
@@ -56,9 +61,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingLike], output_indices:
     tokens = logits.argmax(-1).tolist()
     for row, (p, index) in enumerate(zip(params, output_indices)):
         history = histories[row] if histories else ()
-        if p.temperature == 0.0 and not history:
+        if p.temperature == 0.0 and not history and not p.logit_bias:
             continue
-        row_logits = penalize(logits[row], p, history) if history else logits[row]
+        row_logits = penalize(logits[row], p, history) if history or p.logit_bias else logits[row]
         if p.temperature == 0.0:
             tokens[row] = int(row_logits.argmax())
             continue

@@ -33,6 +33,7 @@ from server.protocol import (
     chat_messages,
     check_common,
     completion_prompt,
+    logit_bias,
     num_logprobs,
     stop_list,
 )
@@ -153,10 +154,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def _run(body: CommonParams, ids: list[int], max_tokens: int, request: Request, chat: bool,
                    echo: str | None = None):
         """echo: the prompt's text, when a completion request echoes it (and its logprobs, with logprobs)."""
+        logprobs, bias = num_logprobs(body), logit_bias(body, tok.vocab_size)
         _admit(state, body.n)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, RequestEvent]] = asyncio.Queue()
-        logprobs = num_logprobs(body)
         prompt_ids = tuple(ids) if echo is not None else ()
         shape = Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, state.model_name, chat, body.n,
                       tuple(Logprobs(tok.token_bytes, chat, prompt_ids) for _ in range(body.n))
@@ -167,7 +168,8 @@ def create_app(state: ServerState) -> FastAPI:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                       seed=(seed + i) % 2**63, logprobs=logprobs,
                                       prompt_logprobs=logprobs if prompt_ids else None,
-                                      presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+                                      presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                      logit_bias=bias)
             engine.submit(EngineRequest(request_id, ids, sampling, max_tokens,
                                         on_event=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
                                         stop=tuple(stop_list(body)), ignore_eos=body.ignore_eos, arrival_s=arrival,

@@ -35,6 +35,8 @@ class SamplingParams:
     """Subtracted from the logit of every token the request has sampled so far (OpenAI's)."""
     frequency_penalty: float = 0.0
     """Subtracted from a token's logit once for each time the request has sampled it so far (OpenAI's)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias added to its logit) pairs (OpenAI's logit_bias)."""
 
     @property
     def has_penalties(self) -> bool:

@@ -79,8 +79,8 @@ class CommonParams(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     n: int = 1
-    # known but unimplemented: accepted only at their neutral values
     logit_bias: dict[str, float] | None = None
+    # known but unimplemented: accepted only at their neutral values
 
 
 class CompletionRequest(CommonParams):
@@ -106,8 +106,9 @@ class ChatCompletionRequest(CommonParams):
 MAX_STOP_STRINGS = 8
 MAX_LOGPROBS = 20
 MAX_CHOICES = 16
+MAX_LOGIT_BIAS = 300
 MAX_STOP_CHARS = 256
-_NEUTRAL = {"logit_bias": None, "best_of": None, "suffix": None}
+_NEUTRAL = {"best_of": None, "suffix": None}
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -152,6 +153,21 @@ def num_logprobs(req: CommonParams) -> int | None:
     if n is not None and not 0 <= n <= MAX_LOGPROBS:
         raise APIError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", param=name)
     return n
+
+
+def logit_bias(req: CommonParams, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs: keys token ids in the vocabulary, values in [-100, 100]."""
+    pairs = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                           param="logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise APIError(400, f"logit_bias values must be in [-100, 100], got {bias} for {key}", param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    return tuple(pairs)
 
 
 def stop_list(req: CommonParams) -> list[str]:

@@ -47,7 +47,11 @@ CASES = [
     ("POST", C, {"prompt": "hi", "max_tokens": 0}, 400, BAD, "max_tokens"),  # 0 only with echo
     ("POST", C, {"prompt": "hi", "presence_penalty": 2.5}, 400, BAD, "presence_penalty"),
     ("POST", C, {"prompt": "hi", "frequency_penalty": -3}, 400, BAD, "frequency_penalty"),
-    ("POST", C, {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, BAD, "logit_bias"),
+    ("POST", C, {"prompt": "hi", "logit_bias": {"5": 101.0}}, 400, BAD, "logit_bias"),
+    ("POST", C, {"prompt": "hi", "logit_bias": {"the": 1.0}}, 400, BAD, "logit_bias"),
+    ("POST", C, {"prompt": "hi", "logit_bias": {str(10**7): 1.0}}, 400, BAD, "logit_bias"),
+    ("POST", C, {"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(301)}}, 400, BAD, "logit_bias"),
+    ("POST", C, {"prompt": "hi", "logit_bias": {"5": "up"}}, 422, BAD, "logit_bias.5"),
     ("POST", C, {"prompt": "hi", "frobnicate": True}, 400, BAD, "frobnicate"),  # unknown parameter
     ("POST", C, {"prompt": "hi", "model": "gpt-9"}, 404, NOT_FOUND, "model"),
     ("POST", C, {"prompt": "x" * (3 * 2**20)}, 413, BAD, None),  # body over max_body_bytes

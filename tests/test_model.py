@@ -146,16 +146,19 @@ def test_sampler_top_k_top_p_and_seed():
     assert 0.55 < freq0 < 0.8  # softmax([3,2,1,0])[0] = 0.64
 
 
-def test_sampler_penalties_and_logprobs_against_numpy():
+def test_sampler_penalties_bias_and_logprobs_against_numpy():
     from gpu_model.sampler import logprobs, penalize, sample
 
     rng = np.random.default_rng(0)
     logits = torch.from_numpy(rng.normal(size=(3, 50)).astype(np.float32))
     history = [7, 7, 7, 3, 49]
-    p = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=-0.25, logprobs=4)
+    p = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=-0.25, logprobs=4,
+                       logit_bias=((2, 1.5), (7, -3.0)))
     want = logits[0].numpy().copy()
     for t in set(history):  # OpenAI's definition: counts of the request's sampled tokens
         want[t] -= 0.5 + -0.25 * history.count(t)
+    want[2] += 1.5
+    want[7] -= 3.0
     np.testing.assert_allclose(penalize(logits[0], p, history).numpy(), want, rtol=0, atol=1e-6)
     assert sample(logits[:1], [p], [0], [history]) == [int(want.argmax())]
     logits[1, 11] = 50.0  # a clear winner the penalty must overturn

@@ -257,3 +257,17 @@ def test_echo_scores_the_prompt_like_hf(server, hf_model):
                                                              "temperature": 0}, timeout=60).json()["choices"][0]
     assert plain["text"] == both["choices"][0]["text"] and plain["logprobs"] is None
     assert server.engine.blocks.used_bytes == 0
+
+
+def test_logit_bias_bans_and_forces_tokens(server):
+    """logit_bias -100 keeps a token out of a greedy continuation; +100 makes it every token."""
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 0}
+    out = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    first = server.engine.tokenizer.encode(out["logprobs"]["tokens"][0])[-1]
+    banned = httpx.post(server.url + "/v1/completions", json={**body, "logit_bias": {str(first): -100}},
+                        timeout=60).json()["choices"][0]
+    assert banned["logprobs"]["tokens"][0] != out["logprobs"]["tokens"][0]
+    forced = httpx.post(server.url + "/v1/completions", json={**body, "logit_bias": {"28": 100}, "temperature": 1,
+                                                                "seed": 3}, timeout=60).json()["choices"][0]
+    token = server.engine.tokenizer.decode([28])
+    assert forced["logprobs"]["tokens"] == [token] * 6 and forced["text"] == token * 6
