@@ -34,9 +34,9 @@ def test_small_kv_forces_preemption_with_identical_greedy_text(server):
         preempted = small.engine.scheduler.num_preemptions
         with ThreadPoolExecutor(8) as pool:
             scores = list(pool.map(lambda i: complete(small.url, i, echo=True, logprobs=0), range(8)))
+            wants = list(pool.map(lambda i: complete(server.url, i, echo=True, logprobs=0), range(8)))
         assert small.engine.scheduler.num_preemptions > preempted
-        for i, got in enumerate(scores):
-            want = complete(server.url, i, echo=True, logprobs=0)
+        for got, want in zip(scores, wants):
             assert got[0] is None and len(got) == len(want) and got[1:] == pytest.approx(want[1:], abs=1e-3)
         too_long = httpx.post(small.url + "/v1/completions", json={"prompt": "river " * 400, "max_tokens": 1}, timeout=60)
         assert too_long.status_code == 400

@@ -176,14 +176,14 @@ def test_penalties_equal_a_penalized_hf_greedy_loop(server, hf_model):
     _, hf = hf_model
     prompt, n, presence, frequency = "Repeat after me: la la la la la la la", 24, 0.4, 0.8
     ids = server.engine.tokenizer.encode(prompt)
-    seq, out = list(ids), []
+    out, step = [], hf(torch.tensor([ids]), use_cache=True)
     with torch.no_grad():
         for _ in range(n):
-            logits = hf(torch.tensor([seq])).logits[0, -1].float()
+            logits = step.logits[0, -1].float()
             for t in set(out):
                 logits[t] -= presence + frequency * out.count(t)
             out.append(int(logits.argmax()))
-            seq.append(out[-1])
+            step = hf(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
     got = httpx.post(server.url + "/v1/completions", json={**body, "presence_penalty": presence,
                                                              "frequency_penalty": frequency}, timeout=60).json()
