@@ -155,18 +155,20 @@ def create_app(state: ServerState) -> FastAPI:
                    echo: str | None = None):
         """echo: the prompt's text, when a completion request echoes it (and its logprobs, with logprobs)."""
         logprobs, bias = num_logprobs(body), logit_bias(body, tok.vocab_size)
-        _admit(state, body.n)
+        total = getattr(body, "best_of", None) or body.n  # completions' best_of: candidates, of which n are returned
+        _admit(state, total)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, RequestEvent]] = asyncio.Queue()
         prompt_ids = tuple(ids) if echo is not None else ()
-        shape = Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, state.model_name, chat, body.n,
-                      tuple(Logprobs(tok.token_bytes, chat, prompt_ids) for _ in range(body.n))
+        shape = Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, state.model_name, chat, total,
+                      tuple(Logprobs(tok.token_bytes, chat, prompt_ids) for _ in range(total))
                       if logprobs is not None else (), echo)
         seed = body.seed if body.seed is not None else random.getrandbits(63)
         arrival, timeout_s = time.monotonic(), state.cfg.request_timeout_s
+        ranked = 0 if logprobs is None and total > body.n else logprobs  # best_of ranks by the tokens' logprobs
         for i, request_id in enumerate(shape.engine_ids):  # choice i draws from seed + i
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                      seed=(seed + i) % 2**63, logprobs=logprobs,
+                                      seed=(seed + i) % 2**63, logprobs=ranked,
                                       prompt_logprobs=logprobs if prompt_ids else None,
                                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                       logit_bias=bias)
@@ -184,9 +186,18 @@ def create_app(state: ServerState) -> FastAPI:
             err = event_error(evs[-1])
             if err is not None:
                 raise err
-        return shape.whole(done)
+        if total == body.n:
+            return shape.whole(done)
+        best = sorted(done, key=_mean_logprob, reverse=True)[: body.n]
+        return {**shape.whole(best), "usage": shape.usage([evs[-1] for evs in done])}  # every candidate's tokens
 
     return app
+
+
+def _mean_logprob(events: list[RequestEvent]) -> float:
+    """best_of's ranking: a completion's mean log-probability per token (OpenAI's)."""
+    lps = [lp[0] for ev in events for lp in ev.logprobs]
+    return sum(lps) / len(lps) if lps else float("-inf")
 
 
 async def _wait_disconnect(request: Request) -> None:

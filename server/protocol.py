@@ -108,7 +108,7 @@ MAX_LOGPROBS = 20
 MAX_CHOICES = 16
 MAX_LOGIT_BIAS = 300
 MAX_STOP_CHARS = 256
-_NEUTRAL = {"best_of": None, "suffix": None}
+_NEUTRAL = {"suffix": None}
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -130,6 +130,11 @@ def check_common(req: CommonParams) -> None:
             raise APIError(400, f"{name} must be in [-2, 2], got {getattr(req, name)}", param=name)
     if not 1 <= req.n <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {req.n}", param="n")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and not req.n <= best_of <= MAX_CHOICES:
+        raise APIError(400, f"best_of must be in [n, {MAX_CHOICES}] (n is {req.n}), got {best_of}", param="best_of")
+    if best_of is not None and best_of > req.n and req.stream:
+        raise APIError(400, "best_of > n cannot be streamed (the best are known at the end)", param="best_of")
     if req.top_k < -1:
         raise APIError(400, f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}", param="top_k")
     if req.max_tokens is not None and req.max_tokens < (0 if getattr(req, "echo", False) else 1):

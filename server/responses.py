@@ -98,7 +98,8 @@ class Shape:
             text = (self.echo or "") + "".join(e.text for e in evs)
             choice = {"index": i, "message": {"role": "assistant", "content": text}} if self.chat else \
                 {"index": i, "text": text}
-            choice.update(logprobs=self.logprobs[i](evs) if self.logprobs else None, finish_reason=evs[-1].finish_reason)
+            choice.update(logprobs=self.logprobs[i](evs) if self.logprobs else None,
+                          finish_reason=evs[-1].finish_reason)
             choices.append(choice)
         last = [evs[-1] for evs in events]
         sim = {"x_sim": last[0].sim} if last[0].sim else {}

@@ -39,7 +39,8 @@ CASES = [
     ("POST", C, {"prompt": "hi", "stop": "x" * 257}, 400, BAD, "stop"),  # too long
     ("POST", C, {"prompt": "hi", "n": 0}, 400, BAD, "n"),
     ("POST", C, {"prompt": "hi", "n": 17}, 400, BAD, "n"),
-    ("POST", C, {"prompt": "hi", "best_of": 2}, 400, BAD, "best_of"),  # known but unsupported
+    ("POST", C, {"prompt": "hi", "best_of": 2, "n": 3}, 400, BAD, "best_of"),  # fewer candidates than choices
+    ("POST", C, {"prompt": "hi", "suffix": "!"}, 400, BAD, "suffix"),  # known but unsupported
     ("POST", C, {"prompt": "hi", "logprobs": 21}, 400, BAD, "logprobs"),
     ("POST", C, {"prompt": "hi", "logprobs": -1}, 400, BAD, "logprobs"),
     ("POST", C, {"prompt": "hi", "logprobs": "all"}, 422, BAD, "logprobs"),

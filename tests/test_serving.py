@@ -271,3 +271,20 @@ def test_logit_bias_bans_and_forces_tokens(server):
                                                                 "seed": 3}, timeout=60).json()["choices"][0]
     token = server.engine.tokenizer.decode([28])
     assert forced["logprobs"]["tokens"] == [token] * 6 and forced["text"] == token * 6
+
+
+def test_best_of_returns_the_candidates_with_the_best_mean_logprob(server):
+    """best_of 4, n 2: the two of the four candidates (seeds seed + i) whose tokens' mean logprob is highest,
+    best first, without logprobs unless asked; usage counts every candidate; no streaming of best_of > n."""
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    out = httpx.post(server.url + "/v1/completions", json={**body, "best_of": 4, "n": 2}, timeout=60).json()
+    candidates = []
+    for i in range(4):
+        c = httpx.post(server.url + "/v1/completions", json={**body, "seed": 11 + i, "logprobs": 0},
+                       timeout=60).json()["choices"][0]
+        candidates.append((sum(c["logprobs"]["token_logprobs"]) / 8, c["text"]))
+    assert [c["text"] for c in out["choices"]] == [t for _, t in sorted(candidates, reverse=True)[:2]]
+    assert [c["index"] for c in out["choices"]] == [0, 1] and out["choices"][0]["logprobs"] is None
+    assert out["usage"]["completion_tokens"] == 32
+    bad = httpx.post(server.url + "/v1/completions", json={**body, "best_of": 3, "stream": True}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
