@@ -40,8 +40,8 @@ class RequestEvent:
     logprobs: tuple[TokenLogprobs, ...] = ()
     """Each of `token_ids`' logprobs when the request asked for them; none for an end-of-sequence token."""
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
-    """In the request's first event with a token, when it asked for them (sampling.prompt_logprobs): those of
-    its prompt tokens from the second on."""
+    """When the request asked for them (sampling.prompt_logprobs), in its first event that carries a token or
+    ends it without an error: those of its prompt tokens from the second on."""
 
 
 @dataclass

@@ -80,7 +80,6 @@ class CommonParams(BaseModel):
     frequency_penalty: float = 0.0
     n: int = 1
     logit_bias: dict[str, float] | None = None
-    # known but unimplemented: accepted only at their neutral values
 
 
 class CompletionRequest(CommonParams):
@@ -88,7 +87,7 @@ class CompletionRequest(CommonParams):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # known but unimplemented: accepted only at its neutral value (_NEUTRAL)
 
 
 class ChatMessage(BaseModel):
@@ -164,7 +163,7 @@ def logit_bias(req: CommonParams, vocab_size: int) -> tuple[tuple[int, float], .
     """logit_bias as (token id, bias) pairs: keys token ids in the vocabulary, values in [-100, 100]."""
     pairs = []
     for key, bias in (req.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
             raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
                            param="logit_bias")
         if not -100.0 <= bias <= 100.0:

@@ -50,6 +50,7 @@ CASES = [
     ("POST", C, {"prompt": "hi", "frequency_penalty": -3}, 400, BAD, "frequency_penalty"),
     ("POST", C, {"prompt": "hi", "logit_bias": {"5": 101.0}}, 400, BAD, "logit_bias"),
     ("POST", C, {"prompt": "hi", "logit_bias": {"the": 1.0}}, 400, BAD, "logit_bias"),
+    ("POST", C, {"prompt": "hi", "logit_bias": {"\u00b2": 1.0}}, 400, BAD, "logit_bias"),  # a digit, not ASCII
     ("POST", C, {"prompt": "hi", "logit_bias": {str(10**7): 1.0}}, 400, BAD, "logit_bias"),
     ("POST", C, {"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(301)}}, 400, BAD, "logit_bias"),
     ("POST", C, {"prompt": "hi", "logit_bias": {"5": "up"}}, 422, BAD, "logit_bias.5"),
