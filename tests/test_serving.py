@@ -176,8 +176,8 @@ def test_penalties_equal_a_penalized_hf_greedy_loop(server, hf_model):
     _, hf = hf_model
     prompt, n, presence, frequency = "Repeat after me: la la la la la la la", 24, 0.4, 0.8
     ids = server.engine.tokenizer.encode(prompt)
-    out, step = [], hf(torch.tensor([ids]), use_cache=True)
     with torch.no_grad():
+        out, step = [], hf(torch.tensor([ids]), use_cache=True)
         for _ in range(n):
             logits = step.logits[0, -1].float()
             for t in set(out):
