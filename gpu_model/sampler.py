@@ -79,7 +79,7 @@ def logprobs(logits: torch.Tensor, tokens: Sequence[int], params: Sequence[Sampl
     """For each row whose params ask for logprobs: (log-probability of its sampled token, the
     `p.logprobs` most likely (token, log-probability) pairs, best first); None for the others.
 
-    Log-probabilities are the model's own distribution: before temperature, top-k and top-p."""
+    Log-probabilities are the model's own distribution: before temperature, top-k, top-p, penalties and bias."""
     rows = [r for r, p in enumerate(params) if p.logprobs is not None]
     out: list[tuple | None] = [None] * len(params)
     if not rows:
