@@ -183,7 +183,8 @@ def test_penalties_equal_a_penalized_hf_greedy_loop(server, hf_model):
             for t in set(out):
                 logits[t] -= presence + frequency * out.count(t)
             out.append(int(logits.argmax()))
-            step = hf(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+            cache = {"cache": step.cache} if "cache" in step else {"past_key_values": step.past_key_values}
+            step = hf(torch.tensor([out[-1:]]), use_cache=True, **cache)  # transformers renamed the argument
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
     got = httpx.post(server.url + "/v1/completions", json={**body, "presence_penalty": presence,
                                                              "frequency_penalty": frequency}, timeout=60).json()
