@@ -117,8 +117,8 @@ class Shape:
             choice = {"index": i, "text": self.echo + ev.text}
         else:
             choice = {"index": i, "text": ev.text}
-        choice.update(logprobs=self.logprobs[i]([ev]) if self.logprobs and ev.logprobs else None,
-                      finish_reason=ev.finish_reason)
+        has_logprobs = self.logprobs and (ev.logprobs or ev.prompt_logprobs)
+        choice.update(logprobs=self.logprobs[i]([ev]) if has_logprobs else None, finish_reason=ev.finish_reason)
         return {**self._base(True), "choices": [choice]}
 
 
@@ -146,7 +146,7 @@ async def stream(engine: Engine, events: asyncio.Queue, shape: Shape, include_us
             if err is not None:
                 yield _sse(err.body())
                 break
-            if ev.text or ev.finish_reason or (shape.logprobs and ev.logprobs):
+            if ev.text or ev.finish_reason or (shape.logprobs and (ev.logprobs or ev.prompt_logprobs)):
                 sim = {"x_sim": ev.sim} if ev.finish_reason and ev.sim else {}
                 yield _sse({**shape.chunk(i, ev), **sim})
         if include_usage and len(last) == shape.n:

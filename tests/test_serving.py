@@ -2,6 +2,7 @@
 client, concurrency, seeds and KV accounting."""
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -94,8 +95,6 @@ def stream_text(client: httpx.Client, url: str, body: dict) -> str:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    import json
-
     for line in lines[:-1]:
         text.append(json.loads(line[6:])["choices"][0]["text"])
     return "".join(text)
@@ -196,8 +195,6 @@ def test_penalties_equal_a_penalized_hf_greedy_loop(server, hf_model):
 def test_n_choices_whole_and_streamed(server):
     """n choices: choice i samples from seed + i (so choice 0 is the n = 1 request), usage counts the prompt once;
     a stream interleaves the choices by index; greedy choices are all the same."""
-    import json
-
     body = {"prompt": "My favourite animal is", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     out = httpx.post(server.url + "/v1/completions", json={**body, "n": 3, "logprobs": 1}, timeout=60).json()
     texts = [c["text"] for c in out["choices"]]
@@ -257,6 +254,15 @@ def test_echo_scores_the_prompt_like_hf(server, hf_model):
     plain = httpx.post(server.url + "/v1/completions", json={"prompt": short, "max_tokens": 3, "echo": True,
                                                              "temperature": 0}, timeout=60).json()["choices"][0]
     assert plain["text"] == both["choices"][0]["text"] and plain["logprobs"] is None
+    for max_tokens in (0, 3):  # streamed: the prompt's text and logprobs in the first chunk
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"prompt": short, "max_tokens": max_tokens, "echo": True, "logprobs": 0,
+                                "temperature": 0, "stream": True}) as r:
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["text"] for c in chunks) == (both["choices"][0]["text"] if max_tokens else
+                                                      server.engine.tokenizer.decode(short))
+        scores = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+        assert len(scores) == 20 + max_tokens and scores[1:20] == pytest.approx(want[:19], abs=1e-3)
     assert server.engine.blocks.used_bytes == 0
 
 
