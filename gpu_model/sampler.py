@@ -75,21 +75,21 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingLike], output_indices:
     return tokens
 
 
-def logprobs(logits: torch.Tensor, tokens: Sequence[int], params: Sequence[SamplingLike]) -> list[tuple | None]:
-    """For each row whose params ask for logprobs: (log-probability of its sampled token, the
-    `p.logprobs` most likely (token, log-probability) pairs, best first); None for the others.
+def logprobs(logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int | None]) -> list[tuple | None]:
+    """For each row whose `tops` entry is not None: (log-probability of its token, its `tops` most likely
+    (token, log-probability) pairs, best first); None for the others (a request's `logprobs`).
 
     Log-probabilities are the model's own distribution: before temperature, top-k, top-p, penalties and bias."""
-    rows = [r for r, p in enumerate(params) if p.logprobs is not None]
-    out: list[tuple | None] = [None] * len(params)
+    rows = [r for r, top in enumerate(tops) if top is not None]
+    out: list[tuple | None] = [None] * len(tops)
     if not rows:
         return out
     logp = torch.log_softmax(logits[rows].float(), -1)
     chosen = logp.gather(1, torch.tensor([[tokens[r]] for r in rows], device=logp.device)).squeeze(1).tolist()
-    k = max(params[r].logprobs for r in rows)
+    k = max(tops[r] for r in rows)
     top_lp, top_ids = (logp.topk(k, -1) if k else (logp[:, :0], logp[:, :0].long()))
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
     for i, r in enumerate(rows):
-        n = params[r].logprobs
+        n = tops[r]
         out[r] = (chosen[i], tuple(zip(top_ids[i][:n], top_lp[i][:n])))
     return out

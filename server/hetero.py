@@ -16,8 +16,9 @@ from cpu_attn.magicpig import LshConfig, MagicPig, host_bytes
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.loader import load_model
 from gpu_model.model import LlamaModel
+from gpu_model.sampler import logprobs, sample
 from gpu_model.worker import ModelWorker
-from server.backend import KVCapacityError, KVSpec, SamplingParams, StepInput, StepOutput
+from server.backend import KVCapacityError, KVSpec, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,9 @@ class FlatBatch:
     sampled_ids: list[int]
     layouts: list[ChunkLayout]
     chunks: list[tuple[int, int, int]]  # (seq_id, start_pos, num_tokens)
-    scored: list[tuple[int, int, int, int, SamplingParams]] = field(default_factory=list)
-    """Prompt rows to score (SeqChunk.prompt_targets): (row, seq_id, position of the target, target, params whose
-    `logprobs` is the number of most likely tokens to list)."""
+    scored: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    """Prompt rows to score (SeqChunk.prompt_targets): (row, seq_id, position of the target, target, number of
+    most likely tokens to list)."""
 
     @property
     def logit_rows(self) -> list[int]:
@@ -94,8 +95,9 @@ class FlatBatch:
 def flatten(inp: StepInput) -> FlatBatch:
     b = FlatBatch([], [], [], [], [], [], [], [], [])
     for c in inp.chunks:
-        first, top = len(b.token_ids), SamplingParams(logprobs=c.prompt_top)
-        b.scored.extend((first + i, c.seq_id, c.start_pos + i + 1, t, top) for i, t in enumerate(c.prompt_targets))
+        first = len(b.token_ids)
+        b.scored.extend((first + i, c.seq_id, c.start_pos + i + 1, t, c.prompt_top)
+                        for i, t in enumerate(c.prompt_targets))
         b.token_ids.extend(c.token_ids)
         b.positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
         if c.sampling is not None:
@@ -111,8 +113,6 @@ def flatten(inp: StepInput) -> FlatBatch:
 
 def sample_batches(logits: list[torch.Tensor], batches: list[FlatBatch]) -> StepOutput:
     """Sample every batch's sample rows and score its prompt rows, from the logits of its `logit_rows`."""
-    from gpu_model.sampler import logprobs, sample
-
     num = [len(b.sample_rows) for b in batches]
     out = StepOutput(sampled={})
     if sum(num):
@@ -122,7 +122,8 @@ def sample_batches(logits: list[torch.Tensor], batches: list[FlatBatch]) -> Step
                         [h for b in batches for h in b.histories])
         ids = [i for b in batches for i in b.sampled_ids]
         out.sampled.update(zip(ids, tokens))
-        out.logprobs.update((i, lp) for i, lp in zip(ids, logprobs(rows, tokens, params)) if lp is not None)
+        lps = logprobs(rows, tokens, [p.logprobs for p in params])
+        out.logprobs.update((i, lp) for i, lp in zip(ids, lps) if lp is not None)
     scored = [s for b in batches for s in b.scored]
     if scored:
         rows = torch.cat([x[n:] for x, n in zip(logits, num)])

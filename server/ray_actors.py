@@ -176,7 +176,7 @@ class ModelActor:
             return StepOutput(sampled={})
         mbs = [self._micro_batch(c) for c in split(inp.chunks, self.microbatches)]
         busy: dict[int, float] = {}
-        dense: dict[int, float] = {}  # of busy, the layers MagicPIG keeps exact
+        dense: float | None = None  # of busy, the layers MagicPIG keeps exact (with a sparse part)
         last = self.model.cfg.num_layers - 1
 
         # Between the first send and the last reply the CPU actors may hold every core: no torch op
@@ -194,6 +194,7 @@ class ModelActor:
                 self._send(s, h, shard_arrays)
 
         def recv(m):
+            nonlocal dense
             b, parts = mbs[m]
             out = None
             for s, (rows, _, _) in parts.items():
@@ -202,7 +203,7 @@ class ModelActor:
                     raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
                 busy[s] = busy.get(s, 0.0) + h.get("cpu_attn", 0.0)
                 if "cpu_attn_dense" in h:
-                    dense[s] = dense.get(s, 0.0) + h["cpu_attn_dense"]
+                    dense = (dense or 0.0) + h["cpu_attn_dense"]
                 if rows is None:
                     out = arrays[0]
                 else:
@@ -218,7 +219,7 @@ class ModelActor:
         accel_s += time.perf_counter() - t1
         return replace(out, timings_s={
             "accelerator": accel_s, "cpu_attn": sum(busy.values()), "cpu_attn_max": max(busy.values()),
-            **({"cpu_attn_dense": sum(dense.values())} if dense else {}), "step": step_s})
+            **({"cpu_attn_dense": dense} if dense is not None else {}), "step": step_s})
 
     def _micro_batch(self, chunks) -> tuple:
         """The flat batch of `chunks` and, per shard, (its rows and its rows among the decode rows

@@ -57,8 +57,7 @@ class Logprobs:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def _token(self, token_id: int, logprob: float) -> dict:
-        raw = self.token_bytes(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return {"token": self._text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ def test_sampler_penalties_bias_and_logprobs_against_numpy():
     greedy = SamplingParams(temperature=0.0, frequency_penalty=2.0)
     assert sample(logits[1:2], [greedy], [0], [[11] * 30]) != [11]
     assert sample(logits[1:2], [greedy], [0], [()]) == [11]
-    lps = logprobs(logits, [5, 11, 0], [p, SamplingParams(logprobs=0), SamplingParams()])
+    lps = logprobs(logits, [5, 11, 0], [p.logprobs, 0, None])
     ref = logits[0].double().numpy() - np.log(np.exp(logits[0].double().numpy()).sum())
     assert lps[0][0] == pytest.approx(ref[5], abs=1e-5)  # the raw distribution, not the penalized one
     assert [i for i, _ in lps[0][1]] == list(np.argsort(-ref)[:4])
