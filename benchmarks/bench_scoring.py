@@ -39,7 +39,8 @@ def post_all(url: str, bodies: list[dict], concurrency: int) -> tuple[list[dict]
 
 def run_format(fmt: str, windows: list[list[int]], args) -> dict:
     port = free_port()
-    proc, ready_s = start_hetserve(port, "--kv-format", fmt, "--cpu-linear-dtype", "float32",
+    # no prefix cache: each round prefills its windows again
+    proc, ready_s = start_hetserve(port, "--kv-format", fmt, "--cpu-linear-dtype", "float32", "--prefix-caching", "off",
                                    "--kv-cache-bytes", args.kv_cache_bytes, *args.server_args.split())
     url = f"http://127.0.0.1:{port}"
     prefill = [{"prompt": w, "max_tokens": 1, "temperature": 0} for w in windows]

@@ -95,7 +95,13 @@ def metrics_text(engine: Engine) -> str:
                    "worker's shard.", kv, ("shard",))
     lines += ["# HELP hetserve:num_preemptions_total Sequences preempted for KV space (recomputed later).",
               "# TYPE hetserve:num_preemptions_total counter",
-              f"hetserve:num_preemptions_total {engine.scheduler.num_preemptions}"]
+              f"hetserve:num_preemptions_total {engine.scheduler.num_preemptions}",
+              "# HELP hetserve:prefix_cache_queries_total Tokens of admitted sequences looked up in the prefix cache.",
+              "# TYPE hetserve:prefix_cache_queries_total counter",
+              f"hetserve:prefix_cache_queries_total {blocks.queried_tokens}",
+              "# HELP hetserve:prefix_cache_hits_total Of those, tokens whose KV was found there (not computed).",
+              "# TYPE hetserve:prefix_cache_hits_total counter",
+              f"hetserve:prefix_cache_hits_total {blocks.hit_tokens}"]
     lines += engine.metrics.render()
     # the names the first /metrics had (deploy/README.md), and the simulator's series
     lines += [f"hetserve_requests_running {engine.num_running}", f"hetserve_requests_waiting {engine.num_waiting}"]

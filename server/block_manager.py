@@ -7,10 +7,17 @@
 The KV store (cpu_attn) is the physical memory addressed by these ids; it never allocates.
 A sequence may also hold blocks outside its table (KVSpec.reserve_blocks): room for state its
 worker keeps beside the KV, counted here so that admission by free blocks bounds that state too.
+
+Prefix caching: a full block can be registered under a key that names every token up to its
+end (Sequence.block_keys). A later sequence whose tokens start the same way takes those blocks
+into its own table instead of computing them again, so a block may sit in several tables
+(counted in `_refs`). A registered block no table holds stays cached, idle, until a new block
+is needed and no block is free: then the least recently used idle block is taken.
 """
 from __future__ import annotations
 
-from collections import deque
+import bisect
+from collections import OrderedDict, deque
 
 from server.backend import KVSpec
 
@@ -24,8 +31,20 @@ class BlockManager:
         self.spec = spec
         sizes = spec.shards or (spec.num_blocks,)
         assert sum(sizes) == spec.num_blocks, "shards must add up to num_blocks"
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self._free: list[deque[int]] = [deque(range(a, a + n)) for a, n in zip(starts, sizes)]
+        self._starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._free: list[deque[int]] = [deque(range(a, a + n)) for a, n in zip(self._starts, sizes)]
+        self._idle: list[OrderedDict[int, None]] = [OrderedDict() for _ in sizes]
+        """Per shard: registered blocks that no table holds, least recently used first."""
+        self._cached: list[dict[bytes, int]] = [{} for _ in sizes]
+        """Per shard: block key -> the block registered under it."""
+        self._key_of: dict[int, bytes] = {}
+        self._refs: dict[int, int] = {}
+        """Table blocks -> how many tables hold them."""
+        self._uncommitted: list[int] = []
+        """Blocks registered for the step now running (their KV is written by it)."""
+        self.queried_tokens = 0
+        """Tokens of admitted sequences looked up in the prefix cache, and of those found there."""
+        self.hit_tokens = 0
         self._tables: dict[int, list[int]] = {}
         self._reserved: dict[int, list[int]] = {}
         self._shard_of: dict[int, int] = {}
@@ -37,13 +56,17 @@ class BlockManager:
     def num_shards(self) -> int:
         return len(self._free)
 
+    def _room(self, shard: int) -> int:
+        """Blocks a shard can still hand out: free ones and idle cached ones."""
+        return len(self._free[shard]) + len(self._idle[shard])
+
     @property
     def num_free_blocks(self) -> int:
-        return sum(len(self._free[i]) for i in self.live)
+        return sum(self._room(i) for i in self.live)
 
     @property
     def used_bytes(self) -> int:
-        return (self.spec.num_blocks - sum(map(len, self._free))) * self.spec.bytes_per_block
+        return (self.spec.num_blocks - sum(map(self._room, range(self.num_shards)))) * self.spec.bytes_per_block
 
     @property
     def capacity_bytes(self) -> int:
@@ -51,7 +74,7 @@ class BlockManager:
 
     def shard_used_bytes(self) -> list[int]:
         sizes = self.spec.shards or (self.spec.num_blocks,)
-        return [(n - len(f)) * self.spec.bytes_per_block for n, f in zip(sizes, self._free)]
+        return [(n - self._room(i)) * self.spec.bytes_per_block for i, n in enumerate(sizes)]
 
     def _missing(self, seq_id: int, num_tokens: int) -> tuple[int, int]:
         """(table blocks, reserved blocks) `seq_id` still needs to hold `num_tokens` tokens."""
@@ -69,33 +92,114 @@ class BlockManager:
     def _shard_for(self, seq_id: int) -> int | None:
         shard = self._shard_of.get(seq_id)
         if shard is None and self.live:
-            shard = max(sorted(self.live), key=lambda i: len(self._free[i]))
+            shard = max(sorted(self.live), key=self._room)
         return shard
 
     def can_hold(self, seq_id: int, num_tokens: int, reserve: int = 0) -> bool:
         shard = self._shard_for(seq_id)
-        return shard is not None and self.num_missing(seq_id, num_tokens) + reserve <= len(self._free[shard])
+        return shard is not None and self.num_missing(seq_id, num_tokens) + reserve <= self._room(shard)
 
     def allocate(self, seq_id: int, num_tokens: int) -> tuple[int, ...]:
         """Grow `seq_id`'s table to cover `num_tokens`, and take its reserve once due; returns the
         whole table."""
         to_table, to_reserve = self._missing(seq_id, num_tokens)
         shard = self._shard_for(seq_id)
-        free = self._free[shard] if shard is not None else deque()
-        if to_table + to_reserve > len(free):
-            raise MemoryError(f"sequence {seq_id} needs {to_table + to_reserve} blocks, {len(free)} free in its shard")
+        room = 0 if shard is None else self._room(shard)
+        if to_table + to_reserve > room:
+            raise MemoryError(f"sequence {seq_id} needs {to_table + to_reserve} blocks, {room} free in its shard")
         self._shard_of[seq_id] = shard
         table = self._tables.setdefault(seq_id, [])
-        table.extend(free.popleft() for _ in range(to_table))
+        for _ in range(to_table):
+            block = self._take(shard)
+            self._refs[block] = 1
+            table.append(block)
         if to_reserve:
-            self._reserved.setdefault(seq_id, []).extend(free.popleft() for _ in range(to_reserve))
+            self._reserved.setdefault(seq_id, []).extend(self._take(shard) for _ in range(to_reserve))
         return tuple(table)
+
+    def _take(self, shard: int) -> int:
+        """A free block, else the least recently used idle one (it leaves the cache)."""
+        if self._free[shard]:
+            return self._free[shard].popleft()
+        block, _ = self._idle[shard].popitem(last=False)
+        del self._cached[shard][self._key_of.pop(block)]
+        return block
 
     def free(self, seq_id: int) -> None:
         shard = self._shard_of.pop(seq_id, None)
-        if shard is not None:
-            self._free[shard].extend(self._tables.pop(seq_id, ()))
-            self._free[shard].extend(self._reserved.pop(seq_id, ()))
+        if shard is None:
+            return
+        table = self._tables.pop(seq_id, ())
+        for block in table:
+            self._refs[block] -= 1
+        released = [b for b in table if not self._refs[b]]
+        for block in released:
+            del self._refs[block]
+        self._free[shard].extend(b for b in released if b not in self._key_of)
+        # cached ones last block first: a prefix's end is evicted before its start, which every later block needs
+        self._idle[shard].update((b, None) for b in reversed(released) if b in self._key_of)
+        self._free[shard].extend(self._reserved.pop(seq_id, ()))
+
+    # ---- prefix caching
+    def share_prefix(self, seq_id: int, keys: list[bytes]) -> int:
+        """Give `seq_id`, which holds no blocks yet, the cached blocks of its first full blocks'
+        `keys`, from the live shard that has the longest run of them; returns how many."""
+        assert seq_id not in self._shard_of, "share_prefix is for a sequence's first blocks"
+        best, shard = 0, None
+        for s in sorted(self.live):
+            n = 0
+            while n < len(keys) and keys[n] in self._cached[s]:
+                n += 1
+            if n > best or (n == best and n and self._room(s) > self._room(shard)):
+                best, shard = n, s
+        if not best:
+            return 0
+        table = [self._cached[shard][k] for k in keys[:best]]
+        for block in table:
+            if block not in self._refs:
+                del self._idle[shard][block]
+            self._refs[block] = self._refs.get(block, 0) + 1
+        self._shard_of[seq_id], self._tables[seq_id] = shard, table
+        return best
+
+    def register(self, seq_id: int, keys: list[bytes], first: int = 0) -> None:
+        """Register `seq_id`'s table blocks first, first + 1, ... under `keys[first:]`, the blocks this
+        step fills (their KV is written before any later attention reads it: layer by layer, writes
+        come first). A block whose key another block already has stays unregistered."""
+        shard, table = self._shard_of[seq_id], self._tables[seq_id]
+        cached = self._cached[shard]
+        for block, key in zip(table[first:], keys[first:]):
+            if block not in self._key_of and key not in cached:
+                cached[key], self._key_of[block] = block, key
+                self._uncommitted.append(block)
+
+    def commit(self) -> None:
+        """The step ran: the blocks it registered hold their KV."""
+        self._uncommitted.clear()
+
+    def forget_uncommitted(self) -> None:
+        """The step failed: its blocks' KV may be missing, so they leave the cache."""
+        for block in self._uncommitted:
+            self._forget(block)
+        self._uncommitted.clear()
+
+    def _forget(self, block: int) -> None:
+        key = self._key_of.pop(block, None)
+        if key is None:
+            return
+        shard = bisect.bisect_right(self._starts, block) - 1
+        del self._cached[shard][key]
+        if block in self._idle[shard]:  # no table holds it: now plainly free
+            del self._idle[shard][block]
+            self._free[shard].append(block)
+
+    def set_live(self, shards: set[int]) -> None:
+        """The shards able to take sequences now. One no longer among them (its worker died) loses its
+        cache: a restarted worker's store is empty."""
+        for s in self.live - shards:
+            for block in list(self._cached[s].values()):
+                self._forget(block)
+        self.live = set(shards)
 
     def table(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._tables.get(seq_id, ()))

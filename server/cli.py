@@ -44,7 +44,8 @@ def build_engine(cfg: ServeConfig):
 
         backend = SimBackend.build(backend, cfg.sim_device, cfg.sim_model)
     tokenizer = Tokenizer(model_dir, backend.model_cfg.eos_token_ids)
-    engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+    prefix_caching = cfg.prefix_caching and cfg.attention == "exact"
+    engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix_caching))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
     return engine, name, backend.max_model_len
 
@@ -78,8 +79,9 @@ def warm_up(engine) -> None:
     shards = engine.blocks.num_shards
     done = threading.Semaphore(0)
     # prompts long enough to take the prefill path's larger kernels, then decode steps; one per KV shard
+    # (each its own tokens: the prefix cache would put the same prompt on the first one's shard)
     for i in range(shards):
-        engine.submit(EngineRequest(f"warmup-{i}", list(range(1, 129)), SamplingParams(temperature=0.0), 4,
+        engine.submit(EngineRequest(f"warmup-{i}", list(range(1 + i, 129 + i)), SamplingParams(temperature=0.0), 4,
                                     on_event=lambda ev: ev.finish_reason and done.release()))
     if not all(done.acquire(timeout=300) for _ in range(shards)):
         raise RuntimeError("warm-up requests did not finish in 300 s")

@@ -31,6 +31,16 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_switch(value: str | bool) -> bool:
+    """'on' / 'off' (also true / false, yes / no, 1 / 0) or a bool -> bool."""
+    if isinstance(value, bool):
+        return value
+    words = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+    if str(value).strip().lower() not in words:
+        raise ValueError(f"cannot read {value!r} as on or off")
+    return words[str(value).strip().lower()]
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -91,6 +101,10 @@ class ServeConfig:
     max_num_seqs: int = _opt(64, "most requests in the running batch")
     max_num_batched_tokens: int = _opt(512, "token budget of one step (decodes plus prefill chunks)")
     max_model_len: int | None = _opt(None, "longest prompt plus output in tokens (default: the model's context)")
+    prefix_caching: bool = _opt(True, "on or off: a request whose tokens start with the same full KV blocks as an "
+                                      "earlier one's reuses their KV instead of computing it (blocks no request "
+                                      "holds stay cached until the space is needed); always off with attention "
+                                      "magicpig, whose hash tables are per sequence", parse=parse_switch)
     executor: str = _opt("local", "how workers run: local (one process), or ray (a model actor and CPU attention "
                                   "actors; a local Ray cluster unless ray_address is given)")
     ray_address: str | None = _opt(None, "ray executor: address of an existing Ray cluster to join, e.g. auto or "

@@ -42,6 +42,8 @@ class RequestEvent:
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     """When the request asked for them (sampling.prompt_logprobs), in its first event that carries a token or
     ends it without an error: those of its prompt tokens from the second on."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
 
 
 @dataclass
@@ -161,6 +163,7 @@ class Engine:
                     self.step()
                 except Exception as exc:  # a failed step must not take the server down
                     log.exception("engine step failed")
+                    self.blocks.forget_uncommitted()
                     for live in list(self._live.values()):
                         self._finish(live, "error", error=f"engine step failed: {exc}")
             trimmer.maybe_release()  # server/memory.py: freed step arrays would stay resident
@@ -185,6 +188,7 @@ class Engine:
                 self._finish(self._live[self._by_request_id[payload]], "abort")
             elif kind == "reset_stats":
                 self.metrics = ServingMetrics()
+                self.blocks.queried_tokens = self.blocks.hit_tokens = 0
                 self.sim_clock_s, self.sim_steps, self.sim_output_tokens = 0.0, 0, 0
                 reset_clock = getattr(self.backend, "reset_clock", None)
                 if reset_clock:
@@ -213,7 +217,7 @@ class Engine:
     def _sync_workers(self) -> None:
         live_shards = getattr(self.backend, "live_shards", None)
         if live_shards:
-            self.blocks.live = live_shards()
+            self.blocks.set_live(live_shards())
 
     def step(self) -> None:
         inp = self.scheduler.schedule()
@@ -240,7 +244,8 @@ class Engine:
             if exc.shard is None:
                 raise  # the accelerator worker: every running request fails (see _loop)
             log.error("%s; recomputing the running sequences on the other workers", exc)
-            self.blocks.live.discard(exc.shard)
+            self.blocks.forget_uncommitted()
+            self.blocks.set_live(self.blocks.live - {exc.shard})
             self.scheduler.preempt_all()
             return
         self.last_step_timings_s = out.timings_s
@@ -305,7 +310,7 @@ class Engine:
             prompt, live.prompt_logprobs_sent = tuple(live.prompt_logprobs), True
         return RequestEvent(live.req.request_id, text, token_ids, len(live.seq.prompt_token_ids),
                             min(len(live.seq.output_token_ids), live.req.max_tokens), reason, error, sim, logprobs,
-                            prompt)
+                            prompt, live.seq.num_cached_tokens)
 
     def _finish(self, live: _Live, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
                 error: str | None = None, logprobs: tuple[TokenLogprobs, ...] = ()) -> None:

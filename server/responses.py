@@ -86,9 +86,11 @@ class Shape:
 
     @staticmethod
     def usage(last: Sequence[RequestEvent]) -> dict:
-        """From each choice's last event: the prompt counted once, every choice's outputs."""
+        """From each choice's last event: the prompt counted once (its cached tokens as the first choice
+        found them), every choice's outputs."""
         prompt, completion = last[0].num_prompt_tokens, sum(ev.num_output_tokens for ev in last)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": last[0].num_cached_tokens}}
 
     def whole(self, events: Sequence[Sequence[RequestEvent]]) -> dict:
         """events: each choice's events, its last with its finish_reason."""

@@ -5,10 +5,16 @@ next chunk), then waiting sequences are admitted while the token budget, the run
 and KV blocks allow. When a running sequence needs a block and none is free, the most
 recently arrived running sequence (of the same KV shard) is preempted: its blocks are freed and it goes back to the
 front of the queue, to be recomputed from its prompt plus what it has generated so far.
+
+With prefix caching, a sequence admitted with nothing computed first takes the cached blocks of
+its longest cached run of full blocks (server/block_manager.py), and starts its prefill after
+them; every block a step fills is registered for later sequences as it is scheduled.
 """
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,6 +38,21 @@ class Sequence:
     """Tokens whose KV is in the store."""
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when it was first admitted."""
+    num_registered: int = 0
+    """Blocks of its table that are in the prefix cache (shared, or registered by it)."""
+    _keys: list[bytes] = field(default_factory=list, repr=False)
+
+    def block_keys(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """Keys of its first `num_blocks` full blocks: each a hash of the key before it and the block's
+        tokens, so it names every token from the first to the block's last (BLAKE2b: a client cannot
+        make two different prefixes share a key)."""
+        while len(self._keys) < num_blocks:
+            i = len(self._keys)
+            tokens = array("q", self.token_slice(i * block_size, (i + 1) * block_size)).tobytes()
+            self._keys.append(hashlib.blake2b((self._keys[-1] if i else b"") + tokens, digest_size=16).digest())
+        return self._keys[:num_blocks]
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +71,8 @@ class SchedulerConfig:
     """Most sequences in the running batch."""
     max_num_batched_tokens: int = 512
     """Token budget of one step: decodes plus prefill chunks."""
+    prefix_caching: bool = False
+    """Reuse the KV blocks of earlier sequences' identical prefixes."""
 
 
 class Scheduler:
@@ -84,7 +107,23 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
         self._freed.append(seq.seq_id)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
+
+    def _share_prefix(self, seq: Sequence) -> None:
+        """Start a sequence that holds no blocks after its cached prefix. At least its last token is
+        computed (its logits give the next token); a prompt to be scored is computed whole."""
+        scored = seq.sampling.prompt_logprobs is not None and not seq.output_token_ids
+        if not self.cfg.prefix_caching or seq.num_computed or scored:
+            return
+        bs = self.blocks.spec.block_size
+        hit = self.blocks.share_prefix(seq.seq_id, seq.block_keys((seq.num_tokens - 1) // bs, bs))
+        seq.num_computed, seq.num_registered = hit * bs, hit
+
+    def _unshare(self, seq: Sequence) -> None:
+        """Undo _share_prefix for a sequence that is not admitted after all."""
+        if seq.num_computed:
+            self.blocks.free(seq.seq_id)
+            seq.num_computed = seq.num_registered = 0
 
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
@@ -104,6 +143,10 @@ class Scheduler:
         stop = seq.num_computed + n
         table = self.blocks.allocate(seq.seq_id, stop)
         self._scheduled.append((seq, n))
+        bs = self.blocks.spec.block_size
+        if self.cfg.prefix_caching and stop // bs > seq.num_registered:
+            self.blocks.register(seq.seq_id, seq.block_keys(stop // bs, bs), seq.num_registered)
+            seq.num_registered = stop // bs
         is_last = stop == seq.num_tokens
         penalized = is_last and seq.sampling.has_penalties
         start, num_prompt = seq.num_computed, len(seq.prompt_token_ids)
@@ -150,8 +193,11 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and not is_preempted and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            self._share_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.can_hold(seq.seq_id, seq.num_computed + n):
+                self._unshare(seq)
+                n = min(seq.num_tokens, budget)
                 if self.blocks.num_missing(seq.seq_id, seq.num_computed + n) > self.blocks.max_seq_blocks:
                     self.waiting.popleft()
                     seq.status = SeqStatus.FINISHED
@@ -161,6 +207,11 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if self.cfg.prefix_caching:
+                self.blocks.queried_tokens += seq.num_tokens
+                self.blocks.hit_tokens += seq.num_computed
+                if not seq.num_preemptions:
+                    seq.num_cached_tokens = seq.num_computed
             chunks.append(self._chunk(seq, n))
             budget -= n
         freed, self._freed = tuple(self._freed), []
@@ -168,6 +219,7 @@ class Scheduler:
 
     def update(self, out: StepOutput) -> list[tuple[Sequence, int]]:
         """Apply a step's results; returns (sequence, new token) for every sampled token."""
+        self.blocks.commit()
         new_tokens = []
         for seq, n in self._scheduled:
             seq.num_computed += n

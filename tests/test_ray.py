@@ -71,6 +71,14 @@ def test_ray_executor_matches_local_token_for_token(server, ray_server):
               for url in (ray_server.url, server.url)]
     assert len(scored[0]["tokens"]) > 512 and scored[0]["tokens"] == scored[1]["tokens"]
     assert scored[0]["token_logprobs"][1:] == pytest.approx(scored[1]["token_logprobs"][1:], abs=1e-3)
+    # n choices: 1 and 2 take choice 0's prompt blocks in the step that computes them; the step splits in two
+    # micro-batches, choice 0 in the first, so each layer's KV is written by one before the other reads it
+    fan = {**body(4, 8), "prompt": body(4)["prompt"] * 4, "n": 3}
+    hits = ray_server.engine.blocks.hit_tokens
+    choices = [httpx.post(url + "/v1/completions", json=fan, timeout=600).json()["choices"]
+               for url in (ray_server.url, server.url)]
+    assert [c["text"] for c in choices[0]] == [c["text"] for c in choices[1]] == [choices[1][0]["text"]] * 3
+    assert ray_server.engine.blocks.hit_tokens - hits >= 2 * 48
     assert all(b == 0 for b in ray_server.engine.blocks.shard_used_bytes())
 
 

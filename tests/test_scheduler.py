@@ -8,9 +8,9 @@ from server.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=16):
-    blocks = BlockManager(KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=100))
-    return Scheduler(SchedulerConfig(max_num_seqs, budget), blocks), blocks
+def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=16, prefix_caching=False, shards=()):
+    blocks = BlockManager(KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=100, shards=shards))
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, prefix_caching), blocks), blocks
 
 
 def run_step(s: Scheduler, next_token=7):
@@ -140,3 +140,119 @@ def test_sharded_blocks_spread_sequences_and_skip_dead_shards():
     assert blocks.num_free_blocks == 1 and not blocks.can_hold(3, 8)  # shard 1 is down: only shard 0 counts
     blocks.live.add(1)
     assert blocks.can_hold(3, 20) and blocks.allocate(3, 20) == (5, 6, 7, 8, 9)
+
+
+def test_prefix_cache_shares_full_blocks_and_computes_the_rest():
+    s, blocks = make(num_blocks=32, prefix_caching=True)
+    s.add(Sequence(0, list(range(10)), GREEDY))
+    run_step(s)  # 10 tokens: blocks 0 and 1 are full and registered
+    s.add(Sequence(1, list(range(8)) + [50, 51, 52], GREEDY))
+    s.add(Sequence(2, [9] + list(range(1, 11)), GREEDY))  # differs in its first token: nothing to share
+    inp, _ = run_step(s)
+    one, two = inp.chunks[1:]
+    assert (one.start_pos, one.token_ids) == (8, (50, 51, 52)) and one.block_table[:2] == inp.chunks[0].block_table[:2]
+    assert (two.start_pos, len(two.token_ids)) == (0, 11) and not set(two.block_table) & set(one.block_table)
+    seqs = {q.seq_id: q for q in s.running}
+    assert [seqs[i].num_cached_tokens for i in range(3)] == [0, 8, 0]
+    assert (blocks.queried_tokens, blocks.hit_tokens) == (10 + 11 + 11, 8)
+    # block keys name every token before a block's end, not only its own
+    assert Sequence(3, [1, 2, 3, 4, 5, 6, 7, 8], GREEDY).block_keys(2, 4)[1] != \
+        Sequence(4, [0, 2, 3, 4, 5, 6, 7, 8], GREEDY).block_keys(2, 4)[1]
+
+
+def test_prefix_cache_shares_within_one_step_but_computes_the_last_token():
+    """n choices arrive together: the later ones take the blocks the first fills in the same step (the
+    workers write a layer's KV before any of its attention reads). A prompt of whole blocks still
+    computes its last block, whose last row's logits give the first token."""
+    s, blocks = make(num_blocks=32, prefix_caching=True, budget=32)
+    for i in range(3):
+        s.add(Sequence(i, list(range(12)), GREEDY))
+    inp, _ = run_step(s)
+    assert [(c.start_pos, len(c.token_ids)) for c in inp.chunks] == [(0, 12), (8, 4), (8, 4)]
+    assert len({c.block_table[:2] for c in inp.chunks}) == 1 and len({c.block_table[2] for c in inp.chunks}) == 3
+    assert blocks.num_free_blocks == 32 - 3 - 2
+
+
+def test_prefix_cache_keeps_idle_blocks_until_space_is_needed():
+    s, blocks = make(num_blocks=8, prefix_caching=True, budget=32)
+    s.add(Sequence(0, list(range(9)), GREEDY))
+    run_step(s)
+    first = s.running[0]
+    table = blocks.table(0)
+    s.finish(first)
+    assert blocks.num_free_blocks == 8 and blocks.used_bytes == 0  # its two full blocks idle, still cached
+    s.add(Sequence(1, list(range(9)) + [3], GREEDY))
+    inp, _ = run_step(s)
+    assert inp.chunks[0].start_pos == 8 and inp.chunks[0].block_table[:2] == table[:2]
+    s.finish(s.running[0])
+    # 8 blocks wanted: the 5 free ones go first, then the idle ones, least recently used first
+    s.add(Sequence(2, [7] * 29, GREEDY))
+    inp, _ = run_step(s)
+    assert len(inp.chunks[0].block_table) == 8 and blocks.num_free_blocks == 0
+    s.finish(s.running[0])
+    s.add(Sequence(3, list(range(9)), GREEDY))
+    assert run_step(s)[0].chunks[0].start_pos == 0  # evicted
+
+
+def test_prefix_cache_forgets_the_blocks_of_a_failed_step_and_of_a_lost_shard():
+    s, blocks = make(num_blocks=16, prefix_caching=True, shards=(8, 8))
+    s.add(Sequence(0, list(range(9)), GREEDY))
+    s.schedule()  # the step fails: its blocks may not hold their KV
+    blocks.forget_uncommitted()
+    s.preempt_all()
+    s.add(Sequence(1, list(range(9)), GREEDY))
+    inp, _ = run_step(s)
+    assert [c.start_pos for c in inp.chunks] == [0, 8]  # 0 computes its blocks again, 1 shares them
+    shard = blocks.shard_of(0)
+    assert blocks.shard_of(1) == shard
+    s.add(Sequence(2, list(range(9)), GREEDY))
+    inp, _ = run_step(s)
+    assert inp.chunks[-1].start_pos == 8 and blocks.shard_of(2) == shard  # placed where its prefix is
+    s.preempt_all()
+    blocks.set_live({1 - shard})  # that worker died: its store is gone
+    blocks.set_live({0, 1})
+    assert blocks.num_free_blocks == 16
+    assert [c.start_pos for c in s.schedule().chunks] == [0, 8, 8]  # the first computes them again
+
+
+def test_prefix_cache_is_not_used_by_prompts_to_score_or_when_off():
+    s, _ = make(num_blocks=32, prefix_caching=True)
+    s.add(Sequence(0, list(range(9)), GREEDY))
+    run_step(s)
+    s.add(Sequence(1, list(range(9)), SamplingParams(temperature=0.0, prompt_logprobs=0)))
+    assert run_step(s)[0].chunks[1].start_pos == 0
+    s, blocks = make(num_blocks=32)
+    s.add(Sequence(0, list(range(9)), GREEDY))
+    run_step(s)
+    s.add(Sequence(1, list(range(9)), GREEDY))
+    assert run_step(s)[0].chunks[1].start_pos == 0 and blocks.queried_tokens == 0
+
+
+def test_a_preempted_sequence_recomputes_from_its_cached_blocks():
+    s, _ = make(num_blocks=5, prefix_caching=True, budget=32)
+    s.add(Sequence(0, list(range(8)), GREEDY))
+    s.add(Sequence(1, list(range(20, 28)), GREEDY))
+    run_step(s)  # 2 + 2 blocks, all full and registered
+    for _ in range(4):
+        run_step(s)  # at 9 tokens both need a third block and one is free: sequence 1 is preempted
+    assert s.num_preemptions == 1 and s.waiting[0].seq_id == 1
+    s.finish(s.running[0])
+    inp, _ = run_step(s)
+    assert inp.chunks[0].start_pos == 8  # its prompt's two blocks, still cached
+
+
+def test_prefix_cache_evicts_a_prefix_from_its_end():
+    """Idle cached blocks go least recently used first, and a freed sequence's last block before its first:
+    a run of blocks is found from its start, so its start is worth the most."""
+    bm = BlockManager(KVSpec(block_size=4, num_blocks=4, bytes_per_block=1))
+    keys = [b"k0", b"k1", b"k2"]
+    table = bm.allocate(0, 12)
+    bm.register(0, keys)
+    bm.commit()
+    bm.free(0)
+    assert bm.num_free_blocks == 4 and bm.allocate(1, 8) == (3, table[2])  # the free block, then the last one
+    assert bm.share_prefix(2, keys) == 2 and bm.table(2) == table[:2]
+    bm.free(2)
+    bm.free(1)
+    bm.forget_uncommitted()  # nothing pending: a no-op
+    assert bm.share_prefix(3, keys) == 2

@@ -164,7 +164,9 @@ def test_logprobs_equal_hf_log_softmax(server, hf_model):
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
     chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs]
     streamed = [c for ch in chunks for c in ch.choices[0].logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    # the same prompt again: its cached blocks are not recomputed, which moves the logprobs in the last digits
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
     plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None}).choices[0]
     assert plain.logprobs is None and plain.message.content == whole.message.content
 
@@ -240,7 +242,8 @@ def test_echo_scores_the_prompt_like_hf(server, hf_model):
                                                            "logprobs": 2}, timeout=120).json()
     choice = out["choices"][0]
     assert choice["text"] == text and out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
-                                                       "total_tokens": len(ids)}
+                                                       "total_tokens": len(ids),
+                                                       "prompt_tokens_details": {"cached_tokens": 0}}
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-3)
@@ -295,3 +298,35 @@ def test_best_of_returns_the_candidates_with_the_best_mean_logprob(server):
     assert out["usage"]["completion_tokens"] == 32
     bad = httpx.post(server.url + "/v1/completions", json={**body, "best_of": 3, "stream": True}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
+
+
+def test_prefix_cache_reuses_a_prompts_blocks(server):
+    """The same prompt again takes its full KV blocks from the prefix cache (usage says how many tokens) and
+    gives the same greedy text, with logprobs within 1e-4; a longer prompt that starts with it (a conversation's
+    next turn) takes them too; /metrics counts the hits, and idle cached blocks do not count as used."""
+    ids = server.engine.tokenizer.encode(
+        " ".join(f"Entry {i}: a heron waits by pond {i * 7} for the evening light." for i in range(30)))
+    bs = server.engine.blocks.spec.block_size
+
+    def complete(prompt: list[int]) -> dict:
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"prompt": [prompt], "max_tokens": 8, "temperature": 0, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def hits() -> int:
+        text = httpx.get(server.url + "/metrics").text
+        return int(next(line.split()[1] for line in text.splitlines()
+                        if line.startswith("hetserve:prefix_cache_hits_total ")))
+
+    before = hits()
+    cold, warm = complete(ids), complete(ids)
+    cached = [out["usage"]["prompt_tokens_details"]["cached_tokens"] for out in (cold, warm)]
+    assert cached == [0, (len(ids) - 1) // bs * bs] and cached[1] > 300
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert warm["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        cold["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+    longer = complete(ids + ids[:40])
+    assert longer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) // bs * bs
+    assert hits() - before == cached[1] + len(ids) // bs * bs
+    assert server.engine.blocks.used_bytes == 0
