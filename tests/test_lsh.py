@@ -589,6 +589,7 @@ def test_server_with_magicpig_samples_long_prompts():
                       kv_cache_bytes=2**30, max_num_seqs=8)
     server = RunningServer(cfg)
     assert server.engine.blocks.spec.reserve_blocks > 0  # a prompt of 256 tokens or more holds room for its tables
+    assert not server.engine.scheduler.cfg.prefix_caching  # its tables are per sequence, built as the prompt runs
     text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:6000]
     try:
         def ask(i):
