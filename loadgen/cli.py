@@ -41,6 +41,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per-request limit in s (default: 3600)")
     p.add_argument("--seed", type=int, default=0, help="seed for prompt text positions and synthetic draws")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="every prompt longer than this starts with the same this many tokens of text (a shared "
+                        "system prompt or document, for servers' prefix caches); lengths still include it (default: 0)")
 
 
 def register(sub) -> None:
@@ -91,13 +94,20 @@ def run_workload(args: argparse.Namespace, requests: tuple[TraceRequest, ...], r
                  burstiness: float | None) -> int:
     """Build exact-length prompts, send everything, print and save the report. Returns the exit code."""
     slo = parse_slo(args.slo)
+    if args.shared_prefix_tokens < 0:
+        raise PromptError("--shared-prefix-tokens must be >= 0")
     requests = clip_lengths(requests, args.max_prompt_tokens, args.max_output_tokens)
     text = Path(args.text)
     if not text.is_file():
         raise PromptError(f"prompt text {text} not found; pass one with --text")
     tok = TargetTokenizer.load(args.tokenizer)
-    builder = PromptBuilder(tok, text.read_text(encoding="utf-8"), chat=args.api == "chat", seed=args.seed)
+    builder = PromptBuilder(tok, text.read_text(encoding="utf-8"), chat=args.api == "chat", seed=args.seed,
+                            shared_prefix_tokens=args.shared_prefix_tokens)
     prompts = builder.build_all([r.num_prompt_tokens for r in requests], progress=not args.no_progress)
+    if builder.prefix:
+        shared = sum(p.text.startswith(builder.prefix) for p in prompts)
+        print(f"{shared} of {len(prompts)} prompts start with the shared prefix (the others are too short)",
+              file=sys.stderr)
     num_raised = sum(p.num_tokens != r.num_prompt_tokens for p, r in zip(prompts, requests))
     if num_raised:
         print(f"note: {num_raised} prompts were shorter than the chat template's {builder.min_tokens} tokens and "

@@ -76,6 +76,7 @@ class RequestRecord:
     is_success: bool
     error_kind: str = ""  # http_<status>, timeout, connection, stream_error, bad_response, no_output
     error: str = ""
+    server_cached_tokens: int = -1  # usage.prompt_tokens_details.cached_tokens (prefix cache), -1 when not sent
 
     @property
     def tpot_s(self) -> float:
@@ -106,6 +107,7 @@ class _Stream:
     last: float = 0.0
     completion_tokens: int = -1
     prompt_tokens: int = -1
+    cached_tokens: int = -1
 
 
 def _take_chunk(st: _Stream, obj: dict, now: float, is_chat: bool, itl: list[float], text: list[str]) -> None:
@@ -124,6 +126,7 @@ def _take_chunk(st: _Stream, obj: dict, now: float, is_chat: bool, itl: list[flo
     if usage:
         st.completion_tokens = int(usage.get("completion_tokens", -1))
         st.prompt_tokens = int(usage.get("prompt_tokens", -1))
+        st.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", -1))
 
 
 _DONE = ("", "")
@@ -192,4 +195,4 @@ async def send(session: aiohttp.ClientSession, ep: Endpoint, spec: RequestSpec, 
     return RequestRecord(spec.index, spec.arrival_s, t_send - run_t0, st.first - t_send if ok else 0.0,
                          tuple(itl) if ok else (), st.last - t_send if ok else 0.0, t_end - run_t0,
                          spec.num_prompt_tokens, spec.num_output_tokens, n_out if ok else 0, st.prompt_tokens, ok,
-                         kind, msg)
+                         kind, msg, st.cached_tokens)

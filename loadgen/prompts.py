@@ -88,15 +88,26 @@ class TargetTokenizer:
 
 
 class PromptBuilder:
-    """Cuts windows of real text whose token count, as the server counts it, is exactly N."""
+    """Cuts windows of real text whose token count, as the server counts it, is exactly N.
 
-    def __init__(self, tokenizer: TargetTokenizer, corpus_text: str, chat: bool = False, seed: int = 0):
+    With `shared_prefix_tokens` P, every prompt longer than the prefix starts with the same P tokens
+    of text and a blank line (a system prompt or document every request shares, which a server's
+    prefix cache can keep) and goes on with its own text; N includes them. Shorter prompts are sent
+    without it."""
+
+    def __init__(self, tokenizer: TargetTokenizer, corpus_text: str, chat: bool = False, seed: int = 0,
+                 shared_prefix_tokens: int = 0):
         ids = tokenizer.encode_plain(corpus_text)
         if len(ids) < 64:
             raise PromptError(f"the prompt text has only {len(ids)} tokens; give a longer text file")
         self._ids = np.asarray(ids, dtype=np.int64)  # [num_corpus_tokens]
         self._tok, self.chat, self.seed = tokenizer, chat, seed
         self.min_tokens = tokenizer.count(tokenizer.decode(self._ids[:1]), chat)  # template/BOS + one token
+        # the prefix ends in a blank line, so the tokens of the text after it do not merge with its last one
+        start = int(np.random.default_rng([seed, 2**31]).integers(len(ids)))
+        self.prefix = self._window(start, shared_prefix_tokens) + "\n\n" if shared_prefix_tokens > 0 else ""
+        self._prefix_min = tokenizer.count(self.prefix + tokenizer.decode(self._ids[:1]), chat)
+        """The shortest prompt with the prefix: the prefix and one token."""
 
     def _window(self, start: int, length: int) -> str:
         n = len(self._ids)
@@ -108,12 +119,13 @@ class PromptBuilder:
         where in the text it starts, so different requests get different text."""
         if num_tokens <= self.min_tokens:
             return Prompt(self._window(index, 1), self.min_tokens)
+        lead, least = (self.prefix, self._prefix_min) if num_tokens >= self._prefix_min else ("", self.min_tokens)
         rng = np.random.default_rng([self.seed, index])
-        length = num_tokens - (self.min_tokens - 1)  # text tokens, before round-trip corrections
+        length = num_tokens - (least - 1)  # text tokens, before round-trip corrections
         for _ in range(_MAX_STARTS):
             start, k = int(rng.integers(len(self._ids))), length
             for _ in range(_MAX_FIXES):
-                text = self._window(start, k)
+                text = lead + self._window(start, k)
                 n = self._tok.count(text, self.chat)
                 if n == num_tokens:
                     return Prompt(text, n)

@@ -9,7 +9,7 @@ from loadgen.client import RequestRecord
 from loadgen.metrics import METRICS, PERCENTILES
 
 CSV_COLUMNS = ("index", "arrival_s", "send_at_s", "done_at_s", "is_success", "error_kind", "num_prompt_tokens",
-               "server_prompt_tokens", "num_expected_output_tokens", "num_output_tokens", "ttft_ms", "tpot_ms",
+               "server_prompt_tokens", "server_cached_tokens", "num_expected_output_tokens", "num_output_tokens", "ttft_ms", "tpot_ms",
                "e2e_ms", "num_chunks", "mean_itl_ms", "max_itl_ms", "error")
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
@@ -31,6 +31,8 @@ def format_summary(s: dict) -> str:
         row(f"  {kind}:", n)
     row("Benchmark duration (s):", s["duration"])
     row("Total input tokens:", s["total_input_tokens"])
+    if s.get("prompt_cached_share") is not None:
+        row("  from the server's prefix cache:", f"{100 * s['prompt_cached_share']:.1f} %")
     row("Total generated tokens:", s["total_output_tokens"])
     row("Request throughput (req/s):", s["request_throughput"])
     if s.get("request_goodput") is not None:
@@ -64,7 +66,8 @@ def format_summary(s: dict) -> str:
 def _csv_row(r: RequestRecord) -> list:
     itl = r.itl_s
     return [r.index, f"{r.arrival_s:.6f}", f"{r.send_at_s:.6f}", f"{r.done_at_s:.6f}", int(r.is_success), r.error_kind,
-            r.num_prompt_tokens, r.server_prompt_tokens, r.num_expected_output_tokens, r.num_output_tokens,
+            r.num_prompt_tokens, r.server_prompt_tokens, r.server_cached_tokens, r.num_expected_output_tokens,
+            r.num_output_tokens,
             f"{r.ttft_s * 1e3:.3f}", f"{r.tpot_s * 1e3:.3f}", f"{r.e2e_s * 1e3:.3f}", len(itl) + r.is_success,
             f"{sum(itl) / len(itl) * 1e3:.3f}" if itl else "", f"{max(itl) * 1e3:.3f}" if itl else "", r.error]
 

@@ -209,6 +209,24 @@ def test_exact_length_chat_prompts_count_the_template(tok, server_tokenizer):
     assert short.num_tokens == 31  # below the template's own length: raised to it, and reported
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_shared_prefix_prompts_keep_exact_lengths(tok, server_tokenizer, chat):
+    """Every prompt longer than the prefix starts with the same tokens (what a prefix cache matches), and every
+    prompt still has exactly its length as the server counts it."""
+    b = PromptBuilder(tok, DEFAULT_TEXT.read_text(), chat=chat, seed=3, shared_prefix_tokens=100)
+    lengths = [40, 150, 300, 777]
+    prompts = b.build_all(lengths)
+
+    def ids(text: str) -> list[int]:
+        return server_tokenizer.apply_chat_template([{"role": "user", "content": text}]) if chat else \
+            server_tokenizer.encode(text)
+
+    assert [p.num_tokens for p in prompts] == [len(ids(p.text)) for p in prompts] == lengths
+    assert [p.text.startswith(b.prefix) for p in prompts] == [False, True, True, True]
+    heads = {tuple(ids(p.text)[:100]) for p in prompts[1:]}
+    assert len(heads) == 1 and len({p.text[len(b.prefix):][:50] for p in prompts[1:]}) == 3
+
+
 # ---------------------------------------------------------------- metrics on hand-made logs
 
 def rec(i, ttft, itl, n_out, ok=True, kind="", send=0.0, arrival=0.0) -> RequestRecord:
@@ -388,7 +406,7 @@ def test_replay_azure_against_hetserve(server, tmp_path, api, num):
     code = hetserve_main(["loadgen", "replay", str(AZURE), "--trace-format", "azure", "--endpoint", server.url,
                           "--api", api, "--max-requests", str(num), "--rate", "10", "--max-prompt-tokens", "128",
                           "--max-output-tokens", "8", "--text", str(text), "--out", str(out), "--no-progress",
-                          "--slo", "ttft_ms=60000"])
+                          "--slo", "ttft_ms=60000", "--shared-prefix-tokens", "64"])
     assert code == 0
     s = json.loads((out / "summary.json").read_text())
     trace = apply_filter(read_azure(AZURE).requests, TraceFilter(max_requests=num))
@@ -398,6 +416,7 @@ def test_replay_azure_against_hetserve(server, tmp_path, api, num):
     assert s["input_lens"] == want_in and s["output_lens"] == want_out
     assert (s["total_input_tokens"], s["total_output_tokens"]) == (sum(want_in), sum(want_out))
     assert s["num_prompt_len_mismatch"] == 0 and s["num_output_len_mismatch"] == 0  # the server counted the same
+    assert 0 < s["prompt_cached_share"] < 1  # the shared prefix's blocks, from hetserve's prefix cache
     assert s["good_requests"] == num and 0 < s["mean_ttft_ms"] < s["mean_e2el_ms"] and s["mean_tpot_ms"] > 0
     assert asyncio.run(served_model(server.url)) == (server.model_name, 8192)  # for the context warning
     rows = (out / "requests.csv").read_text().splitlines()
