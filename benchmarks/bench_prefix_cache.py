@@ -2,22 +2,24 @@
 
     PYTHONPATH=. python -m benchmarks.bench_prefix_cache [--doc-tokens 768] [--questions 6] [--turns 6]
 
-Two workloads where a production server sees the same prompt prefix again:
+Three workloads where a production server sees the same prompt prefix again:
 - shared-doc: requests that share one long document (RAG context, a long system prompt), each with
-  its own question after it (completions, token ids);
+  its own question after it (completions, token ids), one at a time;
 - multi-turn: one chat whose every turn sends the whole conversation so far, the assistant's
-  earlier answers included (chat completions).
-Each workload runs on a fresh server with `--prefix-caching on` and one with `off` (the rest of the
-flags from --server-args), alternated --rounds times. Requests go one at a time, streamed, greedy,
---max-tokens each. Reports TTFT per request and their sum, the ratio off / on, the share of prompt
-tokens the server took from its cache (usage.prompt_tokens_details.cached_tokens), and whether the
-two servers' texts agree. Prints a table, writes JSON and a PNG of TTFT per request.
+  earlier answers included (chat completions);
+- concurrent: as shared-doc with another document, all requests sent at once.
+Each runs on a fresh server with `--prefix-caching on` and one with `off` (the rest of the flags from
+--server-args), alternated --rounds times. Requests are streamed, greedy, --max-tokens each.
+Reports TTFT per request, their sum, last and max, the ratio of the sums off / on, the share of
+prompt tokens the server took from its cache (usage.prompt_tokens_details.cached_tokens), and
+whether the two servers' texts agree. Prints a table, writes JSON and a PNG of TTFT per request.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -47,8 +49,14 @@ def stream(url: str, path: str, body: dict) -> dict:
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-def shared_doc(url: str, doc: list[int], questions: list[list[int]], max_tokens: int) -> list[dict]:
-    return [stream(url, "/v1/completions", {"prompt": doc + q, "max_tokens": max_tokens}) for q in questions]
+def shared_doc(url: str, doc: list[int], questions: list[list[int]], max_tokens: int, at_once: bool = False) -> list[dict]:
+    def ask(q: list[int]) -> dict:
+        return stream(url, "/v1/completions", {"prompt": doc + q, "max_tokens": max_tokens})
+
+    if not at_once:
+        return [ask(q) for q in questions]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        return list(pool.map(ask, questions))
 
 
 def multi_turn(url: str, messages: list[str], max_tokens: int) -> list[dict]:
@@ -67,7 +75,8 @@ def run_server(caching: str, work: dict, args) -> dict:
     url = f"http://127.0.0.1:{port}"
     try:
         return {"shared-doc": shared_doc(url, work["doc"], work["questions"], args.max_tokens),
-                "multi-turn": multi_turn(url, work["messages"], args.max_tokens)}
+                "multi-turn": multi_turn(url, work["messages"], args.max_tokens),
+                "concurrent": shared_doc(url, work["doc2"], work["questions2"], args.max_tokens, at_once=True)}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -78,7 +87,7 @@ def plot(rows: list[dict], runs: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.6))
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.5 * len(rows), 3.6))
     for ax, row in zip(axes, rows):
         for caching, style in (("off", "o-"), ("on", "s-")):
             ttfts = [min(r[i]["ttft_s"] for r in runs[caching][row["workload"]]) for i in range(row["requests"])]
@@ -96,6 +105,7 @@ def main() -> None:
     p.add_argument("--question-tokens", type=int, default=32)
     p.add_argument("--turns", type=int, default=6, help="multi-turn: user messages")
     p.add_argument("--turn-tokens", type=int, default=96, help="multi-turn: tokens of each user message")
+    p.add_argument("--concurrent", type=int, default=8, help="concurrent: requests sent at once")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1, help="servers of each kind, alternated; TTFTs are the best")
     p.add_argument("--text", type=Path, default=WIKITEXT)
@@ -117,7 +127,8 @@ def main() -> None:
         return ids[start:start + n]
 
     work = {"doc": piece(args.doc_tokens), "questions": [piece(args.question_tokens) for _ in range(args.questions)],
-            "messages": [tok.decode(piece(args.turn_tokens)) for _ in range(args.turns)]}
+            "messages": [tok.decode(piece(args.turn_tokens)) for _ in range(args.turns)],
+            "doc2": piece(args.doc_tokens), "questions2": [piece(args.question_tokens) for _ in range(args.concurrent)]}
     runs = {"on": {}, "off": {}}
     for i in range(args.rounds):
         for caching in ("off", "on"):
@@ -134,10 +145,12 @@ def main() -> None:
                      "ttft_sum_off_s": sum(best["off"]), "ttft_sum_on_s": sum(best["on"]),
                      "off_vs_on": sum(best["off"]) / sum(best["on"]),
                      "last_ttft_off_s": best["off"][-1], "last_ttft_on_s": best["on"][-1],
+                     "max_ttft_off_s": max(best["off"]), "max_ttft_on_s": max(best["on"]),
                      "texts_equal": sum(a["text"] == b["text"] for a, b in zip(on[0], off[0])),
                      "cached_when_off": sum(r["cached_tokens"] for r in off[0])})
     print_table(rows, ["workload", "requests", "prompt_tokens", "cached_share", "ttft_sum_off_s", "ttft_sum_on_s",
-                       "off_vs_on", "last_ttft_off_s", "last_ttft_on_s", "texts_equal"])
+                       "off_vs_on", "last_ttft_off_s", "last_ttft_on_s", "max_ttft_off_s", "max_ttft_on_s",
+                       "texts_equal"])
     path = write_json(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                                  "rows": rows, "runs": runs})
     png = RESULTS / Path(args.out).with_suffix(".png").name
