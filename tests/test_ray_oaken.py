@@ -23,10 +23,11 @@ def test_ray_oaken_magicpig_matches_local():
         server = RunningServer(cfg)
         try:
             def ask(i):
-                body = {"prompt": text[i * 2500:i * 2500 + 2400], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+                body = {"prompt": text[i * 2500:i * 2500 + 1400], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
                 r = httpx.post(server.url + "/v1/completions", json=body, timeout=600)
                 assert r.status_code == 200, r.text
-                assert r.json()["usage"]["prompt_tokens"] > 400 and r.json()["usage"]["completion_tokens"] == 24
+                # past lsh_min_context: sampled attention on MagicPIG's layers
+                assert r.json()["usage"]["prompt_tokens"] > 300 and r.json()["usage"]["completion_tokens"] == 24
                 return r.json()["choices"][0]["text"]
             alone = [ask(i) for i in range(3)]
             with ThreadPoolExecutor(6) as pool:
