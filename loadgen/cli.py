@@ -106,8 +106,8 @@ def run_workload(args: argparse.Namespace, requests: tuple[TraceRequest, ...], r
     prompts = builder.build_all([r.num_prompt_tokens for r in requests], progress=not args.no_progress)
     if builder.prefix:
         shared = sum(p.text.startswith(builder.prefix) for p in prompts)
-        print(f"{shared} of {len(prompts)} prompts start with the shared prefix (the others are too short)",
-              file=sys.stderr)
+        short = f" (the other {len(prompts) - shared} are too short for it)" if shared < len(prompts) else ""
+        print(f"{shared} of {len(prompts)} prompts start with the shared prefix{short}", file=sys.stderr)
     num_raised = sum(p.num_tokens != r.num_prompt_tokens for p, r in zip(prompts, requests))
     if num_raised:
         print(f"note: {num_raised} prompts were shorter than the chat template's {builder.min_tokens} tokens and "
