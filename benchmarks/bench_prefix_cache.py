@@ -49,7 +49,8 @@ def stream(url: str, path: str, body: dict) -> dict:
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-def shared_doc(url: str, doc: list[int], questions: list[list[int]], max_tokens: int, at_once: bool = False) -> list[dict]:
+def shared_doc(url: str, doc: list[int], questions: list[list[int]], max_tokens: int,
+               at_once: bool = False) -> list[dict]:
     def ask(q: list[int]) -> dict:
         return stream(url, "/v1/completions", {"prompt": doc + q, "max_tokens": max_tokens})
 

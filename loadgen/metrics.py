@@ -107,7 +107,8 @@ def summarize(result: RunResult, slo_ms: dict[str, float] | None = None, rate: f
     n_in = sum(r.num_prompt_tokens for r in ok)
     n_out = sum(r.num_output_tokens for r in ok)
     good = goodput(ok, slo_ms) if slo_ms else None
-    cached = [r for r in ok if r.server_cached_tokens >= 0]
+    cached = [r for r in ok if r.server_cached_tokens >= 0]  # the requests whose server said
+    cached_share = sum(r.server_cached_tokens for r in cached) / max(1, sum(r.num_prompt_tokens for r in cached))
     lag = [r.send_at_s - r.arrival_s for r in recs]
     out = {
         "duration": result.duration_s, "completed": len(ok), "failed": len(recs) - len(ok),
@@ -128,10 +129,7 @@ def summarize(result: RunResult, slo_ms: dict[str, float] | None = None, rate: f
         "errors_by_kind": dict(Counter(r.error_kind for r in recs if not r.is_success)),
         "num_output_len_mismatch": sum(r.num_output_tokens != r.num_expected_output_tokens for r in ok),
         "num_prompt_len_mismatch": sum(0 <= r.server_prompt_tokens != r.num_prompt_tokens for r in ok),
-        # of the prompt tokens of the requests whose server said, the share its prefix cache had (None: none said)
-        "prompt_cached_share": sum(r.server_cached_tokens for r in cached) / max(1, sum(r.num_prompt_tokens
-                                                                                         for r in cached))
-        if cached else None,
+        "prompt_cached_share": cached_share if cached else None,  # of their prompt tokens, from its prefix cache
         "mean_send_lag_ms": float(np.mean(lag)) * 1e3 if lag else 0.0,
         "p99_send_lag_ms": float(np.percentile(lag, 99)) * 1e3 if lag else 0.0,
         "input_lens": [r.num_prompt_tokens for r in recs],

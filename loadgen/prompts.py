@@ -103,11 +103,11 @@ class PromptBuilder:
         self._ids = np.asarray(ids, dtype=np.int64)  # [num_corpus_tokens]
         self._tok, self.chat, self.seed = tokenizer, chat, seed
         self.min_tokens = tokenizer.count(tokenizer.decode(self._ids[:1]), chat)  # template/BOS + one token
-        # the prefix ends in a blank line, so the tokens of the text after it do not merge with its last one
-        start = int(np.random.default_rng([seed, 2**31]).integers(len(ids)))
-        self.prefix = self._window(start, shared_prefix_tokens) + "\n\n" if shared_prefix_tokens > 0 else ""
-        self._prefix_min = tokenizer.count(self.prefix + tokenizer.decode(self._ids[:1]), chat)
-        """The shortest prompt with the prefix: the prefix and one token."""
+        self.prefix, self._prefix_min = "", self.min_tokens
+        if shared_prefix_tokens > 0:  # from its own place (no prompt index is 2**31); a blank line keeps the
+            start = int(np.random.default_rng([seed, 2**31]).integers(len(ids)))  # text after it from merging in
+            self.prefix = self._window(start, shared_prefix_tokens) + "\n\n"
+            self._prefix_min = tokenizer.count(self.prefix + tokenizer.decode(self._ids[:1]), chat)  # and one token
 
     def _window(self, start: int, length: int) -> str:
         n = len(self._ids)

@@ -9,8 +9,8 @@ from loadgen.client import RequestRecord
 from loadgen.metrics import METRICS, PERCENTILES
 
 CSV_COLUMNS = ("index", "arrival_s", "send_at_s", "done_at_s", "is_success", "error_kind", "num_prompt_tokens",
-               "server_prompt_tokens", "server_cached_tokens", "num_expected_output_tokens", "num_output_tokens", "ttft_ms", "tpot_ms",
-               "e2e_ms", "num_chunks", "mean_itl_ms", "max_itl_ms", "error")
+               "server_prompt_tokens", "server_cached_tokens", "num_expected_output_tokens", "num_output_tokens",
+               "ttft_ms", "tpot_ms", "e2e_ms", "num_chunks", "mean_itl_ms", "max_itl_ms", "error")
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 LAG_WARN_MS = 50.0  # p99 send lag above which the run did not follow its schedule
@@ -67,9 +67,9 @@ def _csv_row(r: RequestRecord) -> list:
     itl = r.itl_s
     return [r.index, f"{r.arrival_s:.6f}", f"{r.send_at_s:.6f}", f"{r.done_at_s:.6f}", int(r.is_success), r.error_kind,
             r.num_prompt_tokens, r.server_prompt_tokens, r.server_cached_tokens, r.num_expected_output_tokens,
-            r.num_output_tokens,
-            f"{r.ttft_s * 1e3:.3f}", f"{r.tpot_s * 1e3:.3f}", f"{r.e2e_s * 1e3:.3f}", len(itl) + r.is_success,
-            f"{sum(itl) / len(itl) * 1e3:.3f}" if itl else "", f"{max(itl) * 1e3:.3f}" if itl else "", r.error]
+            r.num_output_tokens, f"{r.ttft_s * 1e3:.3f}", f"{r.tpot_s * 1e3:.3f}", f"{r.e2e_s * 1e3:.3f}",
+            len(itl) + r.is_success, f"{sum(itl) / len(itl) * 1e3:.3f}" if itl else "",
+            f"{max(itl) * 1e3:.3f}" if itl else "", r.error]
 
 
 def write_csv(path: Path, records: tuple[RequestRecord, ...]) -> None:
