@@ -100,7 +100,9 @@ def serve(cfg: ServeConfig) -> None:
     state = ServerState(engine, name, max_model_len, cfg=cfg)
     app = create_app(state)
     key = "from $" + cfg.api_key_env if cfg.api_key() else "none"
-    log.info("serving %s on http://%s:%d (max_model_len %d, API key %s)", name, cfg.host, cfg.port, max_model_len, key)
+    caching = "on" if engine.scheduler.cfg.prefix_caching else "off"
+    log.info("serving %s on http://%s:%d (max_model_len %d, prefix caching %s, API key %s)", name, cfg.host, cfg.port,
+             max_model_len, caching, key)
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                            log_config=None, access_log=False, timeout_graceful_shutdown=5),
                             state, cfg.shutdown_grace_s)
