@@ -228,10 +228,21 @@ class ServeConfig:
         return cls(**{**data, **overrides})
 
 
+def _flag_type(parse):
+    """`parse` for argparse: its ValueError's message becomes the flag's error (not "invalid parse_bytes value")."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file with any of the options below (flags override it)")
     for f in dataclasses.fields(ServeConfig):
-        kind = f.metadata.get("parse") or {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        parse = f.metadata.get("parse")
+        kind = _flag_type(parse) if parse else {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
                             help=f"{f.metadata['help']} (default: {f.default})")
 

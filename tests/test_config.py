@@ -19,10 +19,19 @@ def test_sizes():
 
 def test_flags_override_yaml(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("port: 9000\nkv-cache-bytes: 1GiB\nmax_num_seqs: 4\n")
+    f.write_text("port: 9000\nkv-cache-bytes: 1GiB\nmax_num_seqs: 4\nprefix-caching: false\n")
     cfg = parse(["--config", str(f), "--port", "9100"])
-    assert (cfg.port, cfg.kv_cache_bytes, cfg.max_num_seqs) == (9100, 2**30, 4)
+    assert (cfg.port, cfg.kv_cache_bytes, cfg.max_num_seqs, cfg.prefix_caching) == (9100, 2**30, 4, False)
     assert cfg.kv_capacity_bytes() == 2**30
+    assert parse(["--config", str(f), "--prefix-caching", "on"]).prefix_caching and parse([]).prefix_caching
+
+
+@pytest.mark.parametrize("argv,message", [(["--prefix-caching", "maybe"], "cannot read 'maybe' as on or off"),
+                                          (["--kv-cache-bytes", "lots"], "cannot read 'lots' as a size")])
+def test_bad_flag_values_say_why(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert f"argument {argv[0]}: {message}" in capsys.readouterr().err
 
 
 def test_bad_values_are_refused_with_a_message(tmp_path):
