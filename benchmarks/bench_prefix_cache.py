@@ -83,17 +83,17 @@ def run_server(caching: str, work: dict, args) -> dict:
         proc.wait(timeout=60)
 
 
-def plot(rows: list[dict], runs: dict, path: Path) -> None:
+def plot(best: dict[str, dict[str, list[float]]], path: Path) -> None:
+    """best: workload -> {"off", "on"} -> each request's best TTFT over the rounds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(4.5 * len(rows), 3.6))
-    for ax, row in zip(axes, rows):
+    fig, axes = plt.subplots(1, len(best), figsize=(4.5 * len(best), 3.6))
+    for ax, (name, ttfts) in zip(axes, best.items()):
         for caching, style in (("off", "o-"), ("on", "s-")):
-            ttfts = [min(r[i]["ttft_s"] for r in runs[caching][row["workload"]]) for i in range(row["requests"])]
-            ax.plot(range(1, len(ttfts) + 1), ttfts, style, label=f"prefix cache {caching}")
-        ax.set(title=row["workload"], xlabel="request", ylabel="time to first token (s)", ylim=(0, None))
+            ax.plot(range(1, len(ttfts[caching]) + 1), ttfts[caching], style, label=f"prefix cache {caching}")
+        ax.set(title=name, xlabel="request", ylabel="time to first token (s)", ylim=(0, None))
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -136,10 +136,11 @@ def main() -> None:
             print(f"round {i + 1}/{args.rounds}: prefix cache {caching} ...", flush=True)
             for name, results in run_server(caching, work, args).items():
                 runs[caching].setdefault(name, []).append(results)
-    rows = []
+    rows, bests = [], {}
     for name in runs["on"]:
         on, off = runs["on"][name], runs["off"][name]
-        best = {k: [min(r[i]["ttft_s"] for r in v) for i in range(len(v[0]))] for k, v in (("on", on), ("off", off))}
+        best = bests[name] = {k: [min(r[i]["ttft_s"] for r in v) for i in range(len(v[0]))]
+                              for k, v in (("on", on), ("off", off))}
         prompt = sum(r["prompt_tokens"] for r in on[0])
         rows.append({"workload": name, "requests": len(on[0]), "prompt_tokens": prompt,
                      "cached_share": sum(r["cached_tokens"] for r in on[0]) / prompt,
@@ -155,7 +156,7 @@ def main() -> None:
     path = write_json(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                                  "rows": rows, "runs": runs})
     png = RESULTS / Path(args.out).with_suffix(".png").name
-    plot(rows, runs, png)
+    plot(bests, png)
     print(f"wrote {path} and {png}")
 
 

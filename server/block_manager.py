@@ -178,7 +178,7 @@ class BlockManager:
         self._uncommitted.clear()
 
     def forget_uncommitted(self) -> None:
-        """The step failed: its blocks' KV may be missing, so they leave the cache."""
+        """The step failed (no commit came): its blocks' KV may be missing, so they leave the cache."""
         for block in self._uncommitted:
             self._forget(block)
         self._uncommitted.clear()

@@ -36,9 +36,10 @@ def parse_switch(value: str | bool) -> bool:
     if isinstance(value, bool):
         return value
     words = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
-    if str(value).strip().lower() not in words:
+    word = str(value).strip().lower()
+    if word not in words:
         raise ValueError(f"cannot read {value!r} as on or off")
-    return words[str(value).strip().lower()]
+    return words[word]
 
 
 def _opt(default, help: str, **kw):

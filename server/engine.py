@@ -163,7 +163,6 @@ class Engine:
                     self.step()
                 except Exception as exc:  # a failed step must not take the server down
                     log.exception("engine step failed")
-                    self.blocks.forget_uncommitted()
                     for live in list(self._live.values()):
                         self._finish(live, "error", error=f"engine step failed: {exc}")
             trimmer.maybe_release()  # server/memory.py: freed step arrays would stay resident
@@ -244,7 +243,6 @@ class Engine:
             if exc.shard is None:
                 raise  # the accelerator worker: every running request fails (see _loop)
             log.error("%s; recomputing the running sequences on the other workers", exc)
-            self.blocks.forget_uncommitted()
             self.blocks.set_live(self.blocks.live - {exc.shard})
             self.scheduler.preempt_all()
             return

@@ -106,6 +106,10 @@ class Shape:
         sim = {"x_sim": last[0].sim} if last[0].sim else {}
         return {**self._base(False), "choices": choices, "usage": self.usage(last), **sim}
 
+    def shows_logprobs(self, ev: RequestEvent) -> bool:
+        """The request asked for logprobs and `ev` has some: its tokens', or the prompt's (echo)."""
+        return bool(self.logprobs) and bool(ev.logprobs or ev.prompt_logprobs)
+
     def chunk(self, i: int, ev: RequestEvent | None) -> dict:
         """A stream's chunk of choice i's `ev`; None: chat's first chunk of a choice, which gives the role."""
         if ev is None:
@@ -118,8 +122,8 @@ class Shape:
             choice = {"index": i, "text": self.echo + ev.text}
         else:
             choice = {"index": i, "text": ev.text}
-        has_logprobs = self.logprobs and (ev.logprobs or ev.prompt_logprobs)
-        choice.update(logprobs=self.logprobs[i]([ev]) if has_logprobs else None, finish_reason=ev.finish_reason)
+        choice.update(logprobs=self.logprobs[i]([ev]) if self.shows_logprobs(ev) else None,
+                      finish_reason=ev.finish_reason)
         return {**self._base(True), "choices": [choice]}
 
 
@@ -147,7 +151,7 @@ async def stream(engine: Engine, events: asyncio.Queue, shape: Shape, include_us
             if err is not None:
                 yield _sse(err.body())
                 break
-            if ev.text or ev.finish_reason or (shape.logprobs and (ev.logprobs or ev.prompt_logprobs)):
+            if ev.text or ev.finish_reason or shape.shows_logprobs(ev):
                 sim = {"x_sim": ev.sim} if ev.finish_reason and ev.sim else {}
                 yield _sse({**shape.chunk(i, ev), **sim})
         if include_usage and len(last) == shape.n:

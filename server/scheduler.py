@@ -55,6 +55,11 @@ class Sequence:
         return self._keys[:num_blocks]
 
     @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are asked for and not all computed yet (until its first token)."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -112,8 +117,7 @@ class Scheduler:
     def _share_prefix(self, seq: Sequence) -> None:
         """Start a sequence that holds no blocks after its cached prefix. At least its last token is
         computed (its logits give the next token); a prompt to be scored is computed whole."""
-        scored = seq.sampling.prompt_logprobs is not None and not seq.output_token_ids
-        if not self.cfg.prefix_caching or seq.num_computed or scored:
+        if not self.cfg.prefix_caching or seq.num_computed or seq.scores_prompt:
             return
         bs = self.blocks.spec.block_size
         hit = self.blocks.share_prefix(seq.seq_id, seq.block_keys((seq.num_tokens - 1) // bs, bs))
@@ -150,7 +154,7 @@ class Scheduler:
         is_last = stop == seq.num_tokens
         penalized = is_last and seq.sampling.has_penalties
         start, num_prompt = seq.num_computed, len(seq.prompt_token_ids)
-        scored = seq.sampling.prompt_logprobs is not None and not seq.output_token_ids  # until its first token
+        scored = seq.scores_prompt
         return SeqChunk(
             seq_id=seq.seq_id,
             token_ids=seq.token_slice(seq.num_computed, stop),
@@ -164,6 +168,8 @@ class Scheduler:
         )
 
     def schedule(self) -> StepInput:
+        # blocks registered for a step that never came back to update() (it failed) may lack their KV
+        self.blocks.forget_uncommitted()
         budget = self.cfg.max_num_batched_tokens
         chunks: list[SeqChunk] = []
         self._scheduled = []
