@@ -1,6 +1,8 @@
 """Prefix caching: time to first token with the prefix cache on against off, same requests, in one run.
 
     PYTHONPATH=. python -m benchmarks.bench_prefix_cache [--doc-tokens 768] [--questions 6] [--turns 6]
+    PYTHONPATH=. python -m benchmarks.bench_prefix_cache --doc-tokens 2048 --workloads shared-doc,concurrent \
+        --server-args "--kv-format oaken --attention magicpig --kv-cache-bytes 3GiB"   # past MagicPIG's min context
 
 Three workloads where a production server sees the same prompt prefix again:
 - shared-doc: requests that share one long document (RAG context, a long system prompt), each with
@@ -74,10 +76,11 @@ def run_server(caching: str, work: dict, args) -> dict:
     port = free_port()
     proc, _ = start_hetserve(port, "--prefix-caching", caching, *args.server_args.split())
     url = f"http://127.0.0.1:{port}"
+    runs = {"shared-doc": lambda: shared_doc(url, work["doc"], work["questions"], args.max_tokens),
+            "multi-turn": lambda: multi_turn(url, work["messages"], args.max_tokens),
+            "concurrent": lambda: shared_doc(url, work["doc2"], work["questions2"], args.max_tokens, at_once=True)}
     try:
-        return {"shared-doc": shared_doc(url, work["doc"], work["questions"], args.max_tokens),
-                "multi-turn": multi_turn(url, work["messages"], args.max_tokens),
-                "concurrent": shared_doc(url, work["doc2"], work["questions2"], args.max_tokens, at_once=True)}
+        return {name: runs[name]() for name in args.workloads.split(",")}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -89,8 +92,8 @@ def plot(best: dict[str, dict[str, list[float]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(best), figsize=(4.5 * len(best), 3.6))
-    for ax, (name, ttfts) in zip(axes, best.items()):
+    fig, axes = plt.subplots(1, len(best), figsize=(4.5 * len(best), 3.6), squeeze=False)
+    for ax, (name, ttfts) in zip(axes[0], best.items()):
         for caching, style in (("off", "o-"), ("on", "s-")):
             ax.plot(range(1, len(ttfts[caching]) + 1), ttfts[caching], style, label=f"prefix cache {caching}")
         ax.set(title=name, xlabel="request", ylabel="time to first token (s)", ylim=(0, None))
@@ -108,6 +111,7 @@ def main() -> None:
     p.add_argument("--turn-tokens", type=int, default=96, help="multi-turn: tokens of each user message")
     p.add_argument("--concurrent", type=int, default=8, help="concurrent: requests sent at once")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--workloads", default="shared-doc,multi-turn,concurrent", help="comma-separated, of those three")
     p.add_argument("--rounds", type=int, default=1, help="servers of each kind, alternated; TTFTs are the best")
     p.add_argument("--text", type=Path, default=WIKITEXT)
     p.add_argument("--server-args", default="--kv-cache-bytes 512MiB", help="more `hetserve serve` options")

@@ -6,7 +6,8 @@ The codes come from the model worker (gpu_model.lsh.LshCoder, made by `MagicPig.
 hashes q and k next to the projection, keys centered the same way as here.
 
 Per sequence and layer:
-    mu       [Hkv, D]          mean key of the first prefill chunk (for the angle in u)
+    mu       [Hkv, D]          mean key of the first prefill chunk (for the angle in u), or after a
+                               cached prefix, of its first PREFIX_CENTER_KEYS keys
     tables   per set c (lsh.MAX_KEYS keys each, the last one filling): offsets [Hkv][L, 2^K + 1],
              packed ids [Hkv][L, bytes], norms [Hkv, keys] (|k - mu| of each key as hashed, for
              its angle to the query); together keys 0..indexed-1
@@ -23,6 +24,7 @@ Layers in `dense_layers`, and sequences shorter than `min_context`, are attended
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,10 +32,15 @@ import torch
 from numba.typed import List
 
 from cpu_attn import lsh
-from gpu_model.lsh import LshCoder
+from gpu_model.lsh import LshCoder, simhash, simhash_matrix
 
 
 RETRIEVALS = ("head", "group")
+PREFIX_CENTER_KEYS = 512
+"""A sequence that starts after a cached prefix centers its keys on the mean of the prefix's first
+this many keys (a cold prompt: its first chunk's, 512 tokens at the default token budget). The mean
+of its own first chunk, often a few tokens at the end, made a poor center: +40 % perplexity against
++10 % (MagicPIG over Oaken, 1,600-token windows, 20 tokens computed past a 1,380-token prefix)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,8 @@ class MagicPig:
         self._empty = (np.zeros((cfg.l, 2**cfg.k + 1), np.uint16), lsh.empty_ids(cfg.l, 0), np.zeros(0, np.float32))
         self._lists: dict[int, tuple] = {}  # per layer: the last batch's states, versions and typed Lists
         self._merges_left = cfg.merges_per_step
+        self._w: torch.Tensor | None = None  # the coder's SimHash matrix, made when a cached prefix is first coded here
+        self.new_centers: list[tuple[int, int, np.ndarray]] = []
         self.touched = 0
         """Keys sampled (summed over query heads) since the last take_stats."""
         self.eligible = 0
@@ -145,20 +154,34 @@ class MagicPig:
         freed = [s for s in seq_ids if self.seqs.pop(s, None) is not None]
         if freed:  # the engine frees every step, mostly nothing: keep the batch's typed Lists then
             self._lists.clear()  # they may hold a freed sequence's tables
+            self.new_centers = [c for c in self.new_centers if c[0] not in freed]  # a failed step's
 
-    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes: np.ndarray | None) -> None:
+    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes: np.ndarray | None,
+               earlier: Callable[[], torch.Tensor] | None = None) -> None:
         """k [n, Hkv, D] (CPU float32): the keys of positions start_pos .. start_pos + n - 1;
-        k_codes [n, Hkv, L] int32: their centered codes (gpu_model.lsh.LshCoder)."""
+        k_codes [n, Hkv, L] int32: their centered codes (gpu_model.lsh.LshCoder). A sequence whose
+        first chunk starts past 0 took positions 0 .. start_pos - 1 from the prefix cache: `earlier()`
+        gives their keys as stored, [start_pos, Hkv, D]. Its center is then chosen here, from those
+        keys (PREFIX_CENTER_KEYS), and its keys so far coded here; take_centers() passes the center
+        on to the coder for the sequence's later keys."""
         if not self.sampled_layers[layer]:
             return
         if k_codes is None:
             raise ValueError("MagicPIG needs the key and query codes of the model worker's LshCoder")
         layers = self.seqs.setdefault(seq_id, [None] * len(self.sampled_layers))
         state = layers[layer]
-        if state is None or start_pos == 0:
-            state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
-        state.pending.append(np.asarray(k_codes, np.uint16))  # half of int32's bytes: most of a short sequence's state
-        state.pending_norms.append(torch.linalg.vector_norm(k - torch.from_numpy(state.mu), dim=-1).numpy())
+        if start_pos and state is None:
+            if earlier is None:
+                raise ValueError(f"sequence {seq_id} starts at {start_pos} without its earlier keys")
+            keys = earlier()
+            state = layers[layer] = _Layer(mu=keys[:PREFIX_CENTER_KEYS].mean(0).numpy())
+            self._code(state, torch.cat([keys, k]))
+            self.new_centers.append((seq_id, layer, state.mu))
+        else:
+            if not start_pos:
+                state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
+            state.pending.append(np.asarray(k_codes, np.uint16))  # half of int32's bytes: most of a short one's state
+            state.pending_norms.append(torch.linalg.vector_norm(k - torch.from_numpy(state.mu), dim=-1).numpy())
         n = start_pos + len(k)
         upto = n - self.cfg.window
         due = upto - state.indexed
@@ -166,6 +189,22 @@ class MagicPig:
                 (len(k) > 1 or self._merges_left > 0 or due >= 2 * self.cfg.merge_every):
             self._merges_left -= len(k) == 1  # prefill chunks index their keys at once, outside the budget
             self._merge(state, upto)
+
+    def take_centers(self) -> list[tuple[int, int, np.ndarray]]:
+        """(seq_id, layer, mu [Hkv, D]) of the key centers chosen here since the last call, for the
+        coder's later key codes of those sequences (LshCoder.set_center)."""
+        centers, self.new_centers = self.new_centers, []
+        return centers
+
+    def _code(self, state: _Layer, keys: torch.Tensor, rows: int = 2048) -> None:
+        """Pending codes and norms of keys [n, Hkv, D], centered on state.mu, as the coder makes them,
+        in pieces of `rows` keys (a piece's projections take rows * Hkv * K * L * 4 bytes: 74 MB)."""
+        if self._w is None:
+            self._w = simhash_matrix(self.head_dim, self.cfg.k, self.cfg.l, self.cfg.seed)
+        centered = keys - torch.from_numpy(state.mu)
+        for piece in centered.split(rows):
+            state.pending.append(simhash(piece, self._w, self.cfg.k).numpy().astype(np.uint16))
+            state.pending_norms.append(torch.linalg.vector_norm(piece, dim=-1).numpy())
 
     def _merge(self, state: _Layer, upto: int) -> None:
         """Index keys state.indexed .. upto - 1: into the last set while it has room, then new sets."""

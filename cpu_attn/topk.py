@@ -35,7 +35,7 @@ class TopK:
     def clone(self, src: int, dst: int) -> None:
         """As MagicPig.clone; exact top-k keeps no per-sequence state."""
 
-    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None) -> None:
+    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None, earlier=None) -> None:
         pass
 
     def decode_attention(self, store, layer: int, seq_ids: list[int], q: np.ndarray, q_codes, block_tables: np.ndarray,
@@ -77,14 +77,16 @@ class AnnTopK(TopK):
         if src in self.seqs:
             self.seqs[dst] = copy.deepcopy(self.seqs[src])
 
-    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None) -> None:
-        """Keys enter their kv-head's graph once they leave the window (ids = positions)."""
+    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None, earlier=None) -> None:
+        """Keys enter their kv-head's graph once they leave the window (ids = positions); a first chunk
+        past 0 takes the keys before it from `earlier()` (a cached prefix, as MagicPig.append)."""
         if not self.sampled_layers[layer]:
             return
         layers = self.seqs.setdefault(seq_id, {})
         if start_pos == 0 or layer not in layers:
             metric = self.faiss.METRIC_INNER_PRODUCT
-            layers[layer] = ([self.faiss.IndexHNSWFlat(k.shape[2], self.graph_degree, metric) for _ in range(k.shape[1])], [])
+            layers[layer] = ([self.faiss.IndexHNSWFlat(k.shape[2], self.graph_degree, metric) for _ in range(k.shape[1])],
+                             [earlier().numpy()] if start_pos else [])
         graphs, pending = layers[layer]
         pending.append(k.numpy())
         upto = start_pos + len(k) - self.window

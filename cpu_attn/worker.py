@@ -9,6 +9,7 @@ from the store.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -40,7 +41,7 @@ class _StepPlan:
     block_tables: np.ndarray  # [B, max_blocks] int32
     seq_lens: np.ndarray  # [B] int32
     prefills: list[tuple[int, int, int, tuple[int, ...]]]  # (first row, num_tokens, start_pos, block_table)
-    chunks: list[tuple[int, int, int, int]]  # (first row, num_tokens, start_pos, seq_id)
+    chunks: list[tuple[int, int, int, int, tuple[int, ...]]]  # (first row, num_tokens, start_pos, seq_id, block_table)
     decode_seq_ids: list[int]
 
 
@@ -64,7 +65,7 @@ class AttentionWorker:
             table = np.asarray(c.block_table, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             positions.append(pos)
-            spans.append((row, c.num_tokens, c.start_pos, c.seq_id))
+            spans.append((row, c.num_tokens, c.start_pos, c.seq_id, c.block_table))
             if c.num_tokens == 1:
                 decode_ids.append(c.seq_id)
                 decode_rows.append(row)
@@ -128,9 +129,14 @@ class AttentionWorker:
         self.store.write(layer, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy(), plan.positions)
         if self.sparse is not None and self.sparse.sampled_layers[layer]:
             codes = None if k_codes is None else k_codes.numpy()  # sliced below as NumPy: ~1 us a row less
-            for first, n, start, seq_id in plan.chunks:
+            for first, n, start, seq_id, table in plan.chunks:
                 self.sparse.append(layer, seq_id, start, k[first:first + n],
-                                   None if codes is None else codes[first:first + n])
+                                   None if codes is None else codes[first:first + n],
+                                   functools.partial(self._stored_keys, layer, table, start))
+
+    def _stored_keys(self, layer: int, table: tuple[int, ...], n: int) -> torch.Tensor:
+        """A sequence's first `n` keys as stored (those it took from the prefix cache)."""
+        return torch.from_numpy(self.store.gather(layer, table, n)[0])
 
     def _decode(self, layer: int, q: np.ndarray, q_codes: np.ndarray | None) -> np.ndarray:
         plan = self._plan
@@ -140,6 +146,12 @@ class AttentionWorker:
             if sampled is not None:
                 return sampled[0]
         return self.store.decode_attention(layer, q, plan.block_tables, plan.seq_lens, self.scale)[0]
+
+    def take_centers(self) -> list:
+        """MagicPIG key centers chosen here since the last call (MagicPig.take_centers), for the
+        model worker's coder (ModelWorker.set_centers) after the step: the keys of the step that
+        chose them were coded here."""
+        return self.sparse.take_centers() if isinstance(self.sparse, MagicPig) else []
 
     def free(self, seq_ids) -> None:
         """Drop per-sequence state of finished or preempted sequences."""

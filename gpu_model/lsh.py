@@ -111,6 +111,12 @@ class LshCoder:
             proj[row:row + n] -= centers[layer]
             row += n
 
+    def set_center(self, seq_id: int, layer: int, mu: np.ndarray) -> None:
+        """Center `seq_id`'s later keys of `layer` on mu [Hkv, D], chosen by the attention worker (a
+        sequence that started after a cached prefix: MagicPig.take_centers)."""
+        self.centers.setdefault(seq_id, {})[layer] = torch.from_numpy(mu).to(self.w) @ self.w
+        self._rows.pop(layer, None)
+
     def free(self, seq_ids) -> None:
         for s in seq_ids:
             if self.centers.pop(s, None) is not None:

@@ -29,6 +29,11 @@ class ModelWorker:
         if self.lsh is not None:
             self.lsh.free(seq_ids)
 
+    def set_centers(self, centers) -> None:
+        """(seq_id, layer, mu) key centers the attention workers chose (AttentionWorker.take_centers)."""
+        for seq_id, layer, mu in centers:
+            self.lsh.set_center(seq_id, layer, mu)
+
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.is_cpu else t.float().cpu()
 

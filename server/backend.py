@@ -7,6 +7,7 @@ so the scheduler and its tests run without a model.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,6 +110,10 @@ class KVSpec:
     """Blocks a sequence also holds, never written, once it has `reserve_from` tokens: the room of
     state its worker keeps beside the KV from then on (MagicPIG's first table set)."""
     reserve_from: int = 0
+    own_share: float = 0.0
+    """Of a block's bytes, the share that is its holder's own state, not the block's KV (MagicPIG's
+    codes of its tokens): a sequence that takes n blocks from the prefix cache also holds
+    ceil(n * own_share) blocks, never written, for its copy of that state."""
 
     def table_blocks(self, num_tokens: int) -> int:
         """Blocks of a sequence's block table at `num_tokens` tokens."""
@@ -120,6 +125,10 @@ class KVSpec:
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` tokens holds, its reserve included."""
         return self.table_blocks(num_tokens) + self.reserve_for(num_tokens)
+
+    def own_blocks(self, num_shared: int) -> int:
+        """Blocks a sequence holds beside `num_shared` blocks it took from the prefix cache."""
+        return math.ceil(num_shared * self.own_share)
 
     def max_tokens(self, num_blocks: int) -> int:
         """The most tokens a sequence can have in `num_blocks` blocks."""

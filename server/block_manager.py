@@ -47,6 +47,8 @@ class BlockManager:
         self.hit_tokens = 0
         self._tables: dict[int, list[int]] = {}
         self._reserved: dict[int, list[int]] = {}
+        self._own: dict[int, list[int]] = {}
+        """Blocks held for a sequence's own state of the blocks it shared (KVSpec.own_share)."""
         self._shard_of: dict[int, int] = {}
         self.live: set[int] = set(range(len(sizes)))
         self.max_seq_blocks = max(sizes)
@@ -139,11 +141,13 @@ class BlockManager:
         # cached ones last block first: a prefix's end is evicted before its start, which every later block needs
         self._idle[shard].update((b, None) for b in reversed(released) if b in self._key_of)
         self._free[shard].extend(self._reserved.pop(seq_id, ()))
+        self._free[shard].extend(self._own.pop(seq_id, ()))
 
     # ---- prefix caching
     def share_prefix(self, seq_id: int, keys: list[bytes]) -> int:
         """Give `seq_id`, which holds no blocks yet, the cached blocks of its first full blocks'
-        `keys`, from the live shard that has the longest run of them; returns how many."""
+        `keys`, from the live shard that has the longest run of them, and the blocks for its own
+        state of them (KVSpec.own_blocks) when that shard has room; returns how many it shares."""
         assert seq_id not in self._shard_of, "share_prefix is for a sequence's first blocks"
         best, shard = 0, None
         for s in sorted(self.live):
@@ -152,14 +156,17 @@ class BlockManager:
                 n += 1
             if n > best or (n == best and n and self._room(s) > self._room(shard)):
                 best, shard = n, s
-        if not best:
+        table = [self._cached[shard][k] for k in keys[:best]] if best else []
+        idle = sum(b not in self._refs for b in table)  # idle blocks count as room until taken
+        if not best or self.spec.own_blocks(best) > self._room(shard) - idle:
             return 0
-        table = [self._cached[shard][k] for k in keys[:best]]
         for block in table:
             if block not in self._refs:
                 del self._idle[shard][block]
             self._refs[block] = self._refs.get(block, 0) + 1
         self._shard_of[seq_id], self._tables[seq_id] = shard, table
+        if self.spec.own_share:
+            self._own[seq_id] = [self._take(shard) for _ in range(self.spec.own_blocks(best))]
         return best
 
     def register(self, seq_id: int, keys: list[bytes], first: int = 0) -> None:

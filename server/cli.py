@@ -44,8 +44,7 @@ def build_engine(cfg: ServeConfig):
 
         backend = SimBackend.build(backend, cfg.sim_device, cfg.sim_model)
     tokenizer = Tokenizer(model_dir, backend.model_cfg.eos_token_ids)
-    prefix_caching = cfg.prefix_caching and cfg.attention == "exact"
-    engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix_caching))
+    engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
     return engine, name, backend.max_model_len
 
@@ -195,6 +194,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
     p.add_argument("--prefill-tokens", type=int, default=128,
                    help="tokens of each window run as the prompt; the rest are decoded one by one and scored (default: 128)")
+    p.add_argument("--cached-prefix-tokens", type=int, default=0,
+                   help="of the prompt, tokens an earlier sequence computes and the window's takes from it, as the "
+                        "prefix cache gives them (default: 0)")
     p.add_argument("--batch-windows", type=int, default=16, help="windows decoded together (default: 16)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--oaken-thresholds", help="thresholds JSON (default: the model cache's, calibrated when missing)")
@@ -294,10 +296,12 @@ def eval_command(args: argparse.Namespace) -> None:
         results = evaluate(model, windows, formats, prefill_tokens=args.prefill_tokens, batch_windows=args.batch_windows,
                            block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction,
                            exact_recent=args.oaken_recent == "exact", lsh=lsh,
-                           topk_frac=args.topk_frac if args.attention == "topk" else None, ref_model=ref_model)
+                           topk_frac=args.topk_frac if args.attention == "topk" else None, ref_model=ref_model,
+                           cached_prefix_tokens=args.cached_prefix_tokens)
     except ValueError as exc:
         raise SystemExit(f"hetserve eval: {exc}")
-    print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt; "
+    print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt"
+          f"{f' ({args.cached_prefix_tokens} from the cache)' if args.cached_prefix_tokens else ''}; "
           f"fp32-KV perplexity {results[0]['ppl_ref']:.4f}")
     print(f"{'kv_format':10} {'attention':9} {'bits':>6} {'ppl':>9} {'change':>8} {'KL mean':>9} {'top-1':>7} "
           f"{'keys':>6}  groups outer/middle/inner")

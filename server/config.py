@@ -104,8 +104,9 @@ class ServeConfig:
     max_model_len: int | None = _opt(None, "longest prompt plus output in tokens (default: the model's context)")
     prefix_caching: bool = _opt(True, "on or off: a request whose tokens start with the same full KV blocks as an "
                                       "earlier one's reuses their KV instead of computing it (blocks no request "
-                                      "holds stay cached until the space is needed); always off with attention "
-                                      "magicpig, whose hash tables are per sequence", parse=parse_switch)
+                                      "holds stay cached until the space is needed; with attention magicpig each "
+                                      "request still builds its own hash tables, from the cached keys)",
+                                parse=parse_switch)
     executor: str = _opt("local", "how workers run: local (one process), or ray (a model actor and CPU attention "
                                   "actors; a local Ray cluster unless ray_address is given)")
     ray_address: str | None = _opt(None, "ray executor: address of an existing Ray cluster to join, e.g. auto or "

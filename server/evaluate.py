@@ -84,27 +84,46 @@ def sparse_part(name: str, lsh: LshConfig | None, topk_frac: float | None, cfg):
     return None
 
 
+def _forward(model_worker: ModelWorker, attn: AttentionWorker, batch: torch.Tensor, tables: list[tuple[int, ...]],
+             seq_ids: list[int], start: int, length: int) -> torch.Tensor:
+    """One step over every window's tokens start .. start + length - 1 -> the logits of each one's last."""
+    tokens = batch[:, start:start + length].reshape(-1).tolist()
+    positions = list(range(start, start + length)) * len(batch)
+    rows = [i * length + length - 1 for i in range(len(batch))]
+    attn.begin_step([ChunkLayout(length, start, t, i) for i, t in zip(seq_ids, tables)])
+    logits, _ = model_worker.forward(tokens, positions, rows, attn.attend, [(i, start, length) for i in seq_ids])
+    model_worker.set_centers(attn.take_centers())
+    return logits
+
+
 def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_tokens: int = 128,
              batch_windows: int = 16, block_size: int = 16, oaken_cal: OakenThresholds | None = None,
              sparse_fraction: float = SPARSE_FRACTION, progress: bool = True, exact_recent: bool = True,
-             lsh: LshConfig | None = None, topk_frac: float | None = None, ref_model=None) -> list[dict]:
+             lsh: LshConfig | None = None, topk_frac: float | None = None, ref_model=None,
+             cached_prefix_tokens: int = 0) -> list[dict]:
     """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length),
     the reference run on `ref_model` when given (the same weights in other linears, to score those).
     With `lsh`, every (Oaken) format is also scored with MagicPIG attention, as "<format>+magicpig";
     with `topk_frac` as well, with TopK attention keeping that share of keys, as "<format>+topk"
     (exact top-k) and "<format>+topk-ann" (HNSW search), on the same layers and sequences, with
-    the same sinks and window."""
+    the same sinks and window. With `cached_prefix_tokens` P, each window's first P tokens are
+    prefilled by a sequence that then ends, and the window's own sequence takes its blocks, as the
+    server's prefix cache gives them, and prefills the rest: it reads that start through the store,
+    and MagicPIG codes those keys on the CPU, centered on their first magicpig.PREFIX_CENTER_KEYS."""
     from tqdm import tqdm
 
     cfg = model.cfg
     window_tokens = len(windows[0])
     if not 0 < prefill_tokens < window_tokens - 1:
         raise ValueError(f"prefill_tokens must be in [1, {window_tokens - 2}] for windows of {window_tokens} tokens")
+    if not 0 <= cached_prefix_tokens < prefill_tokens:
+        raise ValueError(f"cached_prefix_tokens must be in [0, {prefill_tokens - 1}] (below prefill_tokens)")
     worker = ModelWorker(model, None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim).coder())
     ref_worker = worker if ref_model is None else ModelWorker(ref_model)
     variants = variant_names(kv_formats, lsh, topk_frac)
     names = ["fp32-exact"] + variants
     scores = {name: _Score() for name in names}
+    workers = {name: ref_worker if name == "fp32-exact" else worker for name in names}
     blocks_per_window = -(-window_tokens // block_size)
     bar = tqdm(total=len(windows) * (window_tokens - prefill_tokens), desc="eval", unit="tok", disable=not progress)
     stores = {}
@@ -118,21 +137,26 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
         attn = {name: AttentionWorker(store, cfg.head_dim, sparse_part(name, lsh, topk_frac, cfg))
                 for name, store in stores.items()}
         tables = [tuple(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(num)]
-        # step 0 prefills every window; step s > 0 decodes token prefill_tokens + s - 1
+        ids = list(range(num))
+        if cached_prefix_tokens:  # an earlier request's sequences fill the cache, then end
+            for name in names:
+                _forward(workers[name], attn[name], batch, tables, ids, 0, cached_prefix_tokens)
+                attn[name].free(ids)
+            worker.free(ids)
+            ref_worker.free(ids)
+            ids = list(range(num, 2 * num))
+        # step 0 prefills every window (after its cached prefix); step s > 0 decodes token prefill_tokens + s - 1
         for s in range(window_tokens - prefill_tokens):
             if s == 0:
-                start, length = 0, prefill_tokens
+                start, length = cached_prefix_tokens, prefill_tokens - cached_prefix_tokens
             else:
                 start, length = prefill_tokens + s - 1, 1
-            tokens = batch[:, start:start + length].reshape(-1).tolist()
-            positions = list(range(start, start + length)) * num
-            rows = [i * length + length - 1 for i in range(num)]
             targets = batch[:, start + length]
             logp = {}
             for name in names:
-                attn[name].begin_step([ChunkLayout(length, start, t, i) for i, t in enumerate(tables)])
-                logits, _ = (ref_worker if name == "fp32-exact" else worker).forward(
-                    tokens, positions, rows, attn[name].attend, [(i, start, length) for i in range(num)])
+                if s == 0 and cached_prefix_tokens and isinstance(attn[name].sparse, MagicPig):
+                    worker.free(ids)  # the coder takes the center MagicPIG chooses (the others use no codes)
+                logits = _forward(workers[name], attn[name], batch, tables, ids, start, length)
                 logp[name] = torch.log_softmax(logits.float().cpu(), -1)
             for name in names:
                 scores[name].add(logp["fp32-exact"], logp[name], targets)
@@ -158,6 +182,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
                "top1_agreement_clear": sc.top1_clear / max(sc.clear, 1), "clear_positions_frac": sc.clear / sc.count,
                "effective_bits": _effective_bits(name, stores[name], sc.groups),
                "num_windows": len(windows), "window_tokens": window_tokens, "prefill_tokens": prefill_tokens,
+               "cached_prefix_tokens": cached_prefix_tokens,
                "scored_positions": sc.count}
         row["ppl_change_pct"] = 100 * (row["ppl"] / ppl_ref - 1)
         if sc.eligible:

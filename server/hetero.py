@@ -153,11 +153,13 @@ def kv_spec(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_fr
             recent_blocks: int, lsh: LshConfig | None = None, max_num_seqs: int = 1) -> KVSpec:
     """The blocks of a cache of `capacity_bytes` in `kv_format`, MagicPIG's state included, so that
     admission by free blocks bounds the hash tables too: a sequence reserves blocks for its first
-    table set once it has min_context tokens (when it may get one)."""
+    table set once it has min_context tokens (when it may get one), and one that takes blocks from
+    the prefix cache holds more for its own codes of their tokens (KVSpec.own_share)."""
     per_block, fixed, reserve = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
                                              max_num_seqs)
+    codes = block_size * host_bytes(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)[0] if lsh else 0
     spec = KVSpec(block_size, max(0, capacity_bytes - fixed) // per_block, per_block, reserve_blocks=reserve,
-                  reserve_from=lsh.min_context if lsh else 0)
+                  reserve_from=lsh.min_context if lsh else 0, own_share=codes / per_block)
     least = spec.blocks_for(lsh.min_context) if lsh else 1
     if spec.num_blocks < least:
         what = (f"a sequence of {lsh.min_context} tokens with its MagicPIG tables ({least} blocks of {per_block} B)"
@@ -234,6 +236,7 @@ class HeteroBackend:
             return StepOutput(sampled={})
         logits, accel_s = self.model_worker.forward(b.token_ids, b.positions, b.logit_rows, self.attn_worker.attend,
                                                     b.chunks)
+        self.model_worker.set_centers(self.attn_worker.take_centers())
         t1 = time.perf_counter()
         out = sample_batches([logits], [b])
         accel_s += time.perf_counter() - t1

@@ -81,7 +81,11 @@ class AttentionActor:
                                    for n, start, table, seq in h["layout"]])
             q, k, v, *codes = (torch.from_numpy(a) for a in arrays)
             o = worker.attend(h["layer"], q, k, v, tuple(codes) or None)
-            channel.send(conn, worker.take_timings() if h.get("last") else {}, [o.numpy()])
+            reply = worker.take_timings() if h.get("last") else {}
+            centers = worker.take_centers()  # for the coder: sequences that started after a cached prefix
+            if centers:
+                reply["centers"] = [[seq, layer] for seq, layer, _ in centers]
+            channel.send(conn, reply, [o.numpy(), *(mu for _, _, mu in centers)])
             if h.get("last"):
                 self.trimmer.worked()
                 self.trimmer.maybe_release()  # server/memory.py
@@ -177,6 +181,7 @@ class ModelActor:
         mbs = [self._micro_batch(c) for c in split(inp.chunks, self.microbatches)]
         busy: dict[int, float] = {}
         dense: float | None = None  # of busy, the layers MagicPIG keeps exact (with a sparse part)
+        centers: list = []  # key centers the CPU actors chose (AttentionWorker.take_centers), for the coder
         last = self.model.cfg.num_layers - 1
 
         # Between the first send and the last reply the CPU actors may hold every core: no torch op
@@ -202,6 +207,7 @@ class ModelActor:
                 if "error" in h:
                     raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
                 busy[s] = busy.get(s, 0.0) + h.get("cpu_attn", 0.0)
+                centers.extend((seq, layer, mu) for (seq, layer), mu in zip(h.get("centers", ()), arrays[1:]))
                 if "cpu_attn_dense" in h:
                     dense = (dense or 0.0) + h["cpu_attn_dense"]
                 if rows is None:
@@ -213,6 +219,7 @@ class ModelActor:
 
         logits, accel_s = self.worker.forward_pipelined(
             [(b.token_ids, b.positions, b.logit_rows, b.chunks) for b, _ in mbs], send, recv)
+        self.worker.set_centers(centers)
         t1 = time.perf_counter()
         out = sample_batches(logits, [b for b, _ in mbs])
         step_s = time.perf_counter() - t0

@@ -685,6 +685,14 @@ def test_eval_exact_format_agrees_and_oaken_is_close(tmp_path):
     assert oaken["effective_bits"] == pytest.approx(4.5 + 8 * sparse) and 0.08 < sparse <= SPARSE_FRACTION
     with pytest.raises(ValueError, match="prefill_tokens"):
         evaluate(model, windows, ["fp16"], prefill_tokens=39)
+    with pytest.raises(ValueError, match="cached_prefix_tokens"):
+        evaluate(model, windows, ["fp16"], prefill_tokens=8, cached_prefix_tokens=8)
+    # a prompt whose first 6 tokens came from the prefix cache: exact with fp32 KV, close with Oaken's
+    exact_c, oaken_c = evaluate(model, windows, ["fp32", "oaken"], prefill_tokens=8, batch_windows=2, block_size=4,
+                                oaken_cal=cal, progress=False, cached_prefix_tokens=6)
+    assert exact_c["cached_prefix_tokens"] == 6 and exact_c["kl_mean"] == pytest.approx(0, abs=1e-9)
+    assert exact_c["ppl"] == pytest.approx(exact["ppl"], rel=1e-5)
+    assert oaken_c["kl_mean"] < 2 * oaken["kl_mean"] and oaken_c["top1_agreement"] >= 0.9
     # bf16 linears scored against an fp32-linears reference: close, not equal
     bf16 = load_model(model_dir, cpu_linear_dtype="bfloat16")
     (lin,) = evaluate(bf16, windows, ["fp32"], prefill_tokens=8, batch_windows=2, block_size=4, progress=False,

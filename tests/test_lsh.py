@@ -322,6 +322,52 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
     assert 7 not in mp.seqs
 
 
+def test_a_sequence_after_a_cached_prefix_codes_its_keys_on_the_cpu_and_hands_the_center_on():
+    """A sequence whose first chunk starts past 0 (its prefix came from the cache) is centered on the
+    mean of the prefix's first PREFIX_CENTER_KEYS keys; its keys so far are coded here (the chunk's
+    codes from the coder, centered on the chunk, are not used); the coder takes that center for its
+    later keys, and the tables equal tables built from scratch over every key's codes."""
+    from cpu_attn.magicpig import PREFIX_CENTER_KEYS, LshConfig, MagicPig
+
+    cfg = LshConfig(k=6, l=12, window=64, min_context=512, merge_every=100, dense_layers=(1,))
+    mp = MagicPig(cfg, num_layers=2, num_kv_heads=2, head_dim=64)
+    coder = mp.coder()
+    keys = torch.randn(1000, 2, 64) + torch.linspace(0, 4, 1000)[:, None, None]  # a center that drifts
+    start = 700
+    with pytest.raises(ValueError, match="earlier keys"):
+        mp.append(0, 7, start, keys[start:720], coder.codes(0, keys[:1], keys[start:720], [(7, start, 20)])[1])
+    mp.free([7])
+    coder.free([7])
+    chunk_codes = coder.codes(0, keys[:1], keys[start:720], [(7, start, 20)])[1]  # centered on the chunk
+    mp.append(0, 7, start, keys[start:720], chunk_codes, lambda: keys[:start])
+    mp.append(1, 7, start, keys[start:720], None, lambda: keys[:start])  # a dense layer: nothing
+    state = mp.seqs[7][0]
+    mu = keys[:PREFIX_CENTER_KEYS].mean(0).numpy()
+    np.testing.assert_allclose(state.mu, mu, rtol=1e-5, atol=1e-5)
+    centers = mp.take_centers()
+    assert [(s, layer) for s, layer, _ in centers] == [(7, 0)] and mp.take_centers() == []
+    coder.set_center(7, 0, centers[0][2])
+    later = [coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1)])[1] for n in range(720, 1000)]
+    for n, codes in zip(range(720, 1000), later):
+        mp.append(0, 7, n, keys[n:n + 1], codes)
+    assert state.indexed == 856  # 656 at the first chunk, then 100 at a time
+    centered = keys[:state.indexed].numpy() - mu
+    expect = reference_codes(centered, coder.w.numpy(), cfg.k)
+    proj = centered.astype(np.float64) @ coder.w.numpy()
+    clear = (np.abs(proj) > 1e-4).reshape(state.indexed, 2, cfg.l, cfg.k).all(-1).all(-1)  # no key near a sign flip
+    assert clear.mean() > 0.9
+    for h in range(2):
+        offsets, ids = lsh.table_set(np.ascontiguousarray(expect[:, h].astype(np.int32)), cfg.k)
+        if clear[:, h].all():
+            np.testing.assert_array_equal(state.offsets[0][h], offsets)
+            np.testing.assert_array_equal(state.ids[0][h], ids)
+        np.testing.assert_allclose(state.norms[0][h], np.linalg.norm(centered[:, h], axis=1), rtol=1e-5)
+    got = np.concatenate(state.pending)  # coded by the coder, on mu
+    pend = keys[state.indexed:1000].numpy() - mu
+    ok = (np.abs(pend.astype(np.float64) @ coder.w.numpy()) > 1e-4).reshape(len(pend), 2, cfg.l, cfg.k).all(-1)
+    np.testing.assert_array_equal(got[ok], reference_codes(pend, coder.w.numpy(), cfg.k)[ok])
+
+
 def _state_bytes(mp) -> int:
     """Bytes of every array MagicPIG's state holds, each buffer counted once (tables are views of one)."""
     buffers = {}
@@ -576,8 +622,9 @@ def test_magicpig_worker_is_exact_below_min_context_and_samples_above(retrieval)
 
 def test_server_with_magicpig_samples_long_prompts():
     """hetserve serve --kv-format oaken --attention magicpig: long prompts are answered through
-    sampled attention, short ones exactly; concurrent requests all complete; blocks and every
-    per-sequence MagicPIG state come back once the server is idle."""
+    sampled attention, short ones exactly; concurrent requests all complete; a prompt sent again
+    takes its blocks from the prefix cache and still samples; blocks and every per-sequence
+    MagicPIG state come back once the server is idle."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -589,7 +636,7 @@ def test_server_with_magicpig_samples_long_prompts():
                       kv_cache_bytes=2**30, max_num_seqs=8)
     server = RunningServer(cfg)
     assert server.engine.blocks.spec.reserve_blocks > 0  # a prompt of 256 tokens or more holds room for its tables
-    assert not server.engine.scheduler.cfg.prefix_caching  # its tables are per sequence, built as the prompt runs
+    assert server.engine.scheduler.cfg.prefix_caching
     text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:6000]
     try:
         def ask(i):
@@ -602,6 +649,11 @@ def test_server_with_magicpig_samples_long_prompts():
             replies = list(pool.map(ask, range(6)))
         assert all(r["usage"]["completion_tokens"] == 24 for r in replies)
         assert all(r["usage"]["prompt_tokens"] > 300 for r in replies[1::2])
+        touched, eligible = server.engine.backend.attn_worker.sparse.take_stats()
+        assert 0 < touched < 0.3 * eligible
+        again = ask(1)  # its prompt from the cache; its tables built from the cached keys
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
+        assert again["usage"]["completion_tokens"] == 24
         touched, eligible = server.engine.backend.attn_worker.sparse.take_stats()
         assert 0 < touched < 0.3 * eligible
         timings = server.engine.last_step_timings_s  # the last decode step: 2 of 30 layers attended exactly

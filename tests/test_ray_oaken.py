@@ -14,7 +14,9 @@ pytest.importorskip("ray")
 def test_ray_oaken_magicpig_matches_local():
     """One request at a time the text must be equal: which requests share a step changes the
     linears' float rounding, which Oaken's levels and the LSH sign bits can turn into another
-    token. Concurrent requests then only have to complete without losing an actor."""
+    token. A prompt sent again takes its blocks from the prefix cache, MagicPIG codes its keys on
+    the CPU actor, and the center it chose goes back to the model actor for the later keys: equal
+    text again. Concurrent requests then only have to complete without losing an actor."""
     text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:20000]
     common = dict(kv_format="oaken", attention="magicpig", lsh_min_context=256, lsh_window=32,
                   kv_cache_bytes=2 * 2**30, max_num_seqs=8)
@@ -28,8 +30,9 @@ def test_ray_oaken_magicpig_matches_local():
                 assert r.status_code == 200, r.text
                 # past lsh_min_context: sampled attention on MagicPIG's layers
                 assert r.json()["usage"]["prompt_tokens"] > 300 and r.json()["usage"]["completion_tokens"] == 24
-                return r.json()["choices"][0]["text"]
-            alone = [ask(i) for i in range(3)]
+                return r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            alone = [ask(i) for i in (0, 1, 2, 0)]  # the last from the prefix cache (its key center sent back)
+            assert [c > 300 for _, c in alone] == [False, False, False, True]
             with ThreadPoolExecutor(6) as pool:
                 list(pool.map(ask, range(6)))
             assert server.engine.blocks.used_bytes == 0

@@ -256,3 +256,23 @@ def test_prefix_cache_evicts_a_prefix_from_its_end():
     bm.free(1)
     bm.forget_uncommitted()  # nothing pending: a no-op
     assert bm.share_prefix(3, keys) == 2
+
+
+def test_a_shared_prefix_holds_blocks_for_its_own_state():
+    """With MagicPIG each sequence keeps its own hash-table codes of every token, shared blocks too
+    (KVSpec.own_share): sharing n blocks holds ceil(n * share) more, and none when they do not fit."""
+    spec = KVSpec(block_size=4, num_blocks=10, bytes_per_block=1, own_share=0.5)
+    bm = BlockManager(spec)
+    keys = [b"k0", b"k1", b"k2"]
+    bm.allocate(0, 12)
+    bm.register(0, keys)
+    bm.commit()
+    assert bm.share_prefix(1, keys) == 3 and bm.num_free_blocks == 10 - 3 - 2  # its 3 shared blocks' own 2
+    assert bm.used_bytes == 5
+    bm.free(0)
+    assert bm.num_free_blocks == 10 - 3 - 2  # the shared blocks stay held by sequence 1
+    bm.free(1)
+    assert bm.num_free_blocks == 10 and bm.used_bytes == 0
+    bm.allocate(2, 24)  # 6 of the 7 other blocks: 1 free and 3 idle cached left
+    assert bm.share_prefix(3, keys) == 0 and bm.table(3) == ()  # its 2 own blocks would have to evict its prefix
+    assert bm.share_prefix(3, keys[:1]) == 1 and bm.num_free_blocks == 2  # 1 shared, 1 own
