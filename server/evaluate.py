@@ -109,7 +109,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     the same sinks and window. With `cached_prefix_tokens` P, each window's first P tokens are
     prefilled by a sequence that then ends, and the window's own sequence takes its blocks, as the
     server's prefix cache gives them, and prefills the rest: it reads that start through the store,
-    and MagicPIG codes those keys on the CPU, centered on their first magicpig.PREFIX_CENTER_KEYS."""
+    and MagicPIG codes those keys on the CPU, centered on their mean."""
     from tqdm import tqdm
 
     cfg = model.cfg

@@ -324,10 +324,10 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
 
 def test_a_sequence_after_a_cached_prefix_codes_its_keys_on_the_cpu_and_hands_the_center_on():
     """A sequence whose first chunk starts past 0 (its prefix came from the cache) is centered on the
-    mean of the prefix's first PREFIX_CENTER_KEYS keys; its keys so far are coded here (the chunk's
+    mean of the prefix's keys; its keys so far are coded here (the chunk's
     codes from the coder, centered on the chunk, are not used); the coder takes that center for its
     later keys, and the tables equal tables built from scratch over every key's codes."""
-    from cpu_attn.magicpig import PREFIX_CENTER_KEYS, LshConfig, MagicPig
+    from cpu_attn.magicpig import LshConfig, MagicPig
 
     cfg = LshConfig(k=6, l=12, window=64, min_context=512, merge_every=100, dense_layers=(1,))
     mp = MagicPig(cfg, num_layers=2, num_kv_heads=2, head_dim=64)
@@ -342,7 +342,7 @@ def test_a_sequence_after_a_cached_prefix_codes_its_keys_on_the_cpu_and_hands_th
     mp.append(0, 7, start, keys[start:720], chunk_codes, lambda: keys[:start])
     mp.append(1, 7, start, keys[start:720], None, lambda: keys[:start])  # a dense layer: nothing
     state = mp.seqs[7][0]
-    mu = keys[:PREFIX_CENTER_KEYS].mean(0).numpy()
+    mu = keys[:start].mean(0).numpy()
     np.testing.assert_allclose(state.mu, mu, rtol=1e-5, atol=1e-5)
     centers = mp.take_centers()
     assert [(s, layer) for s, layer, _ in centers] == [(7, 0)] and mp.take_centers() == []
