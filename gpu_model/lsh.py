@@ -59,8 +59,10 @@ class LshCoder:
     with them to the attention workers.
 
     Keys are centered per (sequence, layer, kv-head) on the mean key of the sequence's first
-    prefill chunk. (k - mu) . W = k . W - mu . W, so what is kept per sequence and layer is the
-    projected center mu . W [Hkv, K * L], on the device; `free` drops a finished sequence's.
+    prefill chunk, or on the center an attention worker chose for a sequence that started after a
+    cached prefix (set_center). (k - mu) . W = k . W - mu . W, so what is kept per sequence and
+    layer is the projected center mu . W [Hkv, K * L], on the device; `free` drops a finished
+    sequence's.
     Only `layers` (default: all) get codes; the others (MagicPIG's dense layers) get None.
     With `shared`, a GQA group's heads share one retrieval: the query codes are those of the
     group's mean query, [T, Hkv, L]."""
