@@ -177,8 +177,7 @@ class MagicPig:
         else:
             if not start_pos:
                 state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
-            state.pending.append(np.asarray(k_codes, np.uint16))  # half of int32's bytes: most of a short one's state
-            state.pending_norms.append(torch.linalg.vector_norm(k - torch.from_numpy(state.mu), dim=-1).numpy())
+            self._pend(state, k, k_codes)
         n = start_pos + len(k)
         upto = n - self.cfg.window
         due = upto - state.indexed
@@ -198,10 +197,15 @@ class MagicPig:
         in pieces of `rows` keys (a piece's projections take rows * Hkv * K * L * 4 bytes: 74 MB)."""
         if self._w is None:
             self._w = simhash_matrix(self.head_dim, self.cfg.k, self.cfg.l, self.cfg.seed)
-        centered = keys - torch.from_numpy(state.mu)
-        for piece in centered.split(rows):
-            state.pending.append(simhash(piece, self._w, self.cfg.k).numpy().astype(np.uint16))
-            state.pending_norms.append(torch.linalg.vector_norm(piece, dim=-1).numpy())
+        mu = torch.from_numpy(state.mu)
+        for piece in keys.split(rows):
+            self._pend(state, piece, simhash(piece - mu, self._w, self.cfg.k).numpy())
+
+    @staticmethod
+    def _pend(state: _Layer, keys: torch.Tensor, codes: np.ndarray) -> None:
+        """keys [n, Hkv, D] and their centered codes [n, Hkv, L] wait for the next merge."""
+        state.pending.append(np.asarray(codes, np.uint16))  # half of int32's bytes: most of a short one's state
+        state.pending_norms.append(torch.linalg.vector_norm(keys - torch.from_numpy(state.mu), dim=-1).numpy())
 
     def _merge(self, state: _Layer, upto: int) -> None:
         """Index keys state.indexed .. upto - 1: into the last set while it has room, then new sets."""

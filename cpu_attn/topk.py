@@ -38,6 +38,10 @@ class TopK:
     def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None, earlier=None) -> None:
         pass
 
+    def take_centers(self) -> list:
+        """As MagicPig.take_centers; top-k uses no LSH codes."""
+        return []
+
     def decode_attention(self, store, layer: int, seq_ids: list[int], q: np.ndarray, q_codes, block_tables: np.ndarray,
                          seq_lens: np.ndarray, scale: float) -> tuple[np.ndarray, None] | None:
         """As MagicPig.decode_attention; LSH codes, if any, are not used."""

@@ -151,7 +151,7 @@ class AttentionWorker:
         """MagicPIG key centers chosen here since the last call (MagicPig.take_centers), for the
         model worker's coder (ModelWorker.set_centers) after the step: the keys of the step that
         chose them were coded here."""
-        return self.sparse.take_centers() if isinstance(self.sparse, MagicPig) else []
+        return self.sparse.take_centers() if self.sparse is not None else []
 
     def free(self, seq_ids) -> None:
         """Drop per-sequence state of finished or preempted sequences."""

@@ -157,16 +157,17 @@ class BlockManager:
             if n > best or (n == best and n and self._room(s) > self._room(shard)):
                 best, shard = n, s
         table = [self._cached[shard][k] for k in keys[:best]] if best else []
+        own = self.spec.own_blocks(best)
         idle = sum(b not in self._refs for b in table)  # idle blocks count as room until taken
-        if not best or self.spec.own_blocks(best) > self._room(shard) - idle:
+        if not best or own > self._room(shard) - idle:
             return 0
         for block in table:
             if block not in self._refs:
                 del self._idle[shard][block]
             self._refs[block] = self._refs.get(block, 0) + 1
         self._shard_of[seq_id], self._tables[seq_id] = shard, table
-        if self.spec.own_share:
-            self._own[seq_id] = [self._take(shard) for _ in range(self.spec.own_blocks(best))]
+        if own:
+            self._own[seq_id] = [self._take(shard) for _ in range(own)]
         return best
 
     def register(self, seq_id: int, keys: list[bytes], first: int = 0) -> None:

@@ -133,20 +133,21 @@ def sample_batches(logits: list[torch.Tensor], batches: list[FlatBatch]) -> Step
 
 
 def _cache_costs(cfg, kv_format: str, block_size: int, sparse_fraction: float, recent_blocks: int,
-                 lsh: LshConfig | None, max_num_seqs: int) -> tuple[int, int, int]:
-    """(bytes per block, bytes set aside, blocks reserved by a sequence with MagicPIG tables) of the
-    KV cache. With MagicPIG its state is the cache's too (magicpig.host_bytes): a block pays for its
-    tokens' codes, `max_num_seqs` sequences' centers are set aside, and a sequence reserves blocks
-    for its first table set. The reserve is counted against the codes' share of a block alone: the
+                 lsh: LshConfig | None, max_num_seqs: int) -> tuple[int, int, int, float]:
+    """(bytes per block, bytes set aside, blocks reserved by a sequence with MagicPIG tables, the
+    share of a block's bytes that is its holder's codes) of the KV cache. With MagicPIG its state is
+    the cache's too (magicpig.host_bytes): a block pays for its tokens' codes, `max_num_seqs`
+    sequences' centers are set aside, and a sequence reserves blocks for its first table set. The reserve is counted against the codes' share of a block alone: the
     reserved blocks' own KV pages may still be in memory from an earlier sequence."""
     geometry = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
     per_block = bytes_per_block(kv_format, *geometry, sparse_fraction)
     fixed = OakenKVStore.tail_bytes(*geometry, recent_blocks if kv_format == "oaken" else 0)
     if lsh is None:
-        return per_block, fixed, 0
+        return per_block, fixed, 0, 0.0
     per_token, per_seq, per_tabled = host_bytes(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     reserve = -(-per_tabled // (block_size * per_token))
-    return per_block + block_size * per_token, fixed + max_num_seqs * per_seq, reserve
+    codes = block_size * per_token
+    return per_block + codes, fixed + max_num_seqs * per_seq, reserve, codes / (per_block + codes)
 
 
 def kv_spec(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_fraction: float,
@@ -155,11 +156,10 @@ def kv_spec(cfg, kv_format: str, capacity_bytes: int, block_size: int, sparse_fr
     admission by free blocks bounds the hash tables too: a sequence reserves blocks for its first
     table set once it has min_context tokens (when it may get one), and one that takes blocks from
     the prefix cache holds more for its own codes of their tokens (KVSpec.own_share)."""
-    per_block, fixed, reserve = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
-                                             max_num_seqs)
-    codes = block_size * host_bytes(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)[0] if lsh else 0
+    per_block, fixed, reserve, own_share = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks,
+                                                        lsh, max_num_seqs)
     spec = KVSpec(block_size, max(0, capacity_bytes - fixed) // per_block, per_block, reserve_blocks=reserve,
-                  reserve_from=lsh.min_context if lsh else 0, own_share=codes / per_block)
+                  reserve_from=lsh.min_context if lsh else 0, own_share=own_share)
     least = spec.blocks_for(lsh.min_context) if lsh else 1
     if spec.num_blocks < least:
         what = (f"a sequence of {lsh.min_context} tokens with its MagicPIG tables ({least} blocks of {per_block} B)"
@@ -180,8 +180,8 @@ def kv_capacity_for(cfg, kv_format: str, block_size: int, num_seqs: int, tokens_
                     recent_blocks: int = 0) -> int:
     """A capacity in which kv_spec finds room for `num_seqs` sequences of `tokens_per_seq` tokens, each
     with MagicPIG tables (benchmarks)."""
-    per_block, fixed, reserve = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
-                                             num_seqs)
+    per_block, fixed, reserve, _ = _cache_costs(cfg, kv_format, block_size, sparse_fraction, recent_blocks, lsh,
+                                                num_seqs)
     return fixed + num_seqs * (reserve + -(-tokens_per_seq // block_size)) * per_block
 
 
