@@ -7,7 +7,8 @@ hashes q and k next to the projection, keys centered the same way as here.
 
 Per sequence and layer:
     mu       [Hkv, D]          mean key of the first prefill chunk (for the angle in u), or of the
-                               cached prefix the sequence started after
+                               cached prefix the sequence started after; with `recenter`, of a
+                               prompt of several chunks, from a decode step on (MagicPig.append)
     tables   per set c (lsh.MAX_KEYS keys each, the last one filling): offsets [Hkv][L, 2^K + 1],
              packed ids [Hkv][L, bytes], norms [Hkv, keys] (|k - mu| of each key as hashed, for
              its angle to the query); together keys 0..indexed-1
@@ -17,6 +18,7 @@ lie before the window; then they are merged into the tables in one pass (lsh.mer
 decode step merges at most `merges_per_step` (sequence, layer) states: sequences that started
 together come due together, and their merges (~5 ms a layer at 8k keys) would stall one step for
 seconds; the others wait a step or more (exact meanwhile), at most until 2 * merge_every are due.
+A recenter (all of a sequence's keys coded and merged again) takes one of those merges too.
 Layers in `dense_layers`, and sequences shorter than `min_context`, are attended exactly.
 
 `host_bytes` bounds what this state holds, and the serving backends count it in the KV cache's capacity
@@ -51,6 +53,7 @@ class LshConfig:
     seed: int = 0
     retrieval: str = "group"  # one retrieval per GQA group (its mean query); "head": each query head's own (MagicPIG)
     min_collisions: int = 3  # tables a key must share with the query to be retrieved (MagicPIG: 2)
+    recenter: bool = True  # a prompt prefilled in several chunks: re-center on all its keys at its first decode
 
     def __post_init__(self) -> None:
         if not (1 <= self.k <= 15 and self.l >= 2 and self.sinks >= 0 and self.window >= 1 and self.merge_every >= 1
@@ -92,6 +95,7 @@ class _Layer:
     pending: list[np.ndarray] = field(default_factory=list)  # code chunks [P, Hkv, L] uint16 (K <= 15 bits)
     pending_norms: list[np.ndarray] = field(default_factory=list)  # their norms [P, Hkv]
     version: int = 0  # bumped by every merge (the tables are new arrays)
+    recenter_due: bool = False  # a prompt of several chunks, to be centered on all its keys (MagicPig.append)
 
     def set_keys(self, c: int) -> int:
         """Keys in table set c (every set but the last is full)."""
@@ -136,7 +140,8 @@ class MagicPig:
                 continue
             twin = _Layer(mu=state.mu.copy(), norms=[n.copy() for n in state.norms], indexed=state.indexed,
                           pending=[p.copy() for p in state.pending],
-                          pending_norms=[n.copy() for n in state.pending_norms])
+                          pending_norms=[n.copy() for n in state.pending_norms],
+                          recenter_due=state.recenter_due)
             for c, (offsets, ids) in enumerate(zip(state.offsets, state.ids)):
                 arrays = lsh.table_arrays(len(offsets), self.cfg.l, 2**self.cfg.k, state.set_keys(c))
                 for (o, i), old_o, old_i in zip(arrays, offsets, ids):
@@ -154,29 +159,40 @@ class MagicPig:
     def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes: np.ndarray | None,
                earlier: Callable[[], torch.Tensor] | None = None) -> None:
         """k [n, Hkv, D] (CPU float32): the keys of positions start_pos .. start_pos + n - 1;
-        k_codes [n, Hkv, L] int32: their centered codes (gpu_model.lsh.LshCoder). A sequence whose
-        first chunk starts past 0 took positions 0 .. start_pos - 1 from the prefix cache: `earlier()`
-        gives their keys as stored, [start_pos, Hkv, D]. Its center is then their mean, and its keys
-        so far are coded here; take_centers() passes the center on to the coder for its later keys.
-        (Centered on the 100 keys computed past the prefix instead: +44 % perplexity against +10 %
-        cold, 1,600-token windows. On the prefix's first 512 keys: +7.1 % against exact attention,
-        where its mean over 7,900 gives +3.0 %, 4 windows of 8,192 tokens.)"""
+        k_codes [n, Hkv, L] int32: their centered codes (gpu_model.lsh.LshCoder). `earlier()` gives
+        the keys of positions 0 .. start_pos - 1 as stored, [start_pos, Hkv, D].
+
+        A sequence's keys are centered on the mean of its first chunk. Two cases choose a center here
+        instead, code the sequence's keys so far on the CPU (_recenter), and hand the center on to the
+        coder for its later keys (take_centers):
+        - its first chunk starts past 0 (it took positions 0 .. start_pos - 1 from the prefix cache):
+          the mean of those keys. (Centered on the 100 keys computed past the prefix instead: +44 %
+          perplexity against +10 % cold, 1,600-token windows. On the prefix's first 512 keys: +7.1 %
+          against exact attention, where its mean over 7,900 gives +3.0 %, 4 windows of 8,192 tokens.)
+        - with cfg.recenter, a prompt of several chunks (longer than a step's token budget), at a decode
+          step: the mean of all the prompt's keys (+6.6 % against exact attention on its first 512,
+          +2.7 % on all, 4 windows of 8,192 tokens prefilled 512 a step). Its later chunks are neither
+          coded nor merged (their codes would be thrown away). A recenter codes and merges all the
+          sequence's keys (~0.25 s a layer at 7k keys, 2 Zen 3 cores), so it takes one of the step's
+          merges_per_step; until one is left the layer keeps its first chunk's tables and attends the
+          keys past them exactly."""
         if not self.sampled_layers[layer]:
             return
         if k_codes is None:
             raise ValueError("MagicPIG needs the key and query codes of the model worker's LshCoder")
         layers = self.seqs.setdefault(seq_id, [None] * len(self.sampled_layers))
         state = layers[layer]
-        if start_pos and state is None:
+        if start_pos and (state is None or state.recenter_due and len(k) == 1 and self._merges_left > 0):
             if earlier is None:
                 raise ValueError(f"sequence {seq_id} starts at {start_pos} without its earlier keys")
-            keys = earlier()
-            state = layers[layer] = _Layer(mu=keys.mean(0).numpy())
-            self._code(state, torch.cat([keys, k]))
-            self.new_centers.append((seq_id, layer, state.mu))
+            state = layers[layer] = self._recenter(seq_id, layer, earlier(), k)  # a decode's: its merge below counts
+        elif start_pos and (state.recenter_due or self.cfg.recenter and len(k) > 1):
+            state.recenter_due = True  # a prompt's later chunk, or a decode step waiting for its recenter
+            return
+        elif start_pos:
+            self._pend(state, k, k_codes)
         else:
-            if not start_pos:
-                state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
+            state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
             self._pend(state, k, k_codes)
         n = start_pos + len(k)
         upto = n - self.cfg.window
@@ -186,15 +202,25 @@ class MagicPig:
             self._merges_left -= len(k) == 1  # prefill chunks index their keys at once, outside the budget
             self._merge(state, upto)
 
+    def _recenter(self, seq_id: int, layer: int, keys: torch.Tensor, k: torch.Tensor) -> _Layer:
+        """A new state for `layer` of `seq_id`, centered on the mean of keys [start_pos, Hkv, D] (the
+        sequence's earlier keys, as stored), with those keys and k coded here; the center goes to
+        new_centers. An earlier state's tables are dropped (their codes used another center)."""
+        state = _Layer(mu=keys.mean(0).numpy().astype(np.float32))
+        self._code(state, torch.cat([keys, k]))
+        self.new_centers.append((seq_id, layer, state.mu))
+        return state
+
     def take_centers(self) -> list[tuple[int, int, np.ndarray]]:
         """(seq_id, layer, mu [Hkv, D]) of the key centers chosen here since the last call, for the
         coder's later key codes of those sequences (LshCoder.set_center)."""
         centers, self.new_centers = self.new_centers, []
         return centers
 
-    def _code(self, state: _Layer, keys: torch.Tensor, rows: int = 2048) -> None:
+    def _code(self, state: _Layer, keys: torch.Tensor, rows: int = 512) -> None:
         """Pending codes and norms of keys [n, Hkv, D], centered on state.mu, as the coder makes them,
-        in pieces of `rows` keys (a piece's projections take rows * Hkv * K * L * 4 bytes: 74 MB)."""
+        in pieces of `rows` keys (a piece's projections take rows * Hkv * K * L * 4 bytes: 18 MB, which
+        stay in cache for the sign packing; pieces of 2,048 keys took 2.4x as long, 7.2k keys on a Zen 3)."""
         if self._w is None:
             self._w = simhash_matrix(self.head_dim, self.cfg.k, self.cfg.l, self.cfg.seed)
         mu = torch.from_numpy(state.mu)

@@ -10,7 +10,8 @@ from functools import partial
 from pathlib import Path
 
 from server import logs
-from server.config import CPU_LINEAR_DTYPES, KV_FORMATS, ServeConfig, add_arguments, from_args, parse_layers
+from server.config import (CPU_LINEAR_DTYPES, KV_FORMATS, ServeConfig, add_arguments, flag_type, from_args, parse_layers,
+                           parse_switch)
 
 log = logging.getLogger("hetserve")
 
@@ -197,6 +198,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cached-prefix-tokens", type=int, default=0,
                    help="of the prompt, tokens an earlier sequence computes and the window's takes from it, as the "
                         "prefix cache gives them (default: 0)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                   help="prefill each prompt this many tokens a step, as `serve` splits a prompt longer than its "
+                        "--max-num-batched-tokens (default: 0, the whole prompt in one step)")
     p.add_argument("--batch-windows", type=int, default=16, help="windows decoded together (default: 16)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--oaken-thresholds", help="thresholds JSON (default: the model cache's, calibrated when missing)")
@@ -221,6 +225,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="MagicPIG: a GQA group shares its mean query's retrieval (group, default) or each query head "
                         "retrieves its keys (head)")
     p.add_argument("--lsh-dense-layers", help="MagicPIG: comma-separated layers kept exact (default: 0 and the middle one)")
+    p.add_argument("--lsh-recenter", type=flag_type(parse_switch), default=True,
+                   help="MagicPIG, on or off: a prompt prefilled in several chunks is centered on all its keys at a "
+                        "decode step, not on its first chunk (default: on)")
     p.add_argument("--task", choices=["passkey", "niah", "cwe"],
                    help="score a long-context task instead of perplexity: passkey retrieval, multi-key needle in a "
                         "haystack, common-words extraction (server/tasks.py)")
@@ -282,7 +289,8 @@ def eval_command(args: argparse.Namespace) -> None:
     try:
         lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
                                                                dense, args.lsh_min_context, retrieval=args.lsh_retrieval,
-                                                               min_collisions=args.lsh_min_collisions)
+                                                               min_collisions=args.lsh_min_collisions,
+                                                               recenter=args.lsh_recenter)
         if args.task:
             results = _task_command(args, model, tok, formats, cal, lsh)
             if args.json:
@@ -297,11 +305,13 @@ def eval_command(args: argparse.Namespace) -> None:
                            block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction,
                            exact_recent=args.oaken_recent == "exact", lsh=lsh,
                            topk_frac=args.topk_frac if args.attention == "topk" else None, ref_model=ref_model,
-                           cached_prefix_tokens=args.cached_prefix_tokens)
+                           cached_prefix_tokens=args.cached_prefix_tokens,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens)
     except ValueError as exc:
         raise SystemExit(f"hetserve eval: {exc}")
     print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt"
-          f"{f' ({args.cached_prefix_tokens} from the cache)' if args.cached_prefix_tokens else ''}; "
+          f"{f' ({args.cached_prefix_tokens} from the cache)' if args.cached_prefix_tokens else ''}"
+          f"{f' in chunks of {args.prefill_chunk_tokens}' if args.prefill_chunk_tokens else ''}; "
           f"fp32-KV perplexity {results[0]['ppl_ref']:.4f}")
     print(f"{'kv_format':10} {'attention':9} {'bits':>6} {'ppl':>9} {'change':>8} {'KL mean':>9} {'top-1':>7} "
           f"{'keys':>6}  groups outer/middle/inner")

@@ -95,6 +95,10 @@ class ServeConfig:
     lsh_min_context: int = _opt(1024, "MagicPIG: shorter sequences are attended exactly")
     lsh_retrieval: str = _opt("group", "MagicPIG: group (a GQA group's heads share the retrieval of their mean query: "
                                        "fewer rows read) or head (each query head retrieves its own keys, as the paper)")
+    lsh_recenter: bool = _opt(True, "MagicPIG, on or off: a prompt longer than a step's token budget is prefilled in "
+                                    "chunks, its keys centered on its first chunk's mean; at a decode step, center "
+                                    "them on the whole prompt's mean instead (its keys coded on the CPU)",
+                              parse=parse_switch)
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB, MagicPIG's hash tables included "
                                       "(overrides --kv-cache-fraction)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity (MagicPIG's tables included) as a fraction of total RAM")
@@ -198,7 +202,8 @@ class ServeConfig:
 
         dense = parse_layers(self.lsh_dense_layers, "lsh_dense_layers")
         return LshConfig(self.lsh_k, self.lsh_l, self.lsh_sinks, self.lsh_window, dense, self.lsh_min_context,
-                         retrieval=self.lsh_retrieval, min_collisions=self.lsh_min_collisions)
+                         retrieval=self.lsh_retrieval, min_collisions=self.lsh_min_collisions,
+                         recenter=self.lsh_recenter)
 
     def api_key(self) -> str | None:
         """The key from the environment variable `api_key_env` names (never from a file or flag)."""
@@ -230,7 +235,7 @@ class ServeConfig:
         return cls(**{**data, **overrides})
 
 
-def _flag_type(parse):
+def flag_type(parse):
     """`parse` for argparse: its ValueError's message becomes the flag's error (not "invalid parse_bytes value")."""
     def convert(text: str):
         try:
@@ -244,7 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file with any of the options below (flags override it)")
     for f in dataclasses.fields(ServeConfig):
         parse = f.metadata.get("parse")
-        kind = _flag_type(parse) if parse else {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        kind = flag_type(parse) if parse else {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
                             help=f"{f.metadata['help']} (default: {f.default})")
 

@@ -100,7 +100,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
              batch_windows: int = 16, block_size: int = 16, oaken_cal: OakenThresholds | None = None,
              sparse_fraction: float = SPARSE_FRACTION, progress: bool = True, exact_recent: bool = True,
              lsh: LshConfig | None = None, topk_frac: float | None = None, ref_model=None,
-             cached_prefix_tokens: int = 0) -> list[dict]:
+             cached_prefix_tokens: int = 0, prefill_chunk_tokens: int = 0) -> list[dict]:
     """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length),
     the reference run on `ref_model` when given (the same weights in other linears, to score those).
     With `lsh`, every (Oaken) format is also scored with MagicPIG attention, as "<format>+magicpig";
@@ -109,7 +109,9 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     the same sinks and window. With `cached_prefix_tokens` P, each window's first P tokens are
     prefilled by a sequence that then ends, and the window's own sequence takes its blocks, as the
     server's prefix cache gives them, and prefills the rest: it reads that start through the store,
-    and MagicPIG codes those keys on the CPU, centered on their mean."""
+    and MagicPIG codes those keys on the CPU, centered on their mean. With `prefill_chunk_tokens` C, the
+    prompt (past its cached prefix) is prefilled C tokens a step, as the server splits a prompt longer than
+    its step budget (max_num_batched_tokens); 0: in one step."""
     from tqdm import tqdm
 
     cfg = model.cfg
@@ -118,6 +120,8 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
         raise ValueError(f"prefill_tokens must be in [1, {window_tokens - 2}] for windows of {window_tokens} tokens")
     if not 0 <= cached_prefix_tokens < prefill_tokens:
         raise ValueError(f"cached_prefix_tokens must be in [0, {prefill_tokens - 1}] (below prefill_tokens)")
+    if prefill_chunk_tokens < 0:
+        raise ValueError(f"prefill_chunk_tokens must be 0 (one step) or positive, not {prefill_chunk_tokens}")
     worker = ModelWorker(model, None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim).coder())
     ref_worker = worker if ref_model is None else ModelWorker(ref_model)
     variants = variant_names(kv_formats, lsh, topk_frac)
@@ -156,7 +160,9 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
             for name in names:
                 if s == 0 and cached_prefix_tokens and isinstance(attn[name].sparse, MagicPig):
                     worker.free(ids)  # the coder takes the center MagicPIG chooses (the others use no codes)
-                logits = _forward(workers[name], attn[name], batch, tables, ids, start, length)
+                chunk = prefill_chunk_tokens if s == 0 and prefill_chunk_tokens else length
+                for at in range(start, start + length, chunk):
+                    logits = _forward(workers[name], attn[name], batch, tables, ids, at, min(chunk, start + length - at))
                 logp[name] = torch.log_softmax(logits.float().cpu(), -1)
             for name in names:
                 scores[name].add(logp["fp32-exact"], logp[name], targets)
@@ -182,7 +188,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
                "top1_agreement_clear": sc.top1_clear / max(sc.clear, 1), "clear_positions_frac": sc.clear / sc.count,
                "effective_bits": _effective_bits(name, stores[name], sc.groups),
                "num_windows": len(windows), "window_tokens": window_tokens, "prefill_tokens": prefill_tokens,
-               "cached_prefix_tokens": cached_prefix_tokens,
+               "cached_prefix_tokens": cached_prefix_tokens, "prefill_chunk_tokens": prefill_chunk_tokens,
                "scored_positions": sc.count}
         row["ppl_change_pct"] = 100 * (row["ppl"] / ppl_ref - 1)
         if sc.eligible:

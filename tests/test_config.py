@@ -74,8 +74,11 @@ def test_magicpig_defaults_agree_with_lsh_config():
     add_eval_arguments(p)
     ev = p.parse_args([])
     assert (ev.lsh_k, ev.lsh_l, ev.lsh_min_collisions, ev.lsh_sinks, ev.lsh_window, ev.lsh_min_context,
-            ev.lsh_retrieval) == (default.k, default.l, default.min_collisions, default.sinks, default.window,
-                                  default.min_context, default.retrieval)
+            ev.lsh_retrieval, ev.lsh_recenter) == (default.k, default.l, default.min_collisions, default.sinks,
+                                                   default.window, default.min_context, default.retrieval,
+                                                   default.recenter)
+    off = parse(["--kv-format", "oaken", "--attention", "magicpig", "--lsh-recenter", "off"]).lsh_config()
+    assert off.recenter is False and p.parse_args(["--lsh-recenter", "off"]).lsh_recenter is False
 
 
 @pytest.mark.parametrize("command", ["serve", "eval", "calibrate"])

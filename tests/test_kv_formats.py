@@ -693,6 +693,15 @@ def test_eval_exact_format_agrees_and_oaken_is_close(tmp_path):
     assert exact_c["cached_prefix_tokens"] == 6 and exact_c["kl_mean"] == pytest.approx(0, abs=1e-9)
     assert exact_c["ppl"] == pytest.approx(exact["ppl"], rel=1e-5)
     assert oaken_c["kl_mean"] < 2 * oaken["kl_mean"] and oaken_c["top1_agreement"] >= 0.9
+    # the prompt prefilled 3 tokens a step (8 = 3 + 3 + 2), as serve splits one past its step budget: the same
+    # scores with fp32 KV (each chunk attends to the earlier ones through the store), close with Oaken's
+    exact_k, oaken_k = evaluate(model, windows, ["fp32", "oaken"], prefill_tokens=8, batch_windows=2, block_size=4,
+                                oaken_cal=cal, progress=False, prefill_chunk_tokens=3)
+    assert exact_k["prefill_chunk_tokens"] == 3 and exact_k["kl_mean"] == pytest.approx(0, abs=1e-9)
+    assert exact_k["ppl"] == pytest.approx(exact["ppl"], rel=1e-5) and exact_k["scored_positions"] == 3 * (40 - 8)
+    assert oaken_k["kl_mean"] < 2 * oaken["kl_mean"] and oaken_k["top1_agreement"] >= 0.9
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        evaluate(model, windows, ["fp16"], prefill_tokens=8, prefill_chunk_tokens=-1)
     # bf16 linears scored against an fp32-linears reference: close, not equal
     bf16 = load_model(model_dir, cpu_linear_dtype="bfloat16")
     (lin,) = evaluate(bf16, windows, ["fp32"], prefill_tokens=8, batch_windows=2, block_size=4, progress=False,

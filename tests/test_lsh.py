@@ -322,6 +322,21 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
     assert 7 not in mp.seqs
 
 
+def _assert_tables_over(state, centered, w, cfg):
+    """state's tables equal tables built from scratch over NumPy codes of `centered` [n, Hkv, D] keys
+    (for each kv-head where no key lies within 1e-4 of a sign flip), and its norms are theirs."""
+    expect = reference_codes(centered, w, cfg.k)
+    clear = (np.abs(centered.astype(np.float64) @ w) > 1e-4).reshape(
+        len(centered), centered.shape[1], cfg.l, cfg.k).all(-1).all(-1)
+    assert clear.mean() > 0.9
+    for h in range(centered.shape[1]):
+        offsets, ids = lsh.table_set(np.ascontiguousarray(expect[:, h].astype(np.int32)), cfg.k)
+        if clear[:, h].all():
+            np.testing.assert_array_equal(state.offsets[0][h], offsets)
+            np.testing.assert_array_equal(state.ids[0][h], ids)
+        np.testing.assert_allclose(state.norms[0][h], np.linalg.norm(centered[:, h], axis=1), rtol=1e-5)
+
+
 def test_a_sequence_after_a_cached_prefix_codes_its_keys_on_the_cpu_and_hands_the_center_on():
     """A sequence whose first chunk starts past 0 (its prefix came from the cache) is centered on the
     mean of the prefix's keys; its keys so far are coded here (the chunk's
@@ -351,21 +366,62 @@ def test_a_sequence_after_a_cached_prefix_codes_its_keys_on_the_cpu_and_hands_th
     for n, codes in zip(range(720, 1000), later):
         mp.append(0, 7, n, keys[n:n + 1], codes)
     assert state.indexed == 856  # 656 at the first chunk, then 100 at a time
-    centered = keys[:state.indexed].numpy() - mu
-    expect = reference_codes(centered, coder.w.numpy(), cfg.k)
-    proj = centered.astype(np.float64) @ coder.w.numpy()
-    clear = (np.abs(proj) > 1e-4).reshape(state.indexed, 2, cfg.l, cfg.k).all(-1).all(-1)  # no key near a sign flip
-    assert clear.mean() > 0.9
-    for h in range(2):
-        offsets, ids = lsh.table_set(np.ascontiguousarray(expect[:, h].astype(np.int32)), cfg.k)
-        if clear[:, h].all():
-            np.testing.assert_array_equal(state.offsets[0][h], offsets)
-            np.testing.assert_array_equal(state.ids[0][h], ids)
-        np.testing.assert_allclose(state.norms[0][h], np.linalg.norm(centered[:, h], axis=1), rtol=1e-5)
+    _assert_tables_over(state, keys[:state.indexed].numpy() - mu, coder.w.numpy(), cfg)
     got = np.concatenate(state.pending)  # coded by the coder, on mu
     pend = keys[state.indexed:1000].numpy() - mu
     ok = (np.abs(pend.astype(np.float64) @ coder.w.numpy()) > 1e-4).reshape(len(pend), 2, cfg.l, cfg.k).all(-1)
     np.testing.assert_array_equal(got[ok], reference_codes(pend, coder.w.numpy(), cfg.k)[ok])
+
+
+@pytest.mark.parametrize("recenter", [True, False])
+def test_a_chunked_prompt_is_centered_on_all_its_keys_at_a_decode_step(recenter):
+    """A prompt prefilled in three chunks is centered on its first chunk (as the coder is), and with
+    cfg.recenter its later chunks are not coded; at a decode step with a merge left in the step's
+    budget, it is centered on the mean of all its keys, as stored: its keys are coded here, its tables
+    equal tables built from scratch over codes on that center, and the coder takes the center for its
+    later keys. A decode step without one waits (attended exactly past the first chunk's tables).
+    Later decode steps, and a prompt of one chunk, keep their center."""
+    from cpu_attn.magicpig import LshConfig, MagicPig
+
+    cfg = LshConfig(k=6, l=12, window=64, min_context=512, merge_every=100, dense_layers=(1,), recenter=recenter)
+    mp = MagicPig(cfg, num_layers=2, num_kv_heads=2, head_dim=64)
+    coder = mp.coder()
+    keys = torch.randn(1000, 2, 64) + torch.linspace(0, 4, 1000)[:, None, None]  # a center that drifts
+    for start in (0, 300, 600):  # the prompt: 900 keys in three chunks
+        codes = coder.codes(0, keys[:1], keys[start:start + 300], [(7, start, 300)])[1]
+        mp.append(0, 7, start, keys[start:start + 300], codes, lambda s=start: keys[:s])
+    prompt_state = mp.seqs[7][0]
+    np.testing.assert_allclose(prompt_state.mu, keys[:300].mean(0).numpy(), rtol=1e-5, atol=1e-5)
+    assert mp.take_centers() == [] and prompt_state.recenter_due == recenter
+    assert prompt_state.indexed == (0 if recenter else 836)  # without: all but the window
+    assert sum(len(p) for p in prompt_state.pending) == (300 if recenter else 900 - 836)
+
+    def decode(n):
+        mp.append(0, 7, n, keys[n:n + 1], coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1)])[1], lambda: keys[:n])
+
+    mp._merges_left = 0  # the step's merges taken by other layers: the recenter waits
+    decode(900)
+    assert mp.seqs[7][0] is prompt_state and mp.take_centers() == []
+    mp.begin_step()
+    for n in range(901, 1000):
+        decode(n)
+        if n == 901:
+            coder.set_center(*next(iter(mp.take_centers()), (7, 0, prompt_state.mu)))
+            state = mp.seqs[7][0]
+        assert mp.seqs[7][0] is state and mp.take_centers() == [], n
+    if not recenter:
+        assert state is prompt_state and state.indexed == 936
+        return
+    assert not state.recenter_due and mp._merges_left == cfg.merges_per_step - 1  # its merge was the step's one
+    mu = keys[:901].mean(0).numpy()
+    np.testing.assert_allclose(state.mu, mu, rtol=1e-5, atol=1e-5)
+    assert state.indexed == 838  # all but the window at the recenter (100 more at 1,002 keys)
+    _assert_tables_over(state, keys[:state.indexed].numpy() - mu, coder.w.numpy(), cfg)
+    whole = MagicPig(cfg, num_layers=2, num_kv_heads=2, head_dim=64)  # one chunk: its center is already all keys'
+    whole.append(0, 8, 0, keys[:900], coder.codes(0, keys[:1], keys[:900], [(8, 0, 900)])[1])
+    first = whole.seqs[8][0]
+    whole.append(0, 8, 900, keys[900:901], coder.codes(0, keys[:1], keys[900:901], [(8, 900, 1)])[1])
+    assert whole.seqs[8][0] is first and whole.take_centers() == []
 
 
 def _state_bytes(mp) -> int:
@@ -395,10 +451,14 @@ def test_magicpig_state_stays_within_host_bytes(lengths):
     rng = np.random.default_rng(0)
     per_token, per_seq, per_tabled = host_bytes(cfg, 3, 2, 64)
 
-    def step(seq, start, n):
+    keys = {}
+
+    def step(seq, start, n):  # a chunked prompt's first decode step codes its keys again (recenter)
         k = torch.randn(n, 2, 64)
+        before = keys.get(seq, k[:0])
+        keys[seq] = torch.cat([before, k])
         for layer in (1, 2):
-            mp.append(layer, seq, start, k, rng.integers(0, 2**cfg.k, (n, 2, cfg.l), dtype=np.int32))
+            mp.append(layer, seq, start, k, rng.integers(0, 2**cfg.k, (n, 2, cfg.l), dtype=np.int32), lambda: before)
 
     def bound(n):
         return per_seq + n * per_token + (per_tabled if n >= cfg.min_context else 0)
@@ -620,20 +680,31 @@ def test_magicpig_worker_is_exact_below_min_context_and_samples_above(retrieval)
     assert eligible == 2 * 9 * (400 - cfg.window - 4) and 0 < touched < 0.2 * eligible  # indexed at prefill
 
 
-def test_server_with_magicpig_samples_long_prompts():
+def test_server_with_magicpig_samples_long_prompts(monkeypatch):
     """hetserve serve --kv-format oaken --attention magicpig: long prompts are answered through
-    sampled attention, short ones exactly; concurrent requests all complete; a prompt sent again
-    takes its blocks from the prefix cache and still samples; blocks and every per-sequence
-    MagicPIG state come back once the server is idle."""
+    sampled attention, short ones exactly; concurrent requests all complete; a long prompt, prefilled
+    in chunks (a step's budget of 128 tokens), is centered on all its keys once, at its first decode
+    step; a prompt sent again takes its blocks from the prefix cache, is centered on them once, and
+    still samples; blocks and every per-sequence MagicPIG state come back once the server is idle."""
+    from collections import Counter
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
+    from cpu_attn.magicpig import MagicPig
     from server.config import ServeConfig
     from tests.conftest import SHARED, RunningServer
 
+    centered = Counter()  # (sequence, layer) -> centers chosen by MagicPig itself
+    recenter = MagicPig._recenter
+
+    def counted(self, seq_id, layer, *args):
+        centered[seq_id, layer] += 1
+        return recenter(self, seq_id, layer, *args)
+
+    monkeypatch.setattr(MagicPig, "_recenter", counted)
     cfg = ServeConfig(kv_format="oaken", attention="magicpig", lsh_min_context=256, lsh_window=32,
-                      kv_cache_bytes=2**30, max_num_seqs=8)
+                      kv_cache_bytes=2**30, max_num_seqs=8, max_num_batched_tokens=128)
     server = RunningServer(cfg)
     assert server.engine.blocks.spec.reserve_blocks > 0  # a prompt of 256 tokens or more holds room for its tables
     assert server.engine.scheduler.cfg.prefix_caching
@@ -651,9 +722,13 @@ def test_server_with_magicpig_samples_long_prompts():
         assert all(r["usage"]["prompt_tokens"] > 300 for r in replies[1::2])
         touched, eligible = server.engine.backend.attn_worker.sparse.take_stats()
         assert 0 < touched < 0.3 * eligible
+        sampled = sum(server.engine.backend.attn_worker.sparse.sampled_layers)
+        assert len({seq for seq, _ in centered}) == 3 and set(centered.values()) == {1}
+        assert len(centered) == 3 * sampled  # the three long prompts, each sampled layer once
         again = ask(1)  # its prompt from the cache; its tables built from the cached keys
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
         assert again["usage"]["completion_tokens"] == 24
+        assert len(centered) == 4 * sampled and set(centered.values()) == {1}
         touched, eligible = server.engine.backend.attn_worker.sparse.take_stats()
         assert 0 < touched < 0.3 * eligible
         timings = server.engine.last_step_timings_s  # the last decode step: 2 of 30 layers attended exactly

@@ -14,12 +14,14 @@ pytest.importorskip("ray")
 def test_ray_oaken_magicpig_matches_local():
     """One request at a time the text must be equal: which requests share a step changes the
     linears' float rounding, which Oaken's levels and the LSH sign bits can turn into another
-    token. A prompt sent again takes its blocks from the prefix cache, MagicPIG codes its keys on
-    the CPU actor, and the center it chose goes back to the model actor for the later keys: equal
-    text again. Concurrent requests then only have to complete without losing an actor."""
+    token. Each prompt is prefilled in chunks (a step's budget of 128 tokens), so at its first decode
+    step MagicPIG centers its keys on the whole prompt and codes them on the CPU actor, and the center
+    goes back to the model actor for the later keys. A prompt sent again takes its blocks from the
+    prefix cache and its center is chosen the same way: equal text again. Concurrent requests then
+    only have to complete without losing an actor."""
     text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:20000]
     common = dict(kv_format="oaken", attention="magicpig", lsh_min_context=256, lsh_window=32,
-                  kv_cache_bytes=2 * 2**30, max_num_seqs=8)
+                  kv_cache_bytes=2 * 2**30, max_num_seqs=8, max_num_batched_tokens=128)
 
     def run(cfg: ServeConfig) -> tuple[list[str], int]:
         server = RunningServer(cfg)
