@@ -71,18 +71,26 @@ def start_engine(cfg: ServeConfig):
     return built.result()
 
 
-def warm_up(engine) -> None:
-    """Run one tiny request so kernels are compiled (or loaded from Numba's cache) before /health is ok."""
+def warm_up(engine, lsh=None) -> None:
+    """Run one small request per KV shard so kernels are compiled (or loaded from Numba's cache) before
+    /health is ok. With MagicPIG (`lsh`, an LshConfig) the prompt is long enough for its hash tables,
+    so that its sampled kernel is compiled too: otherwise the first long request after an install
+    waited ~60-75 s for it (2 Zen 3 cores)."""
     from server.backend import SamplingParams
     from server.engine import EngineRequest
 
+    tokens = 128  # long enough to take the prefill path's larger kernels
+    if lsh is not None:  # past min_context, with a first merge's worth of keys before the window
+        tokens = max(tokens, lsh.min_context, lsh.window + lsh.merge_every) + 16
+    most = engine.blocks.spec.max_tokens(engine.blocks.max_seq_blocks)
+    tokens = min(tokens, engine.backend.max_model_len - 5, most - 5)
     shards = engine.blocks.num_shards
     done = threading.Semaphore(0)
-    # prompts long enough to take the prefill path's larger kernels, then decode steps; one per KV shard
-    # (each its own tokens: the prefix cache would put the same prompt on the first one's shard)
+    # one per KV shard, then decode steps (each its own tokens: the prefix cache would put the same
+    # prompt on the first one's shard)
     for i in range(shards):
-        engine.submit(EngineRequest(f"warmup-{i}", list(range(1 + i, 129 + i)), SamplingParams(temperature=0.0), 4,
-                                    on_event=lambda ev: ev.finish_reason and done.release()))
+        engine.submit(EngineRequest(f"warmup-{i}", list(range(1 + i, tokens + 1 + i)), SamplingParams(temperature=0.0),
+                                    4, on_event=lambda ev: ev.finish_reason and done.release()))
     if not all(done.acquire(timeout=300) for _ in range(shards)):
         raise RuntimeError("warm-up requests did not finish in 300 s")
     engine.reset_stats()
@@ -96,7 +104,7 @@ def serve(cfg: ServeConfig) -> None:
 
     logs.configure(cfg.log_level, cfg.log_format)
     engine, name, max_model_len = start_engine(cfg)
-    warm_up(engine)
+    warm_up(engine, cfg.lsh_config())
     state = ServerState(engine, name, max_model_len, cfg=cfg)
     app = create_app(state)
     key = "from $" + cfg.api_key_env if cfg.api_key() else "none"

@@ -29,7 +29,7 @@ class RunningServer:
         from server.cli import start_engine, warm_up
 
         self.engine, self.model_name, max_model_len = start_engine(cfg)
-        warm_up(self.engine)
+        warm_up(self.engine, cfg.lsh_config())
         self.port = free_port()
         self.state = ServerState(self.engine, self.model_name, max_model_len, cfg=cfg)
         app = create_app(self.state)

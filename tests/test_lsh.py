@@ -706,6 +706,10 @@ def test_server_with_magicpig_samples_long_prompts(monkeypatch):
     cfg = ServeConfig(kv_format="oaken", attention="magicpig", lsh_min_context=256, lsh_window=32,
                       kv_cache_bytes=2**30, max_num_seqs=8, max_num_batched_tokens=128)
     server = RunningServer(cfg)
+    assert centered  # the warm-up's prompt is long enough for MagicPIG (its sampled kernel compiled before /health)
+    touched, _ = server.engine.backend.attn_worker.sparse.take_stats()
+    assert touched > 0
+    centered.clear()
     assert server.engine.blocks.spec.reserve_blocks > 0  # a prompt of 256 tokens or more holds room for its tables
     assert server.engine.scheduler.cfg.prefix_caching
     text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:6000]
