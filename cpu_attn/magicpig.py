@@ -53,7 +53,7 @@ class LshConfig:
     seed: int = 0
     retrieval: str = "group"  # one retrieval per GQA group (its mean query); "head": each query head's own (MagicPIG)
     min_collisions: int = 3  # tables a key must share with the query to be retrieved (MagicPIG: 2)
-    recenter: bool = True  # a prompt prefilled in several chunks: re-center on all its keys at its first decode
+    recenter: bool = True  # a prompt prefilled in several chunks: re-centered on all its keys at a decode step
 
     def __post_init__(self) -> None:
         if not (1 <= self.k <= 15 and self.l >= 2 and self.sinks >= 0 and self.window >= 1 and self.merge_every >= 1
@@ -171,7 +171,7 @@ class MagicPig:
           against exact attention, where its mean over 7,900 gives +3.0 %, 4 windows of 8,192 tokens.)
         - with cfg.recenter, a prompt of several chunks (longer than a step's token budget), at a decode
           step: the mean of all the prompt's keys (+6.6 % against exact attention on its first 512,
-          +2.7 % on all, 4 windows of 8,192 tokens prefilled 512 a step). Its later chunks are neither
+          +2.6 % on all, 4 windows of 8,192 tokens prefilled 512 a step). Its later chunks are neither
           coded nor merged (their codes would be thrown away). A recenter codes and merges all the
           sequence's keys (~0.25 s a layer at 7k keys, 2 Zen 3 cores), so it takes one of the step's
           merges_per_step; until one is left the layer keeps its first chunk's tables and attends the
@@ -185,7 +185,8 @@ class MagicPig:
         if start_pos and (state is None or state.recenter_due and len(k) == 1 and self._merges_left > 0):
             if earlier is None:
                 raise ValueError(f"sequence {seq_id} starts at {start_pos} without its earlier keys")
-            state = layers[layer] = self._recenter(seq_id, layer, earlier(), k)  # a decode's: its merge below counts
+            state = layers[layer] = self._recenter(seq_id, layer, earlier(), k)  # at a decode, the merge below
+            # takes the step's budget: a decode's recenter counts as one merge
         elif start_pos and (state.recenter_due or self.cfg.recenter and len(k) > 1):
             state.recenter_due = True  # a prompt's later chunk, or a decode step waiting for its recenter
             return

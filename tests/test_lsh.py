@@ -453,7 +453,7 @@ def test_magicpig_state_stays_within_host_bytes(lengths):
 
     keys = {}
 
-    def step(seq, start, n):  # a chunked prompt's first decode step codes its keys again (recenter)
+    def step(seq, start, n):  # a chunked prompt's decode steps code its keys again (recenter)
         k = torch.randn(n, 2, 64)
         before = keys.get(seq, k[:0])
         keys[seq] = torch.cat([before, k])
@@ -683,8 +683,8 @@ def test_magicpig_worker_is_exact_below_min_context_and_samples_above(retrieval)
 def test_server_with_magicpig_samples_long_prompts(monkeypatch):
     """hetserve serve --kv-format oaken --attention magicpig: long prompts are answered through
     sampled attention, short ones exactly; concurrent requests all complete; a long prompt, prefilled
-    in chunks (a step's budget of 128 tokens), is centered on all its keys once, at its first decode
-    step; a prompt sent again takes its blocks from the prefix cache, is centered on them once, and
+    in chunks (a step's budget of 128 tokens), is centered on all its keys once per sampled layer, in
+    its first decode steps; a prompt sent again takes its blocks from the prefix cache, is centered on them once, and
     still samples; blocks and every per-sequence MagicPIG state come back once the server is idle."""
     from collections import Counter
     from concurrent.futures import ThreadPoolExecutor

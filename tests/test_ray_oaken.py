@@ -14,9 +14,9 @@ pytest.importorskip("ray")
 def test_ray_oaken_magicpig_matches_local():
     """One request at a time the text must be equal: which requests share a step changes the
     linears' float rounding, which Oaken's levels and the LSH sign bits can turn into another
-    token. Each prompt is prefilled in chunks (a step's budget of 128 tokens), so at its first decode
-    step MagicPIG centers its keys on the whole prompt and codes them on the CPU actor, and the center
-    goes back to the model actor for the later keys. A prompt sent again takes its blocks from the
+    token. Each prompt is prefilled in chunks (a step's budget of 128 tokens), so in its first decode
+    steps MagicPIG centers its keys on the whole prompt and codes them on the CPU actor, and the centers
+    go back to the model actor for the later keys. A prompt sent again takes its blocks from the
     prefix cache and its center is chosen the same way: equal text again. Concurrent requests then
     only have to complete without losing an actor."""
     text = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[:20000]
