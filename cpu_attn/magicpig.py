@@ -182,14 +182,15 @@ class MagicPig:
             raise ValueError("MagicPIG needs the key and query codes of the model worker's LshCoder")
         layers = self.seqs.setdefault(seq_id, [None] * len(self.sampled_layers))
         state = layers[layer]
-        if start_pos and (state is None or state.recenter_due and len(k) == 1 and self._merges_left > 0):
+        chunked = start_pos > 0 and state is not None and (state.recenter_due or self.cfg.recenter and len(k) > 1)
+        if chunked and (len(k) > 1 or self._merges_left <= 0):
+            state.recenter_due = True  # a prompt's later chunk (not coded), or a decode step with no merge left
+            return
+        if start_pos and (state is None or chunked):  # after a cached prefix, or a chunked prompt's decode step
             if earlier is None:
                 raise ValueError(f"sequence {seq_id} starts at {start_pos} without its earlier keys")
-            state = layers[layer] = self._recenter(seq_id, layer, earlier(), k)  # at a decode, the merge below
-            # takes the step's budget: a decode's recenter counts as one merge
-        elif start_pos and (state.recenter_due or self.cfg.recenter and len(k) > 1):
-            state.recenter_due = True  # a prompt's later chunk, or a decode step waiting for its recenter
-            return
+            state = layers[layer] = self._recenter(seq_id, layer, earlier(), k)  # a decode's: the merge below is
+            # the one it takes from the step's budget
         elif start_pos:
             self._pend(state, k, k_codes)
         else:

@@ -227,8 +227,7 @@ def _limits(state: ServerState, body: CommonParams, prompt_ids: list[int], max_t
         raise APIError(400, f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context "
                             f"({state.max_model_len}); ask for at most {room}", param="max_tokens",
                        code="context_length_exceeded")
-    blocks = state.engine.blocks
-    most = blocks.spec.max_tokens(blocks.max_seq_blocks)
+    most = state.engine.blocks.max_seq_tokens
     if n + 1 > most:
         raise APIError(400, f"prompt has {n} tokens; the KV cache holds at most {most} of a sequence", param="prompt")
     return max_tokens if max_tokens is not None else room

@@ -55,6 +55,11 @@ class BlockManager:
         """The most blocks one sequence can ever hold (its shard's size)."""
 
     @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens one sequence can ever hold (in max_seq_blocks, its table reserve aside)."""
+        return self.spec.max_tokens(self.max_seq_blocks)
+
+    @property
     def num_shards(self) -> int:
         return len(self._free)
 

@@ -82,8 +82,7 @@ def warm_up(engine, lsh=None) -> None:
     tokens = 128  # long enough to take the prefill path's larger kernels
     if lsh is not None:  # past min_context, with a first merge's worth of keys before the window
         tokens = max(tokens, lsh.min_context, lsh.window + lsh.merge_every) + 16
-    most = engine.blocks.spec.max_tokens(engine.blocks.max_seq_blocks)
-    tokens = min(tokens, engine.backend.max_model_len - 5, most - 5)
+    tokens = min(tokens, engine.backend.max_model_len - 5, engine.blocks.max_seq_tokens - 5)
     shards = engine.blocks.num_shards
     done = threading.Semaphore(0)
     # one per KV shard, then decode steps (each its own tokens: the prefix cache would put the same
