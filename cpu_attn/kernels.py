@@ -1,8 +1,9 @@
 """Numba kernels over the paged KV store.
 
 Numba has no float16 on the CPU, so an fp16 cache is stored as its raw uint16 bits and widened
-a row at a time with integer and float operations that vectorize (exact, subnormals, inf and
-nan included; tested against numpy for all 65536 bit patterns).
+a block at a time: by F16C's vcvtph2ps where the CPU has it (F16C), else with integer and float
+operations (exact, subnormals, inf and nan included; both tested against numpy for all 65536 bit
+patterns, F16C's NaNs up to their quiet bit).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba.extending import intrinsic, overload
 
 _F16_REBIAS = np.float32(2.0**112)  # 2^(127 - 15): moves a half's exponent to float32's bias
@@ -105,28 +106,79 @@ def fp16_to_f32(h):
     return _as_f32(u32(u32(_as_u32(f) | u32(u32(h & 0x8000) << 16)) | special))
 
 
-def widen_row(src, out):
-    """src: [D] cache row (uint16 fp16 bits, or float32) -> out: [D] float32."""
+def host_has(*features: str) -> bool:
+    """Whether Numba compiles for this CPU (NUMBA_CPU_NAME unset) and the CPU has `features`."""
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return False
+    host = binding.get_host_cpu_features()
+    return all(host.get(f, False) for f in features)
 
 
-@overload(widen_row, jit_options={"nogil": True, "fastmath": _FAST})
-def _widen_row_impl(src, out):
-    if src.dtype == types.uint16:
-        def widen_fp16(src, out):
-            for d in range(src.shape[0]):
-                out[d] = fp16_to_f32(src[d])
-        return widen_fp16
+F16C = host_has("f16c")
+"""Whether fp16 rows are widened by vcvtph2ps (_widen_f16c); elsewhere by fp16_to_f32."""
 
-    def copy(src, out):
-        for d in range(src.shape[0]):
-            out[d] = src[d]
-    return copy
+
+@intrinsic
+def _widen_f16c(typingctx, src, width, out):
+    """out[:width] = src[:width] as float32, sixteen values an instruction (LLVM's fpext of <16 x
+    half>: vcvtph2ps). src [R, D] uint16 fp16 bits and out [R, D] float32, C arrays, D a multiple
+    of 16. NaNs come out quiet (their payload's top bit set): a signalling NaN's bits change."""
+    if not (isinstance(src, types.Array) and src.dtype == types.uint16 and src.ndim == 2 and src.layout == "C"
+            and isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 2 and out.layout == "C"
+            and isinstance(width, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        if not F16C:  # never called there (widen_block); without F16C, LLVM would call a runtime routine
+            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                        "llvm.trap"), [])
+            return context.get_dummy_value()
+        src_arr, out_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2))
+        total = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp),
+                            cgutils.unpack_tuple(builder, src_arr.shape, 2)[1])
+        src_at, out_at = (builder.ptrtoint(a.data, i64) for a in (src_arr, out_arr))
+        halves, floats = ir.VectorType(ir.HalfType(), 16), ir.VectorType(ir.FloatType(), 16)
+        with cgutils.for_range_slice(builder, i64(0), total, i64(16)) as (i, _):
+            x = builder.load(builder.inttoptr(builder.add(src_at, builder.shl(i, i64(1))), halves.as_pointer()), align=2)
+            builder.store(builder.fpext(x, floats),
+                          builder.inttoptr(builder.add(out_at, builder.shl(i, i64(2))), floats.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(src, width, out), codegen
+
+
+def widen_block(src, width, out):
+    """src [block_size, D]: a block's cache rows of one kv-head -> its first `width` rows as float32:
+    src itself for a float32 cache (no copy), else out [block_size, D] float32, filled."""
+
+
+@overload(widen_block, jit_options={"nogil": True, "fastmath": _FAST})
+def _widen_block_impl(src, width, out):
+    if src.dtype == types.float32:
+        return lambda src, width, out: src
+
+    def widen_fp16(src, width, out):
+        if F16C and src.shape[1] % 16 == 0:
+            _widen_f16c(src, width, out)
+        else:  # a row at a time: the same bits, slower (Numba's loop over 64 values is set up per row)
+            for t in range(width):
+                for d in range(src.shape[1]):
+                    out[t, d] = fp16_to_f32(src[t, d])
+        return out
+    return widen_fp16
 
 
 @njit(cache=True, nogil=True)
 def widen(src, out):
-    """Test hook: src [N] uint16 fp16 bits or float32 -> out [N] float32."""
-    widen_row(src, out)
+    """Test hook: src [R, D] uint16 fp16 bits or float32 -> out [R, D] float32, all R rows (widen_block)."""
+    out[:] = widen_block(src, src.shape[0], out)
+
+
+@njit(cache=True, nogil=True)
+def widen_exact(src, out):
+    """Test hook: src [N] uint16 fp16 bits -> out [N] float32 by fp16_to_f32 (the path without F16C)."""
+    for i in range(src.shape[0]):
+        out[i] = fp16_to_f32(src[i])
 
 
 # fast_exp's constants (oaken._exp16 takes the same, 16 lanes at a time): log2(e), ln 2 in two parts
@@ -417,8 +469,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     scratch (attention_scratch), one slice per unit: scores [U, group, block_size], kb, vb
       [U, block_size, D], m, l [U, group], parts [U, group, D] (float32)
 
-    A (sequence, kv-head) item widens a block's K/V rows once and uses them for all `group` query
-    heads that share them, with an online softmax (running max m, running sum l) advanced block
+    A (sequence, kv-head) item widens a block's K/V rows once (widen_block: an fp16 cache's into kb,
+    vb; a float32 cache's are read where they lie) and uses them for all `group` query heads that share them, with an online softmax (running max m, running sum l) advanced block
     by block. Its context is cut into U / (B * Hkv) parts of consecutive blocks, one unit of work
     each, whose states attend_merge joins (split_parts says how many).
     """
@@ -436,10 +488,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
         for j in range(first, end):
             block = block_tables[b, j]
             width = min(block_size, seq_lens[b] - j * block_size)
-            for t in range(width):
-                widen_row(k_cache[block, kvh, t], kb[unit, t])
-                widen_row(v_cache[block, kvh, t], vb[unit, t])
-            attend_block(q[b, heads], kb[unit], vb[unit], width, scale, scores[unit], acc, m[unit], l[unit])
+            k, v = widen_block(k_cache[block, kvh], width, kb[unit]), widen_block(v_cache[block, kvh], width, vb[unit])
+            attend_block(q[b, heads], k, v, width, scale, scores[unit], acc, m[unit], l[unit])
         finish_unit(parts, m, l, out, lse, unit, splits, b, heads)
     merge_parts(parts, m, l, out, lse, num_kv_heads)
 

@@ -37,8 +37,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.kernels import (_EXP_POLY, _FAST, _LN2, _LOG2E, _STALE_MAX, _as_f32, _as_u32, attend_begin, attend_scores,
-                              block_scores, c_array, f32_matrices, fmuladd8, finish_unit, fp16_to_f32, lane_sums,
-                              matrix_args, merge_parts, part_blocks, prefetch, splat)
+                              block_scores, c_array, f32_matrices, fmuladd8, finish_unit, fp16_to_f32, host_has,
+                              lane_sums, matrix_args, merge_parts, part_blocks, prefetch, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -681,20 +681,12 @@ def load_row(parts, block, thr, first_seg, offset, e, out):
     decode_token(dense[block, offset], scales[block, offset], counts[block, offset], sparse[block], e, thr, first_seg, out)
 
 
-def _host_has(*features: str) -> bool:
-    """Whether Numba compiles for this CPU (NUMBA_CPU_NAME unset) and the CPU has `features`."""
-    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
-        return False
-    host = binding.get_host_cpu_features()
-    return all(host.get(f, False) for f in features)
-
-
-VNNI = _host_has("avx512bw", "avx512vnni", "avx512vbmi2")
+VNNI = host_has("avx512bw", "avx512vnni", "avx512vbmi2")
 """Whether the exact kernel works on full blocks in AVX-512 int16 dot products (vnni_block_scores,
 vnni_add_weighted_rows; VBMI2 for vpexpandw)."""
-AVX2 = _host_has("avx2", "fma", "f16c")
+AVX2 = host_has("avx2", "fma", "f16c")
 """Whether it can at least do so in AVX2 (avx2_block_scores, avx2_add_weighted_rows)."""
-_MASKED_ENTRIES = _host_has("avx512f")
+_MASKED_ENTRIES = host_has("avx512f")
 """Whether decode_token writes sparse entries by masked gathers and scatters (_scatter_entries), which are single
 instructions only with AVX-512; elsewhere by a scalar loop (_write_entries)."""
 INT16 = VNNI or AVX2

@@ -6,7 +6,7 @@ import pytest
 import torch
 from numba import njit
 
-from cpu_attn.kernels import fast_exp, widen
+from cpu_attn.kernels import F16C, fast_exp, widen, widen_exact
 from cpu_attn.kv_store import PagedKVStore
 from cpu_attn.prefill import prefill_attention
 
@@ -104,11 +104,26 @@ def test_fast_exp_matches_numpy_where_the_softmax_uses_it():
 
 def test_fp16_widening_is_exact_for_every_bit_pattern():
     bits = np.arange(65536, dtype=np.uint16)
-    ref = bits.view(np.float16).astype(np.float32)
+    ref = bits.view(np.float16).astype(np.float32).view(np.uint32)
     out = np.empty(65536, np.float32)
-    widen(bits, out)
+    widen_exact(bits, out)  # the path without F16C
     # bit-exact, subnormals, signed zeros, inf and nan payloads included
-    np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))
+    np.testing.assert_array_equal(out.view(np.uint32), ref)
+    # a block at a time, as the kernel widens: F16C where the CPU has it. Its NaNs come out quiet
+    # (vcvtph2ps sets the payload's top bit), every other pattern bit-exact
+    out = np.empty((4096, 16), np.float32)
+    widen(bits.reshape(4096, 16), out)
+    got = out.ravel().view(np.uint32)
+    quiet = np.isnan(bits.view(np.float16)) if F16C else np.zeros(65536, bool)
+    np.testing.assert_array_equal(got[~quiet], ref[~quiet])
+    np.testing.assert_array_equal(got[quiet], ref[quiet] | 0x400000)
+
+
+def test_float32_blocks_widen_to_themselves():
+    rows = np.arange(64, dtype=np.float32).reshape(4, 16)
+    out = np.zeros((4, 16), np.float32)
+    widen(rows, out)
+    np.testing.assert_array_equal(out, rows)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
