@@ -37,8 +37,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.kernels import (_EXP_POLY, _FAST, _LN2, _LOG2E, _STALE_MAX, _as_f32, _as_u32, attend_begin, attend_scores,
-                              block_scores, c_array, f32_matrices, fmuladd8, finish_unit, fp16_to_f32, host_has,
-                              lane_sums, matrix_args, merge_parts, part_blocks, prefetch, splat)
+                              _llvm_fn, block_scores, c_array, f32_matrices, fmuladd8, finish_unit, fp16_to_f32,
+                              host_has, lane_sums, matrix_args, merge_parts, part_blocks, prefetch, softmax_rows16,
+                              splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
@@ -718,11 +719,6 @@ def _query_codes(q, codes, scales):
 
 
 _RINT = np.float32(3 << 22)  # x + _RINT - _RINT rounds a float32 |x| < 2^22 to the nearest integer, ties to even
-
-
-def _llvm_fn(builder, name, ret, params):
-    """LLVM IR: the intrinsic `name` (declared in the module on first use)."""
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
 
 
 binding.initialize_native_asmparser()  # _dpwssd's inline assembly (Numba readies the target, not its parser)
@@ -1723,77 +1719,6 @@ def vnni_center_scores(typingctx, s, abq, factor, pairs):
             heads_from(h, 1)
         return context.get_dummy_value()
     return types.none(s, abq, factor, pairs), codegen
-
-
-def _exp16(builder, x):
-    """LLVM IR: kernels.fast_exp of a <16 x float>, the same steps (its polynomial and exponent bits)."""
-    f32, i32 = _F32, _I32
-    floats, ints = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
-    c = lambda v: ir.Constant(floats, [float(v)] * 16)
-    mul, add = builder.fmul, builder.fadd
-    floor = _llvm_fn(builder, "llvm.floor.v16f32", floats, [floats])
-    x = builder.select(builder.fcmp_ordered(">", x, c(-87.0)), x, c(-87.0))
-    n = builder.call(floor, [add(mul(x, c(np.float32(_LOG2E))), c(0.5))])
-    r = add(builder.fsub(x, mul(n, c(np.float32(_LN2[0])))), mul(n, c(np.float32(_LN2[1]))))
-    p = c(np.float32(_EXP_POLY[0]))
-    for k in _EXP_POLY[1:]:
-        p = add(mul(p, r), c(np.float32(k)))
-    p = add(add(mul(mul(p, r), r), r), c(1.0))
-    two_n = builder.bitcast(builder.shl(builder.add(builder.fptosi(n, ints), ir.Constant(ints, [127] * 16)),
-                                        ir.Constant(ints, [23] * 16)), floats)
-    return mul(p, two_n)
-
-
-@intrinsic
-def softmax_rows16(typingctx, s, acc, m, l):
-    """kernels.softmax_weights for a full block of 16 rows, in LLVM IR: each query head's scores as
-    one vector (a max and a sum by shuffle trees, the exponentials 16 at a time). Numba's loops over
-    a width known only at run time took ~116 ns for 9 heads. s [H, 16] (overwritten with the
-    weights), acc [H, D], m, l [H] float32."""
-    if not (c_array(s, 2, types.float32) and f32_matrices(acc) and c_array(m, 1, types.float32)
-            and c_array(l, 1, types.float32)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        f32, i32, i64 = _F32, _I32, _I64
-        floats = ir.VectorType(f32, 16)
-        s_arr, acc_arr, m_arr, l_arr = (context.make_array(t)(context, builder, a)
-                                        for t, a in zip(signature.args, args))
-        heads, dim = cgutils.unpack_tuple(builder, acc_arr.shape, 2)
-        s_row, acc_row = (cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in (s_arr, acc_arr))
-        s_base, acc_base = (builder.ptrtoint(a.data, i64) for a in (s_arr, acc_arr))
-        at = lambda address: builder.inttoptr(address, floats.as_pointer())
-
-        def fold(x, pick):  # the 16 lanes into lane 0 by a shuffle tree
-            for span in (8, 4, 2, 1):
-                turn = ir.Constant(ir.VectorType(i32, 16), [(i + span) % 16 for i in range(16)])
-                x = pick(x, builder.shuffle_vector(x, x, turn))
-            return builder.extract_element(x, i32(0))
-        bigger = lambda a, b: builder.select(builder.fcmp_ordered(">", a, b), a, b)
-        with cgutils.for_range(builder, heads) as h:
-            row = at(builder.add(s_base, builder.mul(h.index, s_row)))
-            x = builder.load(row, align=4)
-            m_at, l_at = builder.gep(m_arr.data, [h.index]), builder.gep(l_arr.data, [h.index])
-            old = builder.load(m_at)
-            new = bigger(fold(x, bigger), old)
-            moved = builder.fcmp_ordered(">", new, builder.fadd(old, f32(float(_STALE_MAX))))
-            with builder.if_then(moved, likely=False):
-                correction = _exp16(builder, splat(builder, builder.fsub(old, new), 16))
-                correction = splat(builder, builder.extract_element(correction, i32(0)), 16)
-                acc_at = builder.add(acc_base, builder.mul(h.index, acc_row))
-                with cgutils.for_range_slice(builder, i64(0), dim, i64(16)) as (d, _):
-                    out = at(builder.add(acc_at, builder.shl(d, i64(2))))
-                    builder.store(builder.fmul(builder.load(out, align=4), correction), out, align=4)
-                builder.store(builder.fmul(builder.load(l_at), builder.extract_element(correction, i32(0))), l_at)
-                builder.store(new, m_at)
-            top = splat(builder, builder.load(m_at), 16)
-            p = _exp16(builder, builder.fsub(x, top))
-            p = builder.select(builder.fcmp_ordered(">", x, splat(builder, f32(float("-inf")), 16)), p,
-                               ir.Constant(floats, [0.0] * 16))
-            builder.store(p, row, align=4)
-            builder.store(builder.fadd(builder.load(l_at), fold(p, builder.fadd)), l_at)
-        return context.get_dummy_value()
-    return types.none(s, acc, m, l), codegen
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
