@@ -131,8 +131,7 @@ def _widen_f16c(typingctx, src, width, out):
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
         if not F16C:  # never called there (widen_block); without F16C, LLVM would call a runtime routine
-            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                        "llvm.trap"), [])
+            builder.call(_llvm_fn(builder, "llvm.trap", ir.VoidType(), []), [])
             return context.get_dummy_value()
         src_arr, out_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2))
         total = builder.mul(context.cast(builder, args[1], signature.args[1], types.intp),
@@ -181,7 +180,7 @@ def widen_exact(src, out):
         out[i] = fp16_to_f32(src[i])
 
 
-# fast_exp's constants (oaken._exp16 takes the same, 16 lanes at a time): log2(e), ln 2 in two parts
+# fast_exp's constants (_exp16 takes the same, 16 lanes at a time): log2(e), ln 2 in two parts
 # (hi - lo: r = x - n hi + n lo), and Cephes' polynomial for e^r, highest degree first
 _LOG2E = 1.44269504
 _LN2 = (0.693359375, 2.12194440e-4)
@@ -556,9 +555,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
       [U, block_size, D], m, l [U, group], parts [U, group, D] (float32)
 
     A (sequence, kv-head) item widens a block's K/V rows once (widen_block: an fp16 cache's into kb,
-    vb; a float32 cache's are read where they lie) and uses them for all `group` query heads that share them, with an online softmax (running max m, running sum l) advanced block
-    by block. Its context is cut into U / (B * Hkv) parts of consecutive blocks, one unit of work
-    each, whose states attend_merge joins (split_parts says how many).
+    vb; a float32 cache's are read where they lie) and uses them for all `group` query heads that
+    share them, with an online softmax (running max m, running sum l) advanced block by block. Its
+    context is cut into U / (B * Hkv) parts of consecutive blocks, one unit of work each, whose
+    states attend_merge joins (split_parts says how many).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]

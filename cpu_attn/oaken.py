@@ -36,10 +36,9 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import (_EXP_POLY, _FAST, _LN2, _LOG2E, _STALE_MAX, _as_f32, _as_u32, attend_begin, attend_scores,
-                              _llvm_fn, block_scores, c_array, f32_matrices, fmuladd8, finish_unit, fp16_to_f32,
-                              host_has, lane_sums, matrix_args, merge_parts, part_blocks, prefetch, softmax_rows16,
-                              splat)
+from cpu_attn.kernels import (_FAST, _as_f32, _as_u32, _llvm_fn, attend_begin, attend_scores, block_scores, c_array,
+                              f32_matrices, fmuladd8, finish_unit, fp16_to_f32, host_has, lane_sums, matrix_args,
+                              merge_parts, part_blocks, prefetch, softmax_rows16, splat)
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2
