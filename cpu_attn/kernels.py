@@ -201,6 +201,10 @@ def fast_exp(x):
     return p * _as_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
 
 
+_F32, _I1, _I8, _I16, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
+                                    ir.IntType(64))  # the IR kernels' types
+
+
 def splat(builder, x, lanes: int):
     """LLVM IR: a vector of `lanes` copies of the scalar x."""
     kind, zeros = ir.VectorType(x.type, lanes), ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)

@@ -131,7 +131,7 @@ def _block_runs(slot_mapping: np.ndarray, block_size: int) -> np.ndarray:
 
 
 class OakenKVStore:
-    """K and V of every layer in Oaken's fused dense-sparse form (cpu_attn/oaken.py), paged like
+    """K and V of every layer in Oaken's fused dense-sparse form (cpu_attn/oaken/), paged like
     PagedKVStore. Each block owns a fixed sparse budget (`sparse_fraction` of its values), so a
     block's size in bytes is exact; a token that finds the budget full has its inner (then outer)
     values nearest the middle thresholds stored as middle values instead.

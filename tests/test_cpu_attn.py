@@ -167,7 +167,8 @@ def test_store_accounting_and_validation():
 
 def test_kernel_cache_is_keyed_by_the_package_sources(tmp_path, monkeypatch):
     """A kernel inlining code from another module must not survive a change to that module in
-    Numba's cache (Numba checks only the kernel's own file): the cache directory hashes them all."""
+    Numba's cache (Numba checks only the kernel's own file): the cache directory hashes them all,
+    subpackages' included."""
     import numba
 
     from cpu_attn import lsh, numba_cache_dir
@@ -178,5 +179,10 @@ def test_kernel_cache_is_keyed_by_the_package_sources(tmp_path, monkeypatch):
     before = numba_cache_dir(tmp_path)
     assert before.parent == tmp_path / "cache" and numba_cache_dir(tmp_path) == before
     (tmp_path / "b.py").write_text("y = 2\n")
+    assert numba_cache_dir(tmp_path) != before
+    (tmp_path / "sub").mkdir()  # a subpackage's modules count too (cpu_attn/oaken/)
+    (tmp_path / "sub" / "c.py").write_text("z = 1\n")
+    before = numba_cache_dir(tmp_path)
+    (tmp_path / "sub" / "c.py").write_text("z = 2\n")
     assert numba_cache_dir(tmp_path) != before
     assert lsh.sampled_decode_attention._cache._cache_path.startswith(numba.config.CACHE_DIR)

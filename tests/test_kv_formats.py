@@ -11,6 +11,8 @@ from cpu_attn import kv_store, oaken
 from cpu_attn.kernels import split_parts
 from cpu_attn.kv_store import KV_FORMATS, OakenKVStore, PagedKVStore, SimQuantKVStore, bytes_per_block, make_store
 from cpu_attn.oaken import INNER, MIDDLE, OUTER, dequantize, quantize
+from cpu_attn.oaken.decode import _scatter_entries, _write_entries
+from cpu_attn.oaken.turn import _turn_all, _turn_few
 from tests.test_cpu_attn import naive_attention
 from tests.test_oaken import decoded_groups, reference_groups
 
@@ -139,17 +141,17 @@ def test_oaken_store_decodes_segments_full_of_entries():
 
 @njit
 def _write_entries_both_ways(thr, dense, sparse, counts, scales, masked, scalar):
-    """Each token's sparse entries written over its rows of masked (by oaken._scatter_entries, sixteen at a
-    time) and of scalar (oaken._write_entries, all in one loop): decode_token's two ways, one per kind of CPU."""
+    """Each token's sparse entries written over its rows of masked (by decode._scatter_entries, sixteen at a
+    time) and of scalar (decode._write_entries, all in one loop): decode_token's two ways, one per kind of CPU."""
     for t in range(dense.shape[0]):
         e = 0
         for seg in range(counts.shape[1]):
             n = counts[t, seg]
             for k in range(e, e + n, 16):
-                oaken._scatter_entries(masked[t], seg * 64, dense[t], seg * 32, sparse[t], k, e + n - k,
-                                       thr[0], thr[3], scales[t, 1], scales[t, 2])
-            oaken._write_entries(scalar[t], seg * 64, dense[t], seg * 32, sparse[t], e, n,
+                _scatter_entries(masked[t], seg * 64, dense[t], seg * 32, sparse[t], k, e + n - k,
                                  thr[0], thr[3], scales[t, 1], scales[t, 2])
+            _write_entries(scalar[t], seg * 64, dense[t], seg * 32, sparse[t], e, n,
+                           thr[0], thr[3], scales[t, 1], scales[t, 2])
             e += n
 
 
@@ -405,7 +407,7 @@ def test_turned_rows_are_numpys_sums_in_order(dim):
     want = np.zeros((37, 2, dim), np.float32)
     for e in range(dim):
         want = want + x.reshape(37, 2, dim)[:, :, e, None] * matrix[e]
-    for turn in (oaken._turn_few, oaken._turn_all, oaken.turn_heads):
+    for turn in (_turn_few, _turn_all, oaken.turn_heads):
         got = x.copy()
         turn(got, matrix)
         assert np.array_equal(got, want.reshape(37, 2 * dim))

@@ -1,0 +1,22 @@
+"""Oaken KV quantization (issue #3) and exact attention over the quantized store.
+
+    codec.py      the format: one token's K (or V) quantized and dequantized, tokens written into blocks
+    turn.py       the store's Hadamard rotation of rows, and decode-step rows written into block tails
+    decode.py     rows decoded to float32 (blocks still filling, MagicPIG's sampled rows, CPUs without int16)
+    codes.py      int16 codes of a block's rows and of the queries, shared by the two int16 kernels
+    vnni.py       a full block's scores and weighted values in AVX-512 int16 dot products
+    avx2.py       the same with AVX2
+    center.py     the keys' centers, added back in the score domain
+    attention.py  the exact decode kernel over the store
+
+The names below are the package's surface (kv_store.py, lsh.py, the tests and benchmarks)."""
+from cpu_attn.oaken.attention import int16_add_weighted_rows, int16_block_scores, oaken_decode_attention
+from cpu_attn.oaken.avx2 import avx2_add_weighted_rows, avx2_block_scores
+from cpu_attn.oaken.center import (add_center_scores, add_key_center, center_codes, center_terms, decode_outputs,
+                                   decode_queries, vnni_center_scores)
+from cpu_attn.oaken.codec import (INNER, MIDDLE, OUTER, SEGMENT, dequantize, effective_bits, quantize,
+                                  write_tokens)
+from cpu_attn.oaken.codes import AVX2, CODE_MAX, INT16, ROWS, VNNI, query_codes
+from cpu_attn.oaken.decode import dequantize_blocks, load_block, load_row, prefetch_block, row_entries
+from cpu_attn.oaken.turn import turn_heads, write_tail_rows
+from cpu_attn.oaken.vnni import MAX_HEADS, vnni_add_weighted_rows, vnni_block_scores

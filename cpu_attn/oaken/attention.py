@@ -1,0 +1,95 @@
+"""Exact decode attention over the Oaken store: blocks decoded (or scored in int16) in registers
+and small scratch, never a full-precision copy of the cache."""
+from __future__ import annotations
+
+from numba import njit, prange
+
+from cpu_attn.kernels import (_FAST, attend_begin, attend_scores, block_scores, finish_unit, merge_parts, part_blocks,
+                              softmax_rows16)
+from cpu_attn.oaken.avx2 import avx2_add_weighted_rows, avx2_block_scores
+from cpu_attn.oaken.center import add_center_scores, center_codes, center_scales, vnni_center_scores
+from cpu_attn.oaken.codec import SEGMENT
+from cpu_attn.oaken.codes import ROWS, VNNI
+from cpu_attn.oaken.decode import load_block, prefetch_block
+from cpu_attn.oaken.vnni import vnni_add_weighted_rows, vnni_block_scores
+
+int16_block_scores = vnni_block_scores if VNNI else avx2_block_scores
+int16_add_weighted_rows = vnni_add_weighted_rows if VNNI else avx2_add_weighted_rows
+"""The int16 kernels this CPU runs (the exact kernel, bench_oaken_rows): resolved once, at import."""
+
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, q_codes, block_tables, seq_lens, scale,
+                           out, lse, scores, kb, vb, m, l, parts, qcb, sc, kacc, centers):
+    """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
+    of one kv-head are decoded into small scratch (kb, vb: [U, block_size, D], L1-sized) and used
+    at once; no full-precision copy of the cache is ever made. Scratch and states are per unit, a
+    (sequence, kv-head, part) as in paged_decode_attention, but a parallel task is a (sequence,
+    part) that takes every kv-head of each of its blocks: a row holds all kv-heads, so the block's
+    lines are fetched once (8k x 8: 4.97-5.05 -> 4.39-4.52 ms against a unit per task), and the int16
+    kernels take all kv-heads of a block in one call (a row's levels made once, not once a kv-head).
+    A task's units are consecutive (unit = (b * splits + part) * Hkv + kvh), so its scores, kacc
+    and outputs are [Hq, ...] arrays.
+    k_parts, v_parts: (dense, scales, counts, sparse, tail, tail_of) of one layer (see load_block);
+    thr_k, thr_v: [4]; q_center [B, Hq, D] and center: the keys' centers in the score domain (see
+    add_center_scores; q_center [0, 0, 0]: keys not centered); scratch qcb [U, group, D], sc
+    [U, group, bs]. q_codes = (codes [B, Hq, D] int16, scales [B, Hq]): the queries as
+    vnni_block_scores takes them; then every full quantized block is not decoded: its keys are
+    scored by vnni_block_scores (scratch kacc [U, group, 16, 16]), their centers by
+    vnni_center_scores (scratch centers = (codes [U, group, D] int16, factor, inv [U, group]); see
+    center_codes) and its values summed by vnni_add_weighted_rows. codes [0, 0, 0]: every block is decoded."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size = k_parts[0].shape[1]
+    num_kv_heads = k_parts[0].shape[2] * 2 // head_dim
+    group = num_heads // num_kv_heads
+    splits = parts.shape[0] // (num_seqs * num_kv_heads)
+    qi, qscale = q_codes
+    int_dots = qi.shape[0] > 0
+    for task in prange(num_seqs * splits):  # a part of one sequence, every kv-head of each of its blocks in turn
+        b, part = task // splits, task % splits
+        n = seq_lens[b]
+        first, end = part_blocks(n, block_size, splits, part)
+        units = slice(task * num_kv_heads, (task + 1) * num_kv_heads)  # the task's kv-heads: one unit each
+        task_scores = scores[units].reshape((num_heads, block_size))
+        task_acc = parts[units].reshape((num_heads, head_dim))
+        task_m, task_l = m[units].reshape(num_heads), l[units].reshape(num_heads)
+        attend_begin(task_acc, task_m, task_l)
+        if int_dots:
+            task_kacc = kacc[units].reshape((num_heads, ROWS, 16))
+        centered = int_dots and q_center.shape[0] > 0
+        if centered:
+            abq = centers[0][units].reshape((num_heads, head_dim))
+            factor, inv = centers[1][units].reshape(num_heads), centers[2][units].reshape(num_heads)
+            center_scales(q_center[b], scale, inv, factor)
+        for j in range(first, end):
+            block = block_tables[b, j]
+            width = min(block_size, n - j * block_size)
+            if j + 1 < end:
+                prefetch_block(k_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
+                prefetch_block(v_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
+            if int_dots and width == block_size and k_parts[5][block] < 0:  # full and quantized, K and V alike
+                # the block's lines, loaded once, serve every kv-head; each step one call for all query heads
+                int16_block_scores(task_scores, qi[b], qscale[b], k_parts[0][block], k_parts[1][block],
+                                   k_parts[2][block], k_parts[3][block], thr_k, scale, task_kacc)
+                if centered:
+                    center_codes(q_center[b], center, j, inv, abq)
+                    vnni_center_scores(task_scores, abq, factor, center[3])
+                softmax_rows16(task_scores, task_acc, task_m, task_l)
+                int16_add_weighted_rows(task_acc, task_scores, v_parts[0][block], v_parts[1][block],
+                                        v_parts[2][block], v_parts[3][block], thr_v)
+                continue
+            for kvh in range(num_kv_heads):
+                unit = task * num_kv_heads + kvh
+                heads = slice(kvh * group, (kvh + 1) * group)
+                first_seg = kvh * head_dim // SEGMENT
+                load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
+                block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
+                if q_center.shape[0]:
+                    add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
+                load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
+                attend_scores(scores[unit], vb[unit], width, parts[unit], m[unit], l[unit])
+        for kvh in range(num_kv_heads):
+            heads = slice(kvh * group, (kvh + 1) * group)
+            finish_unit(parts, m, l, out, lse, task * num_kv_heads + kvh, splits, b, heads)
+    merge_parts(parts, m, l, out, lse, num_kv_heads, kv_inner=True)
