@@ -20,6 +20,19 @@ _F16_REBIAS = np.float32(2.0**112)  # 2^(127 - 15): moves a half's exponent to f
 # starts from -inf. tests/test_cpu_attn.py bounds the error against a float64 reference.
 _FAST = {"reassoc", "contract", "arcp", "nsz"}
 
+_LINE = 64  # bytes of a cache line
+
+
+def zeros_aligned(shape: tuple[int, ...], dtype, slack: int = 0) -> np.ndarray:
+    """np.zeros starting on a cache line. A large np.zeros starts 16 bytes into a page, so a row of
+    64 values had its vector loads split across two lines (and an Oaken head's 32 nibble bytes half
+    the time); like np.zeros, pages are mapped only once written. `slack` bytes past the end stay
+    readable (for kernels that read a few bytes past what they use)."""
+    dtype = np.dtype(dtype)
+    raw = np.zeros(int(np.prod(shape)) * dtype.itemsize + _LINE + slack, np.uint8)
+    skip = -raw.ctypes.data % _LINE
+    return raw[skip:skip + raw.size - _LINE - slack].view(dtype).reshape(shape)
+
 
 @njit(cache=True, nogil=True)
 def write_kv(k_cache, v_cache, slot_mapping, k, v):

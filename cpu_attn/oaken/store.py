@@ -1,0 +1,398 @@
+"""OakenKVStore: K and V of every layer in Oaken's fused dense-sparse form, paged like
+kv_store.PagedKVStore, with the calibration's per-channel transforms, full-precision tails for
+blocks still filling, and exact and MagicPIG-sampled decode attention over it."""
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+
+from cpu_attn import lsh, oaken
+from cpu_attn.calibrate import SPARSE_FRACTION, rotate_half, turn
+from cpu_attn.kernels import attention_scratch, split_parts, zeros_aligned
+
+
+def _not_finite(what: str, layer: int, bad: int) -> ValueError:
+    return ValueError(f"{what} of layer {layer} has NaN or inf in {bad} token(s); "
+                      "Oaken quantization needs finite values")
+
+
+def _block_runs(slot_mapping: np.ndarray, block_size: int) -> np.ndarray:
+    """Boundaries [R + 1] of runs of consecutive rows that land in the same block."""
+    blocks = slot_mapping // block_size
+    return np.concatenate(([0], np.flatnonzero(np.diff(blocks)) + 1, [len(blocks)])).astype(np.int64)
+
+
+class OakenKVStore:
+    """K and V of every layer in Oaken's fused dense-sparse form (this package), paged like
+    PagedKVStore. Each block owns a fixed sparse budget (`sparse_fraction` of its values), so a
+    block's size in bytes is exact; a token that finds the budget full has its inner (then outer)
+    values nearest the middle thresholds stored as middle values instead.
+
+    Per-channel transforms from calibration ([L, Hkv * D] each, None = off): the store holds
+    (K - R(p) key_bias) / key_scales and V / value_scales, where R(p) key_bias is the keys' mean
+    before RoPE turned to the key's position p by the RoPE frequencies rope_inv_freq (zeros: a
+    fixed center). Attention multiplies q by key_scales (q.k is the same, the keys' heavy channels
+    are tamed), adds the turned center back to each key as it decodes it, and multiplies outputs by
+    value_scales (attention is linear in V). Writes of centered keys need their positions.
+    With a `rotation` ([D, D] orthogonal, calibrate.hadamard), each head's transformed K and V are
+    stored times it (x @ rotation): queries are turned the same way (q.k is unchanged), outputs
+    turned back, and the keys' center, which does not turn with them, is added in the score
+    domain (oaken.add_center_scores; the MagicPIG kernel in a second dot product per row).
+
+    With recent_blocks > 0, a block that is still filling (its first row written, not yet its
+    last) stays in full precision in one of `recent_blocks` tail slots per layer and is quantized
+    when its last row arrives, so a sequence's newest tokens are exact (as KIVI's window). When
+    every slot is taken, the least recently written tail is quantized early (still correct, only
+    less exact), so slots never leak: size them to the running batch."""
+
+    dtype = "oaken"
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                 thresholds: np.ndarray, sparse_fraction: float = SPARSE_FRACTION, key_scales: np.ndarray | None = None,
+                 recent_blocks: int = 0, key_bias: np.ndarray | None = None, value_scales: np.ndarray | None = None,
+                 rope_inv_freq: np.ndarray | None = None, rotation: np.ndarray | None = None):
+        if head_dim % oaken.SEGMENT:
+            raise ValueError(f"Oaken KV needs head_dim a multiple of {oaken.SEGMENT}, not {head_dim}")
+        if thresholds.shape != (num_layers, 2, 4):
+            raise ValueError(f"thresholds must be [{num_layers}, 2, 4], not {list(thresholds.shape)}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size, self.num_blocks = block_size, num_blocks
+        # copies: arrays that came through Ray are read-only, and Numba compiles every kernel again for
+        # read-only arguments (the sampled kernel takes 89 s to compile on a Zen 1)
+        self.thresholds = np.array(thresholds, np.float32, order="C")
+        c = num_kv_heads * head_dim
+        for name, x in (("key_scales", key_scales), ("key_bias", key_bias), ("value_scales", value_scales)):
+            if x is not None and x.shape != (num_layers, c):
+                raise ValueError(f"{name} must be [{num_layers}, {c}], not {list(x.shape)}")
+        shape = (num_layers, num_kv_heads, head_dim)
+        self.key_scales, self.value_scales = (
+            np.full(shape, 1, np.float32) if x is None else np.array(x, np.float32, order="C").reshape(shape)
+            for x in (key_scales, value_scales))
+        self.key_bias = None if key_bias is None else np.array(key_bias, np.float32, order="C").reshape(shape)
+        if rotation is not None and rotation.shape != (head_dim, head_dim):
+            raise ValueError(f"rotation must be [{head_dim}, {head_dim}], not {list(rotation.shape)}")
+        # [D, D], or [0, 0] when not rotating (as the kernels take it); the transpose turns back
+        self.rotation = np.zeros((0, 0), np.float32) if rotation is None else np.array(rotation, np.float32, order="C")
+        self._unrotation = np.ascontiguousarray(self.rotation.T)
+        self._rope_freq = np.zeros(head_dim // 2) if rope_inv_freq is None else np.asarray(rope_inv_freq, np.float64)
+        # RoPE tables [P, D / 2] (empty without centering: the kernels then skip it) and, for the
+        # kernels, the key center and rotate_half of it in store space: [L, Hkv, 2, D]
+        self._cos = self._sin = np.zeros((0, head_dim // 2), np.float32)
+        self._block_cos = self._block_sin = self._cos  # the kernels': at block starts (oaken.add_key_center)
+        self._offset_table = np.zeros((block_size, head_dim), np.float32)  # [cos | sin] at a block's offsets
+        self._offset_pairs = np.zeros((head_dim // 2, 2 * block_size), np.int16)  # the same for oaken.vnni_center_scores
+        self.key_center = np.zeros((num_layers, num_kv_heads, 2, head_dim), np.float32)
+        if self.key_bias is not None:
+            self.key_center[:, :, 0] = self.key_bias / self.key_scales
+            self.key_center[:, :, 1] = rotate_half(self.key_bias) / self.key_scales
+            self._rope_tables(1)
+        self.budget = self.sparse_budget(num_kv_heads, head_dim, block_size, sparse_fraction)
+        # full blocks in int16 dot products (oaken.vnni_* or avx2_*)
+        self.int_dots = oaken.INT16 and block_size == oaken.ROWS
+        lead = (num_layers, 2, num_blocks, block_size)
+        self.dense = zeros_aligned(lead + (c // 2,), np.uint8)
+        self.scales = zeros_aligned(lead + (3,), np.uint16)
+        self.counts = zeros_aligned(lead + (c // oaken.SEGMENT,), np.uint8)
+        # oaken.avx2_* read entries eight bytes at a time: up to 7 bytes past a block's last
+        self.sparse = zeros_aligned((num_layers, 2, num_blocks, self.budget), np.uint8, slack=64)
+        self.tail = zeros_aligned((num_layers, 2, recent_blocks, block_size, c), np.float32)
+        self.tail_of = np.full((num_layers, num_blocks), -1, np.int32)  # tail slot of each block, or -1
+        self.tail_block = np.full((num_layers, recent_blocks), -1, np.int64)  # block of each slot, or -1
+        self.tail_len = np.zeros((num_layers, recent_blocks), np.int64)
+        self.tail_stamp = np.zeros((num_layers, recent_blocks), np.int64)
+        self._writes = 0
+        # get_thread_id() in a kernel is below the pool's size, whatever thread count the calling thread
+        # set (Numba's count is per calling thread: the store may be built in one thread, used in another)
+        threads = numba.config.NUMBA_NUM_THREADS
+        self._scratch = (np.empty((threads, c), np.float32), np.empty((threads, c), np.int8),
+                         np.empty((threads, 3), np.float32), np.empty((threads, 3), np.float32))
+        self._sampled: dict[int, tuple[np.ndarray, ...]] = {}  # sampled attention's scratch per calling thread
+
+    @staticmethod
+    def sparse_budget(num_kv_heads: int, head_dim: int, block_size: int, sparse_fraction: float) -> int:
+        return int(np.ceil(block_size * num_kv_heads * head_dim * sparse_fraction))
+
+    @staticmethod
+    def tail_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, recent_blocks: int) -> int:
+        return 2 * num_layers * recent_blocks * block_size * num_kv_heads * head_dim * 4
+
+    @classmethod
+    def bytes_per_block(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        sparse_fraction: float = SPARSE_FRACTION) -> int:
+        c = num_kv_heads * head_dim
+        per_token = c // 2 + 3 * 2 + c // oaken.SEGMENT
+        return 2 * num_layers * (block_size * per_token + cls.sparse_budget(num_kv_heads, head_dim, block_size,
+                                                                              sparse_fraction))
+
+    def _rope_tables(self, positions: int) -> None:
+        """Grow the cos / sin tables of the key centers to cover `positions` (doubling)."""
+        if len(self._cos) < positions:
+            # at least a block: the kernels' offset tables are the first block_size rows
+            angle = np.outer(np.arange(max(positions, 2 * len(self._cos), self.block_size), dtype=np.float64),
+                             self._rope_freq)
+            self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+            self._offset_table = np.ascontiguousarray(np.hstack([self._cos[:self.block_size], self._sin[:self.block_size]]))
+            pairs = self._offset_table.T.reshape(self.head_dim // 2, 2, self.block_size).transpose(0, 2, 1)
+            self._offset_pairs = np.rint(pairs * oaken.CODE_MAX).astype(np.int16).reshape(self.head_dim // 2, -1)
+            starts = angle[::self.block_size]
+            self._block_cos, self._block_sin = np.cos(starts).astype(np.float32), np.sin(starts).astype(np.float32)
+
+    def _centers(self, layer: int, positions: np.ndarray) -> np.ndarray:
+        """[T] written positions -> the key centers at them in store space, R(p) key_bias / key_scales: [T, Hkv, D]."""
+        return turn(self.key_bias[layer][None], self._cos[positions], self._sin[positions]) / self.key_scales[layer]
+
+    def _center_args(self, layer: int) -> tuple[np.ndarray, ...]:
+        """The kernels' key centers (oaken.add_key_center): cos and sin at the block starts and at the
+        offsets in a block (the full tables' first block_size rows)."""
+        bs = self.block_size
+        return self.key_center[layer], self._block_cos, self._block_sin, self._cos[:bs], self._sin[:bs]
+
+    def _rotate(self, x: np.ndarray, matrix: np.ndarray | None = None) -> np.ndarray:
+        """[..., Hkv * D] or [..., D] rows -> each head's D values times the rotation, or `matrix`
+        (none: as they are). A Numba loop, not a BLAS matmul: OpenBLAS's threads spin on for a while
+        after one, on the cores the next kernel needs (exact attention at head_dim 128 took 2.4x as
+        long on 2 cores)."""
+        matrix = self.rotation if matrix is None else matrix
+        if not matrix.size:
+            return x
+        rows = np.array(x, np.float32).reshape(-1, self.head_dim)
+        oaken.turn_heads(rows, matrix)
+        return rows.reshape(x.shape)
+
+    def _unrotate(self, x: np.ndarray) -> np.ndarray:
+        return self._rotate(x, self._unrotation)
+
+    def _parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
+        return self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv], self.sparse[layer, kv]
+
+    def _read_parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
+        return self._parts(layer, kv) + (self.tail[layer, kv], self.tail_of[layer])
+
+    def _quantize(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray]) -> None:
+        if len(slot_mapping) == 0:
+            return
+        runs = _block_runs(slot_mapping, self.block_size)
+        for kv, x in enumerate(rows):
+            bad = oaken.write_tokens(x, self.thresholds[layer, kv], slot_mapping, runs, *self._parts(layer, kv),
+                                     *self._scratch)
+            if bad:
+                raise _not_finite('KV'[kv], layer, bad)
+
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
+              positions: np.ndarray | None = None) -> None:
+        """slot_mapping: [T] int64 (a sequence's rows in position order); k, v: [T, Hkv, D] float32;
+        positions: [T] of the rows in their sequences (needed when keys are centered)."""
+        if len(slot_mapping) == 0:
+            return
+        if self.key_bias is not None:
+            if positions is None:
+                raise ValueError("this store centers keys by position: write needs the rows' positions")
+            positions = np.asarray(positions, np.int64)
+            self._rope_tables(int(positions.max()) + 1)
+        rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
+        if self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, rows, positions):
+            return
+        for kv, x in enumerate(rows):
+            if not np.isfinite(x).all():
+                raise _not_finite('KV'[kv], layer, int((~np.isfinite(x).all(axis=1)).sum()))
+        keys = rows[0] / self.key_scales[layer].ravel()
+        if self.key_bias is not None:
+            keys -= self._centers(layer, positions).reshape(len(keys), -1)
+        rows = (keys, rows[1] / self.value_scales[layer].ravel())
+        if self.rotation.size:
+            for x in rows:
+                oaken.turn_heads(x, self.rotation)
+        direct = self._route_to_tails(layer, slot_mapping, rows) if self.tail.shape[2] else slice(None)
+        self._quantize(layer, slot_mapping[direct], (rows[0][direct], rows[1][direct]))
+
+    def _write_decode_rows(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray],
+                           positions: np.ndarray | None) -> bool:
+        """A decode step's common case in one kernel call: every row (k, v [T, C]) goes on filling
+        its block's tail (oaken.write_tail_rows, which also applies the per-channel transforms and the
+        rotation). False, with nothing written, when a row does not."""
+        c = self.num_kv_heads * self.head_dim
+        centered = self.key_bias is not None
+        result = oaken.write_tail_rows(
+            *rows, self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
+            self.key_bias[layer].reshape(1, c) if centered else np.zeros((0, c), np.float32), self.rotation,
+            self._cos, self._sin,
+            positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
+            self.block_size, self.tail[layer], self.tail_of[layer], self.tail_len[layer], self.tail_stamp[layer],
+            self._writes)
+        if result > 0:
+            raise _not_finite("K or V", layer, result)
+        if result < 0:
+            return False
+        self._writes += len(slot_mapping)
+        return True
+
+    def _route_to_tails(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """Put the rows of still-filling blocks into their tails (quantizing a tail once its block is
+        full); returns the mask of the other rows, to quantize now."""
+        bs, runs = self.block_size, _block_runs(slot_mapping, self.block_size)
+        direct = np.ones(len(slot_mapping), bool)
+        # a decode step's rows at once: one-row runs that go on filling a tail and leave it unfilled
+        first_rows = runs[:-1][np.diff(runs) == 1]
+        slots = self.tail_of[layer, slot_mapping[first_rows] // bs]
+        offsets = slot_mapping[first_rows] % bs
+        fast = (slots >= 0) & (offsets < bs - 1)
+        rows_now, slots, offsets = first_rows[fast], slots[fast], offsets[fast]
+        for kv in (0, 1):
+            self.tail[layer, kv, slots, offsets] = rows[kv][rows_now]
+        self.tail_len[layer, slots] = offsets + 1
+        self.tail_stamp[layer, slots] = self._writes + 1 + np.arange(len(slots))
+        self._writes += len(slots)
+        direct[rows_now] = False
+        for r in np.flatnonzero(direct[runs[:-1]]):  # the other runs, one by one
+            a, b = runs[r], runs[r + 1]
+            block, first, last = slot_mapping[a] // bs, slot_mapping[a] % bs, slot_mapping[b - 1] % bs
+            slot = self.tail_of[layer, block]
+            if slot < 0:
+                if first != 0 or last == bs - 1:  # a whole block at once, or one already quantized in part
+                    continue
+                slot = self._take_tail(layer, block)
+            for kv in (0, 1):
+                self.tail[layer, kv, slot, first:last + 1] = rows[kv][a:b]
+            self._writes += 1
+            self.tail_len[layer, slot], self.tail_stamp[layer, slot] = last + 1, self._writes
+            direct[a:b] = False
+            if last == bs - 1:
+                self._flush_tail(layer, slot)
+        return direct
+
+    def _take_tail(self, layer: int, block: int) -> int:
+        free = np.flatnonzero(self.tail_block[layer] < 0)
+        slot = int(free[0]) if len(free) else int(np.argmin(self.tail_stamp[layer]))
+        if not len(free):
+            self._flush_tail(layer, slot)
+        self.tail_block[layer, slot], self.tail_of[layer, block] = block, slot
+        return slot
+
+    def _flush_tail(self, layer: int, slot: int) -> None:
+        block, n = self.tail_block[layer, slot], self.tail_len[layer, slot]
+        self.tail_of[layer, block], self.tail_block[layer, slot] = -1, -1
+        self._quantize(layer, block * self.block_size + np.arange(n), (self.tail[layer, 0, slot, :n],
+                                                                       self.tail[layer, 1, slot, :n]))
+
+    def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """One sequence's first `seq_len` positions, dequantized -> k, v: [seq_len, Hkv, D] float32."""
+        blocks = np.asarray(block_table[: -(-seq_len // self.block_size)], dtype=np.int64)
+        shape = (len(blocks), self.num_kv_heads, self.block_size, self.head_dim)
+        out = []
+        for kv in (0, 1):
+            x = np.empty(shape, np.float32)
+            oaken.dequantize_blocks(self._read_parts(layer, kv), self.thresholds[layer, kv], blocks, seq_len, x)
+            x = self._unrotate(x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len])
+            if kv == 0 and self.key_bias is not None:
+                x = x + self._centers(layer, np.arange(seq_len))
+            out.append(x * (self.key_scales if kv == 0 else self.value_scales)[layer])
+        return out[0], out[1]
+
+    def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                         scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """q: [B, Hq, D] float32 -> out [B, Hq, D], lse [B, Hq] (float32)."""
+        num_seqs, num_heads, head_dim = q.shape
+        group, work = num_heads // self.num_kv_heads, num_seqs * self.num_kv_heads
+        out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
+        lse = np.empty((num_seqs, num_heads), dtype=np.float32)
+        # the kernel's tasks are parts of sequences (all kv-heads of a block in turn): split as many
+        scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(num_seqs, seq_lens, self.block_size))
+        units = len(scratch[0])
+        int_dots = self.int_dots and num_heads <= oaken.MAX_HEADS
+        int_units = units if int_dots else 0  # no int16 scratch (and empty query codes) when decoding every block
+        # the queries in store space, turned, their center terms and int16 codes, in one call
+        centered = self.key_bias is not None
+        turned, q_center = np.empty(q.shape, np.float32), np.empty(q.shape if centered else (0, 0, 0), np.float32)
+        q_codes = (np.empty(q.shape if int_dots else (0, 0, 0), np.int16),
+                   np.empty(q.shape[:2] if int_dots else (0, 0), np.float32))
+        oaken.decode_queries(np.ascontiguousarray(q, np.float32), self.key_scales[layer], self.rotation,
+                             self.key_center[layer], turned, q_center, *q_codes)
+        oaken.oaken_decode_attention(
+            turned, self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
+            self.thresholds[layer, 1], q_center,
+            (self._block_cos, self._block_sin, self._offset_table, self._offset_pairs), q_codes, block_tables, seq_lens,
+            np.float32(scale), out, lse, *scratch, np.empty((units, group, head_dim), np.float32),
+            np.empty((units, group, self.block_size), np.float32), np.empty((int_units, group, oaken.ROWS, 16), np.float32),
+            (np.empty((int_units, group, head_dim), np.int16), np.empty((int_units, group), np.float32),
+             np.empty((int_units, group), np.float32)))
+        oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
+        return out, lse
+
+    def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
+        """q [B, Hq, D] -> q * key_scales, so that q'.k' = q.k for keys in store space (k / key_scales)."""
+        b, num_heads, head_dim = q.shape
+        grouped = np.asarray(q, np.float32).reshape(b, self.num_kv_heads, -1, head_dim)
+        return np.ascontiguousarray((grouped * self.key_scales[layer][:, None]).reshape(q.shape))
+
+    def sampled_decode_attention(self, layer: int, q: np.ndarray, q_codes: np.ndarray, block_tables: np.ndarray,
+                                 seq_lens: np.ndarray, scale: float, tables: tuple[np.ndarray, ...], mu: np.ndarray,
+                                 log_u: np.ndarray, num_sinks: int, window: int, min_hits: int = 2
+                                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """MagicPIG attention (cpu_attn/lsh.py): q [B, Hq, D], q_codes int32 [B, Hq, L] (each head
+        hashed) or [B, Hkv, L] (each GQA group's mean query hashed, gpu_model.lsh); tables =
+        (set_of [B, Hkv, 2] each item's range of sets, indexed [S], offsets [S, L, 2^K + 1],
+        ids [S, L, cap], norms [S, cap] each key's |k - mu|, or typed Lists of the per-set arrays);
+        mu [B, Hkv, D] the keys' centers; log_u from lsh.log_u_table (same min_hits); window >= 1 (the
+        current token is always exact).
+        -> out [B, Hq, D], lse [B, Hq], touched [B, Hq] (keys sampled per query head)."""
+        if window < 1:
+            raise ValueError("the exact local window must hold at least the current token")
+        num_seqs, num_heads, head_dim = q.shape
+        group = num_heads // self.num_kv_heads
+        set_of, indexed, offsets, ids, norms = tables
+        ends = np.concatenate([[0], np.cumsum(indexed, dtype=np.int64)])
+        capacity = max(int((ends[set_of[..., 1]] - ends[set_of[..., 0]]).max(initial=0)), 1)  # keys of one item
+        key_scale = self.key_scales[layer]
+        q_store = self._store_queries(layer, q)
+        if q_codes.shape[1] == num_heads:
+            r, r_store = q, q_store
+        else:  # the hashed queries are the groups' means
+            r = np.asarray(q, np.float32).reshape(num_seqs, self.num_kv_heads, group, head_dim).mean(2)
+            r_store = np.ascontiguousarray(r * key_scale)
+        per_kv_head = r_store.reshape(num_seqs, self.num_kv_heads, -1, head_dim)
+        r_mu = np.einsum("bhrd,bhd->bhr", per_kv_head, mu / key_scale).reshape(num_seqs, -1).astype(np.float32)
+        q_turned = self._rotate(q_store)
+        r_turned = q_turned if r_store is q_store else self._rotate(r_store)
+        out = np.empty(q.shape, np.float32)
+        lse = np.empty((num_seqs, num_heads), np.float32)
+        touched = np.empty((num_seqs, num_heads), np.int64)
+        lsh.sampled_decode_attention(
+            q_store, q_turned, r_store, r_turned,
+            np.linalg.norm(r, axis=-1).astype(np.float32), r_mu, np.ascontiguousarray(q_codes, np.int32),
+            self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
+            self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens, set_of, indexed, offsets,
+            ids, norms, log_u, num_sinks, window, min_hits, np.float32(scale), out, lse, touched,
+            *self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
+        oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
+        return out, lse, touched
+
+    def _sampled_scratch(self, work: int, group: int, capacity: int) -> tuple[np.ndarray, ...]:
+        """lsh.sampled_scratch for `work` items, kept between calls (the kernel leaves its count and marks
+        zeroed, as it needs them) and grown by a quarter past what a call needs. Fresh arrays on every
+        call cost ~0.25 ms a sampled layer at 16 x 8k, and ~10 ms after the server's malloc_trim gave
+        their pages back (one layer's captured arguments, replayed)."""
+        have = self._sampled.get(threading.get_ident())
+        items, cap = (0, 0) if have is None or have[0].shape[1] != group else (have[0].shape[0], have[7].shape[1])
+        if items < work or cap < capacity:
+            have = lsh.sampled_scratch(max(items, work), group, self.block_size, self.head_dim,
+                                       max(cap, capacity + capacity // 4))
+            self._sampled[threading.get_ident()] = have
+        return tuple(a[:work] for a in have)
+
+    def group_counts(self, block_table, seq_len: int) -> dict[str, int]:
+        """What one sequence's stored values are, over every layer, K and V: counts of values,
+        sparse entries and outer entries (inner = sparse - outer), to report realized fractions."""
+        blocks = np.asarray(block_table[: -(-seq_len // self.block_size)], dtype=np.int64)
+        values = entries = outer = 0
+        for j, b in enumerate(blocks):
+            width = min(self.block_size, seq_len - j * self.block_size)
+            quantized = self.tail_of[:, b] < 0  # [L]: blocks still in a full-precision tail do not count
+            n = self.counts[:, :, b, :width].sum(axis=(-1, -2)).astype(np.int64) * quantized[:, None]  # [L, 2]
+            entries += int(n.sum())
+            for layer in range(self.num_layers):
+                for kv in (0, 1):
+                    outer += int(np.count_nonzero(self.sparse[layer, kv, b, : n[layer, kv]] & 64))
+            values += 2 * int(quantized.sum()) * width * self.num_kv_heads * self.head_dim
+        return {"values": values, "sparse": entries, "outer": outer}
