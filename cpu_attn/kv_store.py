@@ -20,7 +20,7 @@ from cpu_attn.calibrate import SPARSE_FRACTION, OakenThresholds
 from cpu_attn.kernels import attention_scratch, paged_decode_attention, split_parts, write_kv, zeros_aligned
 from cpu_attn.oaken.store import OakenKVStore
 
-# fp16 is kept as raw uint16 bits (Numba has no CPU float16); see kernels.py
+# fp16 is kept as raw uint16 bits (Numba has no CPU float16); see fp16.py
 _STORAGE = {"float16": np.uint16, "float32": np.float32}
 _ITEMSIZE = {"float16": 2, "float32": 4}
 

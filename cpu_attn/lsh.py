@@ -29,7 +29,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from cpu_attn.kernels import _FAST, attend_begin, attend_end, attend_scores, block_scores, load_u32, prefetch
+from cpu_attn.kernels import attend_scores, block_scores
+from cpu_attn.llvm_ir import _FAST, load_u32, prefetch
+from cpu_attn.softmax import attend_begin, attend_end
 from cpu_attn.oaken import SEGMENT, add_key_center, load_block, load_row, row_entries
 
 MAX_KEYS = 65535  # keys one table set can index (uint16 offsets, ids of <= 16 bits); longer contexts take more sets

@@ -24,7 +24,7 @@ from numba import get_num_threads, get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import c_array, splat
+from cpu_attn.llvm_ir import c_array, splat
 
 _FAST = {"reassoc", "contract", "arcp", "nsz"}
 BLOCK = 32

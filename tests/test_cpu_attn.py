@@ -6,7 +6,8 @@ import pytest
 import torch
 from numba import njit
 
-from cpu_attn.kernels import F16C, fast_exp, widen, widen_exact
+from cpu_attn.fp16 import F16C, widen, widen_exact
+from cpu_attn.softmax import fast_exp
 from cpu_attn.kv_store import PagedKVStore
 from cpu_attn.prefill import prefill_attention
 

@@ -762,7 +762,7 @@ def test_more_query_heads_than_the_int16_kernels_take():
 
 
 def test_int16_dots_when_a_later_block_outscores_the_first_by_far():
-    """A later block's scores far above the running max (by more than kernels._STALE_MAX): the int16
+    """A later block's scores far above the running max (by more than softmax._STALE_MAX): the int16
     path's softmax step (oaken.softmax_rows16) rescales the output and sum it has so far."""
     if not oaken.INT16:
         pytest.skip("no AVX2 here (or NUMBA_CPU_NAME set)")

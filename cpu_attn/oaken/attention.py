@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from numba import njit, prange
 
-from cpu_attn.kernels import (_FAST, attend_begin, attend_scores, block_scores, finish_unit, merge_parts, part_blocks,
-                              softmax_rows16)
+from cpu_attn.kernels import attend_scores, block_scores, finish_unit, merge_parts, part_blocks
+from cpu_attn.llvm_ir import _FAST
+from cpu_attn.softmax import attend_begin, softmax_rows16
 from cpu_attn.oaken.avx2 import avx2_add_weighted_rows, avx2_block_scores
 from cpu_attn.oaken.center import add_center_scores, center_codes, center_scales, vnni_center_scores
 from cpu_attn.oaken.codec import SEGMENT

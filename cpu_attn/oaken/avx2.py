@@ -6,7 +6,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import _F32, _I8, _I16, _I32, _I64, lane_sums, splat
+from cpu_attn.llvm_ir import _F32, _I16, _I32, _I64, _I8, lane_sums, splat
 from cpu_attn.oaken.codec import SEGMENT
 from cpu_attn.oaken.codes import (AVX2, ROWS, _pmaddwd, _RowCodes, _scores_args, _scores_setup, _trap, _weighted_args,
                                   _weighted_setup)

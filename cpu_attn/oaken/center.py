@@ -8,8 +8,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import (_F32, _I16, _I32, _I64, _llvm_fn, block_scores, c_array, f32_matrices, fmuladd8,
-                              matrix_args, splat)
+from cpu_attn.kernels import block_scores
+from cpu_attn.llvm_ir import _F32, _I16, _I32, _I64, _llvm_fn, c_array, f32_matrices, fmuladd8, matrix_args, splat
 from cpu_attn.oaken.codes import CODE_MAX, INT16, _dpwssd, _query_codes, _trap
 from cpu_attn.oaken.turn import _TURN_ROWS, turn_rows
 

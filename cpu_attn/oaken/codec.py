@@ -30,7 +30,7 @@ import numba
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from cpu_attn.kernels import _as_f32, _as_u32
+from cpu_attn.llvm_ir import _as_f32, _as_u32
 
 SEGMENT = 64
 MIDDLE, INNER, OUTER = 0, 1, 2

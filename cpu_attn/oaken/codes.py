@@ -7,7 +7,7 @@ from llvmlite import binding, ir
 from numba import njit, types
 from numba.core import cgutils
 
-from cpu_attn.kernels import _F32, _I1, _I8, _I16, _I32, _I64, _llvm_fn, c_array, host_has, splat
+from cpu_attn.llvm_ir import _F32, _I1, _I16, _I32, _I64, _I8, _llvm_fn, c_array, host_has, splat
 from cpu_attn.oaken.codec import MIDDLE_OFFSET, SEGMENT
 
 VNNI = host_has("avx512bw", "avx512vnni", "avx512vbmi2")

@@ -8,7 +8,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import _F32, _I1, _I8, _I32, _I64, c_array, fp16_to_f32, host_has, prefetch, splat
+from cpu_attn.fp16 import fp16_to_f32
+from cpu_attn.llvm_ir import _F32, _I1, _I32, _I64, _I8, c_array, host_has, prefetch, splat
 from cpu_attn.oaken.codec import MIDDLE_OFFSET, SEGMENT
 
 _LANES = 16  # sparse entries _scatter_entries decodes at once

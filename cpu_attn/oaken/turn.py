@@ -8,7 +8,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.kernels import _F32, _I64, c_array, splat
+from cpu_attn.llvm_ir import _F32, _I64, c_array, splat
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -1,0 +1,145 @@
+"""LLVM IR building blocks the kernels share: bit casts, loads and prefetches Numba does not
+emit, typing checks of array arguments, splats, fused multiply-adds, shuffle-tree sums, and what
+the host CPU has."""
+from __future__ import annotations
+
+import numba
+from llvmlite import binding, ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+# Reassociation lets LLVM vectorize the dot products; no 'nnan'/'ninf': the online softmax
+# starts from -inf. tests/test_cpu_attn.py bounds the error against a float64 reference.
+_FAST = {"reassoc", "contract", "arcp", "nsz"}
+
+
+@intrinsic
+def _as_f32(typingctx, x):
+    """Reinterpret uint32 bits as float32 (a register bitcast LLVM vectorizes)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _as_u32(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def load_u32(typingctx, ary, at):
+    """The 4 bytes ary[at : at + 4] of a C-contiguous uint8 array as one little-endian uint32: a
+    single unaligned load where four byte loads, shifts and ors are what Numba makes of it. The
+    caller keeps at + 4 within the array (no bounds check)."""
+    if not (isinstance(ary, types.Array) and ary.dtype == types.uint8 and ary.layout == "C"
+            and isinstance(at, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        pointer = builder.gep(builder.bitcast(data, i8.as_pointer()),
+                              [context.cast(builder, args[1], signature.args[1], types.intp)])
+        value = builder.load(builder.bitcast(pointer, i32.as_pointer()))
+        value.align = 1
+        return value
+    return types.uint32(ary, at), codegen
+
+
+@intrinsic
+def prefetch(typingctx, ary, index):
+    """prefetch(ary, (i, j, ...)): ask the CPU to start loading the cache line of ary[i, j, ...]
+    and go on (LLVM's prefetch hint: it never faults, and it returns nothing). For gathers whose
+    addresses are known ahead, so their misses overlap instead of coming one at a time."""
+    if not isinstance(ary, types.Array) or not isinstance(index, types.BaseTuple) or len(index) != ary.ndim:
+        return None
+
+    def codegen(context, builder, signature, args):
+        array_type, index_type = signature.args
+        array = context.make_array(array_type)(context, builder, args[0])
+        indices = [context.cast(builder, i, t, types.intp)
+                   for i, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_type)), index_type)]
+        pointer = cgutils.get_item_pointer(context, builder, array_type, array, indices, wraparound=False)
+        i32 = ir.IntType(32)
+        byte_pointer = ir.IntType(8).as_pointer()
+        hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer] + [i32] * 3),
+                                              "llvm.prefetch.p0")
+        builder.call(hint, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])  # read, keep in all levels, data cache
+        return context.get_dummy_value()
+    return types.none(ary, index), codegen
+
+
+def host_has(*features: str) -> bool:
+    """Whether Numba compiles for this CPU (NUMBA_CPU_NAME unset) and the CPU has `features`."""
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return False
+    host = binding.get_host_cpu_features()
+    return all(host.get(f, False) for f in features)
+
+
+_F32, _I1, _I8, _I16, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32),
+                                    ir.IntType(64))  # the IR kernels' types
+
+
+def splat(builder, x, lanes: int):
+    """LLVM IR: a vector of `lanes` copies of the scalar x."""
+    kind, zeros = ir.VectorType(x.type, lanes), ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    one = builder.insert_element(ir.Constant(kind, ir.Undefined), x, ir.IntType(32)(0))
+    return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined), zeros)
+
+
+def c_array(a, ndim: int, dtype) -> bool:
+    """Typing check of the IR helpers: `a` is a C-contiguous array of `ndim` dimensions and `dtype`."""
+    return isinstance(a, types.Array) and a.ndim == ndim and a.layout == "C" and a.dtype == dtype
+
+
+def f32_matrices(*arrays) -> bool:
+    return all(c_array(a, 2, types.float32) for a in arrays)
+
+
+def matrix_args(context, builder, signature, args, which):
+    """LLVM IR: the arguments at indices `which` (2-D C arrays) -> their data addresses (i64), row
+    strides in bytes and shapes, as three lists."""
+    arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in which]
+    return ([builder.ptrtoint(a.data, ir.IntType(64)) for a in arrays],
+            [cgutils.unpack_tuple(builder, a.strides, 2)[0] for a in arrays],
+            [cgutils.unpack_tuple(builder, a.shape, 2) for a in arrays])
+
+
+def row_kernel_args(context, builder, signature, args):
+    """LLVM IR of the row kernels, whose arguments are three float32 matrices and a row count: the
+    8-wide float vector type, llvm.fmuladd on it, matrix_args of the three, the row count (i64)."""
+    base, row_bytes, shapes = matrix_args(context, builder, signature, args, (0, 1, 2))
+    width = context.cast(builder, args[3], signature.args[3], types.intp)
+    return ir.VectorType(ir.FloatType(), 8), fmuladd8(builder), base, row_bytes, shapes, width
+
+
+def fmuladd8(builder):
+    """LLVM IR: llvm.fmuladd on <8 x float>, a * b + c, fused where the CPU has FMA."""
+    vec = ir.VectorType(ir.FloatType(), 8)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fmuladd.v8f32")
+
+
+def lane_sums(builder, vectors):
+    """LLVM IR: n vectors of n lanes (n a power of two) -> one whose lane r is the sum of vector r's
+    lanes: log2(n) rounds of pairwise shuffles and adds, spans of 1, 2, 4, ... lanes (for eight, 21
+    operations for the eight sums, where each sum alone takes ~6). With fewer vectors, m of n lanes,
+    each vector's n / m lane groups are summed apart: lane r + m g holds group g of vector r."""
+    n, span = vectors[0].type.count, 1
+    while len(vectors) > 1:
+        lo = [k - k % (2 * span) + (k % (2 * span) if k % (2 * span) < span else n + k % (2 * span) - span)
+              for k in range(n)]
+        masks = [ir.Constant(ir.VectorType(ir.IntType(32), n), [i + shift for i in lo]) for shift in (0, span)]
+        vectors = [builder.fadd(*(builder.shuffle_vector(a, b, mask) for mask in masks))
+                   for a, b in zip(vectors[::2], vectors[1::2])]
+        span *= 2
+    return vectors[0]
+
+
+def _llvm_fn(builder, name, ret, params):
+    """LLVM IR: the intrinsic `name` (declared in the module on first use)."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
