@@ -292,7 +292,7 @@ class MagicPig:
         return out, lse
 
     def _tables(self, layer: int, states: list[_Layer | None]) -> tuple[np.ndarray, np.ndarray, List, List, List]:
-        """The batch's table sets as lsh.sampled_decode_attention takes them: (set_of [B, Hkv, 2],
+        """The batch's table sets as sampled.sampled_decode_attention takes them: (set_of [B, Hkv, 2],
         indexed [S], offsets, ids, norms as typed Lists), reused while the batch and its tables stay the
         same (filling a List from Python costs ~5 us per item: 30 ms per step at 16 sequences)."""
         versions = [None if s is None else s.version for s in states]

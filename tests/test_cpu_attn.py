@@ -172,7 +172,7 @@ def test_kernel_cache_is_keyed_by_the_package_sources(tmp_path, monkeypatch):
     subpackages' included."""
     import numba
 
-    from cpu_attn import lsh, numba_cache_dir
+    from cpu_attn import numba_cache_dir, sampled
 
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "a.py").write_text("x = 1\n")
@@ -186,4 +186,4 @@ def test_kernel_cache_is_keyed_by_the_package_sources(tmp_path, monkeypatch):
     before = numba_cache_dir(tmp_path)
     (tmp_path / "sub" / "c.py").write_text("z = 2\n")
     assert numba_cache_dir(tmp_path) != before
-    assert lsh.sampled_decode_attention._cache._cache_path.startswith(numba.config.CACHE_DIR)
+    assert sampled.sampled_decode_attention._cache._cache_path.startswith(numba.config.CACHE_DIR)

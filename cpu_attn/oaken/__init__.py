@@ -8,10 +8,10 @@
     avx2.py       the same with AVX2
     center.py     the keys' centers, added back in the score domain
     attention.py  the exact decode kernel over the store
-    store.py      OakenKVStore, the paged store itself (imported by kv_store.py, not here: it uses lsh.py,
+    store.py      OakenKVStore, the paged store itself (imported by kv_store.py, not here: it uses sampled.py,
                   which uses this package)
 
-The names below are the package's surface (kv_store.py, lsh.py, the tests and benchmarks)."""
+The names below are the package's surface (kv_store.py, sampled.py, the tests and benchmarks)."""
 from cpu_attn.oaken.attention import int16_add_weighted_rows, int16_block_scores, oaken_decode_attention
 from cpu_attn.oaken.avx2 import avx2_add_weighted_rows, avx2_block_scores
 from cpu_attn.oaken.center import (add_center_scores, add_key_center, center_codes, center_terms, decode_outputs,

@@ -8,7 +8,7 @@ import threading
 import numba
 import numpy as np
 
-from cpu_attn import lsh, oaken
+from cpu_attn import oaken, sampled
 from cpu_attn.calibrate import SPARSE_FRACTION, rotate_half, turn
 from cpu_attn.kernels import attention_scratch, split_parts, zeros_aligned
 
@@ -330,7 +330,7 @@ class OakenKVStore:
                                  seq_lens: np.ndarray, scale: float, tables: tuple[np.ndarray, ...], mu: np.ndarray,
                                  log_u: np.ndarray, num_sinks: int, window: int, min_hits: int = 2
                                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """MagicPIG attention (cpu_attn/lsh.py): q [B, Hq, D], q_codes int32 [B, Hq, L] (each head
+        """MagicPIG attention (cpu_attn/lsh.py, cpu_attn/sampled.py): q [B, Hq, D], q_codes int32 [B, Hq, L] (each head
         hashed) or [B, Hkv, L] (each GQA group's mean query hashed, gpu_model.lsh); tables =
         (set_of [B, Hkv, 2] each item's range of sets, indexed [S], offsets [S, L, 2^K + 1],
         ids [S, L, cap], norms [S, cap] each key's |k - mu|, or typed Lists of the per-set arrays);
@@ -358,7 +358,7 @@ class OakenKVStore:
         out = np.empty(q.shape, np.float32)
         lse = np.empty((num_seqs, num_heads), np.float32)
         touched = np.empty((num_seqs, num_heads), np.int64)
-        lsh.sampled_decode_attention(
+        sampled.sampled_decode_attention(
             q_store, q_turned, r_store, r_turned,
             np.linalg.norm(r, axis=-1).astype(np.float32), r_mu, np.ascontiguousarray(q_codes, np.int32),
             self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
@@ -369,14 +369,14 @@ class OakenKVStore:
         return out, lse, touched
 
     def _sampled_scratch(self, work: int, group: int, capacity: int) -> tuple[np.ndarray, ...]:
-        """lsh.sampled_scratch for `work` items, kept between calls (the kernel leaves its count and marks
+        """sampled.sampled_scratch for `work` items, kept between calls (the kernel leaves its count and marks
         zeroed, as it needs them) and grown by a quarter past what a call needs. Fresh arrays on every
         call cost ~0.25 ms a sampled layer at 16 x 8k, and ~10 ms after the server's malloc_trim gave
         their pages back (one layer's captured arguments, replayed)."""
         have = self._sampled.get(threading.get_ident())
         items, cap = (0, 0) if have is None or have[0].shape[1] != group else (have[0].shape[0], have[7].shape[1])
         if items < work or cap < capacity:
-            have = lsh.sampled_scratch(max(items, work), group, self.block_size, self.head_dim,
+            have = sampled.sampled_scratch(max(items, work), group, self.block_size, self.head_dim,
                                        max(cap, capacity + capacity // 4))
             self._sampled[threading.get_ident()] = have
         return tuple(a[:work] for a in have)
