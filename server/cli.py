@@ -1,4 +1,5 @@
-"""`hetserve` command line: `hetserve serve` starts the daemon."""
+"""`hetserve` command line: `hetserve serve` starts the daemon; the other subcommands come from
+server/eval_cli.py (calibrate, eval), accel_sim/cli.py (sim) and loadgen/cli.py (loadgen)."""
 from __future__ import annotations
 
 import argparse
@@ -6,12 +7,10 @@ import logging
 import sys
 import threading
 from concurrent.futures import Future
-from functools import partial
 from pathlib import Path
 
 from server import logs
-from server.config import (CPU_LINEAR_DTYPES, KV_FORMATS, ServeConfig, add_arguments, flag_type, from_args, parse_layers,
-                           parse_switch)
+from server.config import ServeConfig, add_arguments, from_args
 
 log = logging.getLogger("hetserve")
 
@@ -120,219 +119,6 @@ def serve(cfg: ServeConfig) -> None:
     log.info("stopped")
 
 
-def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
-    from cpu_attn.calibrate import CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT, INNER_RATIO, OUTER_RATIO
-
-    p.add_argument("--text", default=str(DEFAULT_TEXT),
-                   help="text file to calibrate on (default: WikiText-2 valid; never the test split used for scoring)")
-    p.add_argument("--num-windows", type=int, default=CALIBRATION_WINDOWS,
-                   help=f"windows of text to run (default: {CALIBRATION_WINDOWS})")
-    p.add_argument("--window-tokens", type=int, default=CALIBRATION_WINDOW_TOKENS,
-                   help=f"tokens per window (default: {CALIBRATION_WINDOW_TOKENS})")
-    p.add_argument("--outer-ratio", type=float, default=OUTER_RATIO,
-                   help=f"share of values in the outer group (default: {OUTER_RATIO})")
-    p.add_argument("--inner-ratio", type=float, default=INNER_RATIO,
-                   help=f"share of values in the inner group (default: {INNER_RATIO})")
-    p.add_argument("--key-smoothing", type=float, default=0.0,
-                   help="alpha of the per-channel key smoothing, 0 (off) to 1 (default: 0; it hurts with the rotation)")
-    p.add_argument("--no-key-centering", dest="key_centering", action="store_false",
-                   help="do not subtract each key channel's mean before quantizing (default: subtract it)")
-    p.add_argument("--value-smoothing", type=float, default=0.0,
-                   help="alpha of the per-channel value smoothing, 0 (off) to 1 (default: 0)")
-    p.add_argument("--no-rotation", dest="rotate", action="store_false",
-                   help="do not turn each head's stored K and V by a Hadamard rotation (default: turn them)")
-    p.add_argument("--context-tokens", type=int,
-                   help="spread the windows over positions up to this context (default: the model's maximum)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the linear layers' dtype while profiling: the one the server will run (default: float32)")
-    add_cpu_linear_dtype(p)
-    p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory; "
-                                 "oaken_thresholds_bfloat16.json with --dtype bfloat16)")
-
-
-def add_cpu_linear_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cpu-linear-dtype", choices=CPU_LINEAR_DTYPES, default="auto",
-                   help="with --dtype float32, the linear layers' weights and matmuls, as `hetserve serve` runs them "
-                        "(default: auto, bfloat16 where the CPU has AVX512-BF16 or AMX)")
-
-
-def calibrate_command(args: argparse.Namespace) -> None:
-    import torch
-
-    from cpu_attn.calibrate import calibrate, text_windows, thresholds_file
-    from gpu_model.loader import load_model, resolve_model_dir
-    from gpu_model.tokenizer import Tokenizer
-
-    text = Path(args.text)
-    if not text.is_file():
-        raise SystemExit(f"hetserve calibrate: text file {text} not found; pass one with --text")
-    model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
-    model = load_model(model_dir, dtype=getattr(torch, args.dtype), cpu_linear_dtype=args.cpu_linear_dtype)
-    ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text())
-    windows = text_windows(ids, args.num_windows, args.window_tokens)
-    result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing, args.key_centering,
-                       args.value_smoothing, args.context_tokens, rotate=args.rotate)
-    out = Path(args.out) if args.out else model_dir / thresholds_file(model.linear_dtype)
-    result.save(out)
-    v = result.values
-    print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name} at positions up to "
-          f"{result.context_tokens}; thresholds written to {out}")
-    print("layer  K: outer_lo inner_lo inner_hi outer_hi   V: outer_lo inner_lo inner_hi outer_hi")
-    for layer in range(v.shape[0]):
-        print(f"{layer:5d}  " + "  ".join(" ".join(f"{t:8.3f}" for t in v[layer, kv]) for kv in (0, 1)))
-
-
-def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    from cpu_attn.calibrate import DEFAULT_TEXT, SPARSE_FRACTION
-
-    p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the linear layers' dtype, for every variant and the reference (default: float32)")
-    add_cpu_linear_dtype(p)
-    p.add_argument("--reference-linears", choices=CPU_LINEAR_DTYPES,
-                   help="the exact fp32-KV reference's --cpu-linear-dtype (default: the same as the variants'); "
-                        "`--kv-format fp32 --reference-linears float32` scores bf16 linears themselves")
-    p.add_argument("--kv-format", default="oaken",
-                   help=f"KV format(s) to score, comma-separated, from {', '.join(KV_FORMATS)} (default: oaken)")
-    p.add_argument("--text", default=str(DEFAULT_TEXT.with_name("test.txt")), help="text file (default: WikiText-2 test)")
-    p.add_argument("--num-windows", type=int, default=20, help="windows of text (default: 20)")
-    p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
-    p.add_argument("--prefill-tokens", type=int, default=128,
-                   help="tokens of each window run as the prompt; the rest are decoded one by one and scored (default: 128)")
-    p.add_argument("--cached-prefix-tokens", type=int, default=0,
-                   help="of the prompt, tokens an earlier sequence computes and the window's takes from it, as the "
-                        "prefix cache gives them (default: 0)")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=0,
-                   help="prefill each prompt this many tokens a step, as `serve` splits a prompt longer than its "
-                        "--max-num-batched-tokens (default: 0, the whole prompt in one step)")
-    p.add_argument("--batch-windows", type=int, default=16, help="windows decoded together (default: 16)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    p.add_argument("--oaken-thresholds", help="thresholds JSON (default: the model cache's, calibrated when missing)")
-    p.add_argument("--oaken-sparse-fraction", type=float, default=SPARSE_FRACTION,
-                   help=f"sparse budget per block (default: {SPARSE_FRACTION})")
-    p.add_argument("--oaken-recent", choices=["exact", "quantized"], default="exact",
-                   help="each window's filling KV block in full precision until it is full (default: exact)")
-    p.add_argument("--attention", choices=["exact", "magicpig", "topk"], default="exact",
-                   help="magicpig: also score each (oaken) format with LSH-sampled decode attention; topk: with "
-                        "MagicPIG and with TopK at --topk-frac (default: exact)")
-    p.add_argument("--topk-frac", type=float, default=0.03,
-                   help="TopK: share of the keys outside sinks and window kept (default: 0.03)")
-    p.add_argument("--lsh-k", type=int, default=10, help="MagicPIG bits per table (default: 10)")
-    p.add_argument("--lsh-l", type=int, default=300,
-                   help="MagicPIG tables (default: 300; the paper's 150, with --lsh-retrieval head --lsh-min-collisions 2)")
-    p.add_argument("--lsh-min-collisions", type=int, default=3,
-                   help="MagicPIG: tables a key must share with the query to be sampled (default: 3; the paper's 2)")
-    p.add_argument("--lsh-sinks", type=int, default=4, help="MagicPIG exact sink tokens (default: 4)")
-    p.add_argument("--lsh-window", type=int, default=128, help="MagicPIG exact local window (default: 128)")
-    p.add_argument("--lsh-min-context", type=int, default=1024, help="MagicPIG: shorter contexts stay exact (default: 1024)")
-    p.add_argument("--lsh-retrieval", choices=["head", "group"], default="group",
-                   help="MagicPIG: a GQA group shares its mean query's retrieval (group, default) or each query head "
-                        "retrieves its keys (head)")
-    p.add_argument("--lsh-dense-layers", help="MagicPIG: comma-separated layers kept exact (default: 0 and the middle one)")
-    p.add_argument("--lsh-recenter", type=flag_type(parse_switch), default=True,
-                   help="MagicPIG, on or off: a prompt prefilled in several chunks is centered on all its keys at a "
-                        "decode step, not on its first chunk (default: on)")
-    p.add_argument("--task", choices=["passkey", "niah", "cwe"],
-                   help="score a long-context task instead of perplexity: passkey retrieval, multi-key needle in a "
-                        "haystack, common-words extraction (server/tasks.py)")
-    p.add_argument("--context-tokens", default="2048,4096,8192", help="--task: prompt lengths, comma-separated; at most "
-                   "the model's context less 64 tokens for the answer (default: 2048,4096,8192)")
-    p.add_argument("--num-samples", type=int, default=10, help="--task: prompts per length (default: 10)")
-    p.add_argument("--batch-samples", type=int, default=4, help="--task: prompts run together (default: 4)")
-    p.add_argument("--json", help="write the results here as JSON")
-
-
-def _task_command(args, model, tok, formats, cal, lsh) -> list[dict]:
-    from server.tasks import evaluate_task, sentences
-
-    longest = model.cfg.max_position_embeddings
-    lengths = [int(n) for n in args.context_tokens.split(",") if n.strip()]
-    if not lengths or min(lengths) < 256 or max(lengths) > longest:
-        raise ValueError(f"--context-tokens must lie in [256, {longest}]")
-    lengths = [min(n, longest - 64) for n in lengths]  # room for the answer
-    rows = evaluate_task(model, tok, args.task, lengths, args.num_samples, formats, haystack=sentences(Path(args.text).read_text()),
-                         oaken_cal=cal, lsh=lsh, topk_frac=args.topk_frac if args.attention == "topk" else None,
-                         block_size=args.block_size, sparse_fraction=args.oaken_sparse_fraction,
-                         batch_samples=args.batch_samples)
-    print(f"{args.task}: {args.num_samples} prompts per length; accuracy with fp32 KV in 'ref'")
-    print(f"{'context':>7} {'kv_format':10} {'attention':9} {'accuracy':>8} {'ref':>6} {'keys':>6}")
-    for r in rows:
-        keys = f"{r['keys_touched_frac']:6.2%}" if "keys_touched_frac" in r else "     -"
-        print(f"{r['context_tokens']:7d} {r['kv_format']:10} {r['attention']:9} {r['task_accuracy']:8.1%} "
-              f"{r['task_accuracy_ref']:6.1%} {keys}")
-    return rows
-
-
-def eval_command(args: argparse.Namespace) -> None:
-    import json
-
-    import torch
-
-    from cpu_attn.calibrate import text_windows
-    from gpu_model.loader import load_model, resolve_model_dir
-    from gpu_model.tokenizer import Tokenizer
-    from cpu_attn.magicpig import LshConfig
-    from server.evaluate import evaluate
-    from server.hetero import oaken_thresholds
-
-    formats = [f.strip() for f in args.kv_format.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in KV_FORMATS]
-    if unknown or not formats:
-        raise SystemExit(f"hetserve eval: unknown --kv-format {','.join(unknown)}; choose from {', '.join(KV_FORMATS)}")
-    text = Path(args.text)
-    if not text.is_file():
-        raise SystemExit(f"hetserve eval: text file {text} not found; pass one with --text")
-    try:
-        dense = parse_layers(args.lsh_dense_layers, "--lsh-dense-layers")
-    except ValueError as exc:
-        raise SystemExit(f"hetserve eval: {exc}")
-    model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
-    model = load_model(model_dir, dtype=getattr(torch, args.dtype), cpu_linear_dtype=args.cpu_linear_dtype)
-    cal = oaken_thresholds(model, model_dir, args.oaken_thresholds) if "oaken" in formats else None
-    tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
-    try:
-        lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
-                                                               dense, args.lsh_min_context, retrieval=args.lsh_retrieval,
-                                                               min_collisions=args.lsh_min_collisions,
-                                                               recenter=args.lsh_recenter)
-        if args.task:
-            results = _task_command(args, model, tok, formats, cal, lsh)
-            if args.json:
-                Path(args.json).write_text(json.dumps({**results[0], "results": results}, indent=1))
-                print(f"wrote {args.json}")
-            return
-        windows = text_windows(tok.encode(text.read_text()), args.num_windows, args.window_tokens)
-        ref_model = None
-        if args.reference_linears not in (None, args.cpu_linear_dtype):
-            ref_model = load_model(model_dir, dtype=getattr(torch, args.dtype), cpu_linear_dtype=args.reference_linears)
-        results = evaluate(model, windows, formats, prefill_tokens=args.prefill_tokens, batch_windows=args.batch_windows,
-                           block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction,
-                           exact_recent=args.oaken_recent == "exact", lsh=lsh,
-                           topk_frac=args.topk_frac if args.attention == "topk" else None, ref_model=ref_model,
-                           cached_prefix_tokens=args.cached_prefix_tokens,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens)
-    except ValueError as exc:
-        raise SystemExit(f"hetserve eval: {exc}")
-    print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt"
-          f"{f' ({args.cached_prefix_tokens} from the cache)' if args.cached_prefix_tokens else ''}"
-          f"{f' in chunks of {args.prefill_chunk_tokens}' if args.prefill_chunk_tokens else ''}; "
-          f"fp32-KV perplexity {results[0]['ppl_ref']:.4f}")
-    print(f"{'kv_format':10} {'attention':9} {'bits':>6} {'ppl':>9} {'change':>8} {'KL mean':>9} {'top-1':>7} "
-          f"{'keys':>6}  groups outer/middle/inner")
-    for r in results:
-        g = r.get("group_fractions")
-        groups = f"{g['outer']:.2%} / {g['middle']:.2%} / {g['inner']:.2%}" if g else "-"
-        keys = f"{r['keys_touched_frac']:6.2%}" if "keys_touched_frac" in r else "     -"
-        print(f"{r['kv_format']:10} {r['attention']:9} {r['effective_bits']:6.2f} {r['ppl']:9.4f} "
-              f"{r['ppl_change_pct']:+7.2f}% {r['kl_mean']:9.5f} {r['top1_agreement']:7.2%} {keys}  {groups}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({**results[0], "results": results}, indent=1))
-        print(f"wrote {args.json}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetserve", description="Heterogeneous LLM serving daemon")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -340,15 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                              description="Start the OpenAI-compatible HTTP server. Options may also come from "
                                          "a YAML file (--config); flags override the file.")
     add_arguments(p_serve)
-    p_cal = sub.add_parser("calibrate", help="profile Oaken KV quantization thresholds for a model",
-                           description="Run windows of text through the model and save per-layer Oaken "
-                                       "thresholds for K and V next to the model cache.")
-    add_calibrate_arguments(p_cal)
-    p_eval = sub.add_parser("eval", help="perplexity and fidelity of KV formats through the serving path",
-                            description="Prefill and decode windows of text through the KV store in each format, "
-                                        "against exact fp32 KV in lockstep: perplexity, KL, top-1 agreement, bits.")
-    add_eval_arguments(p_eval)
-    # packages with their own subcommands: register(sub) adds parsers that set_defaults(func=handler)
+    # modules with their own subcommands: register(sub) adds parsers that set_defaults(func=handler)
+    from server.eval_cli import register as register_eval
+    register_eval(sub)
     from accel_sim.cli import register as register_sim
     register_sim(sub)
     from loadgen.cli import register as register_loadgen
@@ -359,19 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_model.loader import ModelLoadError
     from server.backend import KVCapacityError
 
-    if args.command in ("calibrate", "eval"):
-        logs.configure("info", "text")
-        command = partial(calibrate_command if args.command == "calibrate" else eval_command, args)
-    else:  # serve sets up its logs itself (level and format are its options)
-        try:
-            cfg = from_args(args)
-        except (ValueError, OSError) as exc:
-            parser.error(str(exc))
-        command = partial(serve, cfg)
+    try:  # serve sets up its logs itself (level and format are its options)
+        cfg = from_args(args)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     try:
-        command()
+        serve(cfg)
     except (ModelLoadError, KVCapacityError) as exc:  # a wrong --model path, too small a cache: no traceback
-        parser.exit(1, f"hetserve {args.command}: error: {exc}\n")
+        parser.exit(1, f"hetserve serve: error: {exc}\n")
     return 0
 
 

@@ -66,7 +66,7 @@ def test_every_option_is_documented_in_help(capsys):
 def test_magicpig_defaults_agree_with_lsh_config():
     """serve's options and eval's repeat LshConfig's defaults (parsing options does not import torch)."""
     from cpu_attn.magicpig import LshConfig
-    from server.cli import add_eval_arguments
+    from server.eval_cli import add_eval_arguments
 
     default = LshConfig()
     assert parse(["--kv-format", "oaken", "--attention", "magicpig"]).lsh_config() == default
