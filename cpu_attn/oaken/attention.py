@@ -19,7 +19,6 @@ int16_add_weighted_rows = vnni_add_weighted_rows if VNNI else avx2_add_weighted_
 """The int16 kernels this CPU runs (the exact kernel, bench_oaken_rows): resolved once, at import."""
 
 
-
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, q_codes, block_tables, seq_lens, scale,
                            out, lse, scores, kb, vb, m, l, parts, qcb, sc, kacc, centers):

@@ -15,8 +15,6 @@ VNNI = host_has("avx512bw", "avx512vnni", "avx512vbmi2")
 vnni_add_weighted_rows; VBMI2 for vpexpandw)."""
 AVX2 = host_has("avx2", "fma", "f16c")
 """Whether it can at least do so in AVX2 (avx2_block_scores, avx2_add_weighted_rows)."""
-
-
 INT16 = VNNI or AVX2
 """Whether full blocks go through int16 dot products at all; elsewhere they are decoded to floats."""
 CODE_MAX = 16383

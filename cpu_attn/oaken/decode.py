@@ -13,6 +13,9 @@ from cpu_attn.llvm_ir import _F32, _I1, _I32, _I64, _I8, c_array, host_has, pref
 from cpu_attn.oaken.codec import MIDDLE_OFFSET, SEGMENT
 
 _LANES = 16  # sparse entries _scatter_entries decodes at once
+_MASKED_ENTRIES = host_has("avx512f")
+"""Whether decode_token writes sparse entries by masked gathers and scatters (_scatter_entries), which are single
+instructions only with AVX-512; elsewhere by a scalar loop (_write_entries)."""
 
 
 def _entries_args(out, dense, sparse) -> bool:
@@ -258,12 +261,6 @@ def load_row(parts, block, thr, first_seg, offset, e, out):
     40 ns per sampled row."""
     dense, scales, counts, sparse = parts[0], parts[1], parts[2], parts[3]
     decode_token(dense[block, offset], scales[block, offset], counts[block, offset], sparse[block], e, thr, first_seg, out)
-
-
-
-_MASKED_ENTRIES = host_has("avx512f")
-"""Whether decode_token writes sparse entries by masked gathers and scatters (_scatter_entries), which are single
-instructions only with AVX-512; elsewhere by a scalar loop (_write_entries)."""
 
 
 @njit(cache=True, nogil=True, parallel=True)
