@@ -217,7 +217,7 @@ def prefetch_rows(k_cache, v_cache, block, kvh):
     """Start loading a block's K and V rows of kv-head kvh (block_size * D values each, contiguous,
     one prefetch a 64-byte line): a sequence's blocks lie anywhere in the pool, where the hardware
     prefetchers stop at every block (oaken.prefetch_block does the same for the Oaken store)."""
-    step = 64 // k_cache.itemsize
+    step = _LINE // k_cache.itemsize
     for t in range(k_cache.shape[2]):
         for x in range(0, k_cache.shape[3], step):
             prefetch(k_cache, (block, kvh, t, x))

@@ -24,9 +24,8 @@ from numba import get_num_threads, get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.llvm_ir import c_array, splat
+from cpu_attn.llvm_ir import _FAST, c_array, splat
 
-_FAST = {"reassoc", "contract", "arcp", "nsz"}
 BLOCK = 32
 GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",

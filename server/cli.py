@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 from server import logs
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                              description="Start the OpenAI-compatible HTTP server. Options may also come from "
                                          "a YAML file (--config); flags override the file.")
     add_arguments(p_serve)
-    # modules with their own subcommands: register(sub) adds parsers that set_defaults(func=handler)
+    # modules with their own subcommands: register(sub) adds parsers that set_defaults(func=handler), or
+    # run=handler for those that load a model (run below, under the model errors)
     from server.eval_cli import register as register_eval
     register_eval(sub)
     from accel_sim.cli import register as register_sim
@@ -134,19 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     from loadgen.cli import register as register_loadgen
     register_loadgen(sub)
     args = parser.parse_args(argv)
-    if hasattr(args, "func"):
+    if hasattr(args, "func"):  # commands without a model, their errors their own
         return args.func(args) or 0
     from gpu_model.loader import ModelLoadError
     from server.backend import KVCapacityError
 
-    try:  # serve sets up its logs itself (level and format are its options)
-        cfg = from_args(args)
-    except (ValueError, OSError) as exc:
-        parser.error(str(exc))
+    if hasattr(args, "run"):  # calibrate, eval
+        logs.configure("info", "text")
+        command = partial(args.run, args)
+    else:  # serve sets up its logs itself (level and format are its options)
+        try:
+            cfg = from_args(args)
+        except (ValueError, OSError) as exc:
+            parser.error(str(exc))
+        command = partial(serve, cfg)
     try:
-        serve(cfg)
+        command()
     except (ModelLoadError, KVCapacityError) as exc:  # a wrong --model path, too small a cache: no traceback
-        parser.exit(1, f"hetserve serve: error: {exc}\n")
+        parser.exit(1, f"hetserve {args.command}: error: {exc}\n")
     return 0
 
 

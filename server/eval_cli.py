@@ -3,42 +3,24 @@ and long-context tasks of KV formats through the serving path): the offline subc
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from server import logs
 from server.config import CPU_LINEAR_DTYPES, KV_FORMATS, flag_type, parse_layers, parse_switch
 
 
 def register(sub) -> None:
-    """Add `calibrate` and `eval` to the `hetserve` subparsers `sub`."""
+    """Add `calibrate` and `eval` to the `hetserve` subparsers `sub`. They load a model, so they set
+    `run`, not `func`: server.cli.main runs them under its one-line model errors, as it does serve."""
     p_cal = sub.add_parser("calibrate", help="profile Oaken KV quantization thresholds for a model",
                            description="Run windows of text through the model and save per-layer Oaken "
                                        "thresholds for K and V next to the model cache.")
     add_calibrate_arguments(p_cal)
-    p_cal.set_defaults(func=_command(calibrate_command))
+    p_cal.set_defaults(run=calibrate_command)
     p_eval = sub.add_parser("eval", help="perplexity and fidelity of KV formats through the serving path",
                             description="Prefill and decode windows of text through the KV store in each format, "
                                         "against exact fp32 KV in lockstep: perplexity, KL, top-1 agreement, bits.")
     add_eval_arguments(p_eval)
-    p_eval.set_defaults(func=_command(eval_command))
-
-
-def _command(run):
-    """run(args) with info logs as text, and a wrong --model path or too small a cache said in one line
-    (exit status 1, as argparse's errors), not a traceback."""
-    def command(args: argparse.Namespace) -> int:
-        from gpu_model.loader import ModelLoadError
-        from server.backend import KVCapacityError
-
-        logs.configure("info", "text")
-        try:
-            run(args)
-        except (ModelLoadError, KVCapacityError) as exc:
-            sys.stderr.write(f"hetserve {args.command}: error: {exc}\n")
-            raise SystemExit(1) from None
-        return 0
-    return command
+    p_eval.set_defaults(run=eval_command)
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
