@@ -7,10 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from accel_sim.sim import Request
+from hetcore import data as hetcore_data
 from loadgen import traces
 
-AZURE_CONV_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / \
-    "AzureLLMInferenceTrace_conv.csv"
+AZURE_CONV_TRACE = hetcore_data.AZURE_CONV_TRACE
+"""Default trace of `hetserve sim replay`: the Azure conversation trace, bundled with the package."""
 
 
 def fixed_batch(batch: int, prompt_tokens: int, output_tokens: int) -> list[Request]:

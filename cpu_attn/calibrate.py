@@ -26,9 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+from hetcore.data import WIKITEXT2_VALID
+
 THRESHOLDS_FILE = "oaken_thresholds.json"
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "valid.txt"
-"""Calibration text when none is given: WikiText-2 valid (the test split is kept for scoring)."""
+DEFAULT_TEXT = WIKITEXT2_VALID
+"""Calibration text when none is given: WikiText-2 valid, bundled with the package (the test split, test.txt
+beside it, is kept for scoring)."""
 
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "calibrations"

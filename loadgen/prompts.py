@@ -15,7 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
+from hetcore.data import WIKITEXT2_TEST
+
+DEFAULT_TEXT = WIKITEXT2_TEST
+"""Text the prompts are cut from when none is given: WikiText-2 test, bundled with the package."""
 _MAX_STARTS = 8  # windows tried per prompt before giving up
 _MAX_FIXES = 6  # length corrections per window (a decode/encode round trip can merge or split tokens)
 

@@ -1,0 +1,1 @@
+"""Contracts and bundled data shared by every layer of hetserve."""
