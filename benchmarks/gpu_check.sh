@@ -5,11 +5,11 @@
 #
 #     OUT=/tmp/gpu CTXS="65536 32768" BATCHES="4 8" bash benchmarks/gpu_check.sh
 #
-# Plan about 7 minutes for one 64k context (session 29, H100 + 16 vCPUs): Numba compiles, a 64k prompt
+# Plan about 7 minutes for one 64k context (an H100 or H200 with 16 vCPUs): Numba compiles, a 64k prompt
 # is prefilled and its K, V and tables written to the CPU store (158 s), each batch size copies them
 # per sequence (12 GB a sequence) and decodes STEPS + 2 steps, then GPU-only decodes. A machine
 # without this project's packages takes wheels from .whl/, or the same unpacked into .whl/site.tar.xz
-# when the wheels would not fit a size limit on the copy (README, GPU benchmark).
+# when the wheels would not fit a size limit on the copy (CONTRIBUTING.md, GPU checks).
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-benchmarks/results}
@@ -32,7 +32,7 @@ for ctx in ${CTXS:-65536}; do
   echo "== context $ctx, $left s left"
   timeout $left python3 -m benchmarks.bench_gpu_offload --context $ctx --batch ${BATCHES:-4 8} --steps ${STEPS:-8} \
     --out "$OUT/gpu_offload_$ctx.json" 2>&1 | grep -v '%|' | tee "$OUT/gpu_offload_$ctx.log"
-  rc=${PIPESTATUS[0]}  # 137: killed, most often for host memory (session 38: 64k at batch 8 on 125 GiB)
+  rc=${PIPESTATUS[0]}  # 137: killed, most often for host memory (64k at batch 8 needs more than 125 GiB)
   [ $rc -ne 0 ] && echo "context $ctx: the benchmark exited with status $rc" | tee -a "$OUT/gpu_offload_$ctx.log"
 done
 echo "done in $(( $(date +%s) - T0 )) s"
