@@ -42,16 +42,16 @@ def _values(calls, parts, thr, w, out):
 
 
 @njit(cache=True)
-def _sampled_rows(rounds, parts, thr, blocks, offsets, segs, entries, out):
+def _sampled_rows(rounds, parts, blocks, offsets, segs, entries, out):
     for _ in range(rounds):
         for i in range(blocks.shape[0]):
-            oaken.load_row(parts, blocks[i], thr, segs[i], offsets[i], entries[i], out[i & 15])
+            oaken.load_row(parts, blocks[i], segs[i], offsets[i], entries[i], out[i & 15])
 
 
 def _sampled_args(store, rng, kv_heads, head_dim, rows=4096):
     """Random (block, row, kv-head) rows of the store's K, as the sampled kernel decodes them (load_row: the
     float decoder, one kv-head's row; each row's entry start precomputed, as _prefetch_rows does)."""
-    parts = store._read_parts(0, 0)
+    parts = store._parts(0, 0)
     blocks = rng.integers(0, parts[0].shape[0], rows)
     offsets = rng.integers(0, BLOCK, rows)
     segs = rng.integers(0, kv_heads, rows) * (head_dim // oaken.SEGMENT)
@@ -73,7 +73,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     store = served_oaken(args.blocks, rng, kv_heads, head_dim)
     fill(store, rng, 1, args.blocks * BLOCK)
-    k_parts, v_parts = store._read_parts(0, 0)[:4], store._read_parts(0, 1)[:4]
+    k_parts, v_parts = store._parts(0, 0)[:4], store._parts(0, 1)[:4]
     thr_k, thr_v = store.thresholds[0]
     qi, qscale = oaken.query_codes(rng.standard_normal((heads, head_dim)).astype(np.float32))
     s, acc = np.zeros((heads, BLOCK), np.float32), np.zeros((heads, oaken.ROWS, 16), np.float32)
@@ -89,7 +89,7 @@ def main() -> None:
             store.counts[:] = 0
         key = best_of(lambda: _key_scores(calls, k_parts, thr_k, qi, qscale, s, acc)) / calls * 1e9
         value = best_of(lambda: _values(calls, v_parts, thr_v, w, out)) / calls * 1e9
-        row = best_of(lambda: _sampled_rows(rounds, row_parts, thr_k, *row_args)) / rounds / num_rows * 1e9
+        row = best_of(lambda: _sampled_rows(rounds, row_parts, *row_args)) / rounds / num_rows * 1e9
         rows.append({"sparse_entries": entries, "key_scores_ns_per_row": key / head_rows,
                      "values_ns_per_row": value / head_rows, "both_ns_per_row": (key + value) / head_rows,
                      "sampled_row_ns": row})

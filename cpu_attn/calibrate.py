@@ -1,4 +1,4 @@
-"""Offline Oaken threshold profiling (issue #3, first part).
+"""Offline Oaken threshold profiling: the thresholds the Oaken KV store quantizes by.
 
 Run windows of real text through the model, collect K (post-RoPE, as the store holds it) and V
 of every layer, and find per layer and per K/V four thresholds that split values into groups:
@@ -53,10 +53,9 @@ mean for every position; such files still load, as a center that does not turn);
 7: default ratios back to the paper's 0.04 / 0.06 (a cached file of 6 is redone on first use)."""
 
 OUTER_RATIO, INNER_RATIO = 0.04, 0.06
-"""Default shares of the outer and inner groups: the paper's. Before the rotation (version 6) they gave SmolLM2
-top-1 agreement 94.2-94.9 % and 0.06 / 0.08 was the default; with it, 0.04 / 0.06 holds every accuracy target of
-issue 3 at 5.17 realized bits (KL 0.0055, top-1 95.3 %; at 8k tokens KL 0.0061, top-1 95.4 %, 5.19 bits), where
-0.06 / 0.08 realizes 5.51 bits at 8k (README, KV formats)."""
+"""Default shares of the outer and inner groups: the paper's. With the Hadamard rotation they hold the KV accuracy
+targets on SmolLM2 at 5.17 realized bits (KL 0.0055, top-1 95.3 %; at 8k tokens KL 0.0061, top-1 95.4 %, 5.19
+bits), where 0.06 / 0.08 realizes 5.51 bits at 8k (README, KV formats)."""
 SPARSE_FRACTION = 0.125
 """Default sparse budget of a KV block, as a share of its values (the paper's): room for the ~10 % the default
 ratios put in the sparse groups, plus slack for blocks with more (a token past it has values demoted to middle:

@@ -2,6 +2,8 @@
 (paged_decode_attention) and the block steps every exact and sampled kernel shares."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -174,15 +176,24 @@ def attend_scores(s, vb, width, acc, m, l):
                     acc[g, d] += p * vb[t, d]
 
 
+class AttentionScratch(NamedTuple):
+    """The exact decode kernels' scratch, one slice per unit of work U (attention_scratch), float32."""
+    scores: np.ndarray  # [U, group, block_size]: a block's scores, then their softmax weights
+    kb: np.ndarray  # [U, block_size, D]: a block's K rows widened (or decoded)
+    vb: np.ndarray  # [U, block_size, D]: the same for V
+    m: np.ndarray  # [U, group]: running max of the online softmax
+    l: np.ndarray  # [U, group]: running sum
+    parts: np.ndarray  # [U, group, D]: unnormalized outputs, joined by merge_parts
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, scores, kb, vb, m, l, parts):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, scratch):
     """One query token per sequence against its whole paged context.
 
     q: [B, Hq, D] float32; k_cache, v_cache: [num_blocks, Hkv, block_size, D]
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (tokens incl. the current one)
     out: [B, Hq, D] float32 (written); lse: [B, Hq] float32 (written, natural log)
-    scratch (attention_scratch), one slice per unit: scores [U, group, block_size], kb, vb
-      [U, block_size, D], m, l [U, group], parts [U, group, D] (float32)
+    scratch: AttentionScratch (attention_scratch), one slice per unit
 
     A (sequence, kv-head) item widens a block's K/V rows once (widen_block: an fp16 cache's into kb,
     vb; a float32 cache's are read where they lie) and uses them for all `group` query heads that
@@ -190,6 +201,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     context is cut into U / (B * Hkv) parts of consecutive blocks, one unit of work each, whose
     states attend_merge joins (split_parts says how many).
     """
+    # one field a statement: a parallel kernel loses writes to arrays unpacked from a tuple (oaken/records.py)
+    scores = scratch.scores
+    kb = scratch.kb
+    vb = scratch.vb
+    m = scratch.m
+    l = scratch.l
+    parts = scratch.parts
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -276,11 +294,11 @@ def split_parts(work: int, seq_lens: np.ndarray, block_size: int) -> int:
     return max(1, min(want, -(-int(seq_lens.max()) // block_size) // _PART_BLOCKS))
 
 
-def attention_scratch(work: int, group: int, block_size: int, head_dim: int, splits: int = 1) -> tuple[np.ndarray, ...]:
-    """scores, kb, vb, m, l, parts for `work` (sequence, kv-head) items of the decode kernels, each
-    cut into `splits` units (split_parts)."""
+def attention_scratch(work: int, group: int, block_size: int, head_dim: int, splits: int = 1) -> AttentionScratch:
+    """The scratch for `work` (sequence, kv-head) items of the decode kernels, each cut into
+    `splits` units (split_parts)."""
     units = work * splits
     f32 = np.float32
-    return (np.empty((units, group, block_size), f32), np.empty((units, block_size, head_dim), f32),
-            np.empty((units, block_size, head_dim), f32), np.empty((units, group), f32), np.empty((units, group), f32),
-            np.empty((units, group, head_dim), f32))
+    return AttentionScratch(np.empty((units, group, block_size), f32), np.empty((units, block_size, head_dim), f32),
+                            np.empty((units, block_size, head_dim), f32), np.empty((units, group), f32),
+                            np.empty((units, group), f32), np.empty((units, group, head_dim), f32))

@@ -101,7 +101,7 @@ class PagedKVStore:
         paged_decode_attention(
             np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables, seq_lens,
             np.float32(scale), out, lse,
-            *attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size)))
+            attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size)))
         return out, lse
 
 

@@ -1,4 +1,4 @@
-"""MagicPIG sampled attention over the Oaken store (issue #4): LSH hash tables, retrieval of the
+"""MagicPIG sampled attention over the Oaken store: LSH hash tables, retrieval of the
 keys that collide with a query in at least m of L tables (served: 3 of 300; MagicPIG: 2 of 150),
 and the importance-sampled estimator merged with exact attention over the sinks and the local window.
 

@@ -1,7 +1,9 @@
-"""MagicPIG's sampled decode kernel over the Oaken store (issue #4): for each (sequence, kv-head),
+"""MagicPIG's sampled decode kernel over the Oaken store: for each (sequence, kv-head),
 the keys lsh.py's tables retrieve for a query, importance-weighted (logit s - ln u), merged in one
 online softmax with exact attention over the sinks and the local window (see lsh.py for u)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
@@ -21,20 +23,74 @@ def _center_rows(k_center, kvh, pos0, width, cb):
     add_key_center(cb, pos0, width, k_center, kvh)
 
 
+class SampledQueries(NamedTuple):
+    """A decode step's queries as sampled_decode_attention takes them, in the store's key space (times
+    key_scale). R per kv-head: R = group (each head retrieves its own keys; r is q) or R = 1 (the
+    group's heads share one retrieval by their mean query)."""
+    q: np.ndarray  # [B, Hq, D] float32
+    q_turned: np.ndarray  # [B, Hq, D]: q turned by the store's rotation, as its keys are (q where it does not rotate)
+    r: np.ndarray  # [B, Hkv * R, D] float32: the queries that were hashed
+    r_turned: np.ndarray  # [B, Hkv * R, D]: r turned the same way
+    r_norm: np.ndarray  # [B, Hkv * R] float32: norms of the true hashed queries
+    r_mu: np.ndarray  # [B, Hkv * R] float32: their dot products with the keys' center for LSH
+    r_codes: np.ndarray  # [B, Hkv * R, L] int32: their SimHash codes
+
+
+class LshTables(NamedTuple):
+    """The batch's hash table sets (cpu_attn/lsh.py); offsets, ids and norms may be typed Lists of per-set arrays."""
+    set_of: np.ndarray  # [B, Hkv, 2] int64: the range [first, end) of each item's table sets
+    indexed: np.ndarray  # [S] int64: keys in each set, the sets of an item in position order
+    offsets: np.ndarray  # [S, L, 2^K + 1]: where each bucket's ids start
+    ids: np.ndarray  # [S, L, >= bytes]: the buckets' key ids, packed for indexed[S] keys
+    norms: np.ndarray  # [S, >= indexed] float32: each key's |k - mu| as hashed (true keys)
+
+
+class Sampling(NamedTuple):
+    """Which keys are exact and which sampled, and how a sampled key is weighed."""
+    log_u: np.ndarray  # [LOG_U_POINTS] float32: lsh.log_u_table of the tables' K, L and min_hits
+    num_sinks: int  # the first positions, always exact
+    window: int  # the last positions, always exact (>= 1: the current token)
+    min_hits: int  # tables a key must share a bucket with the query in to be retrieved
+
+
+class SampledOutputs(NamedTuple):
+    """What sampled_decode_attention writes."""
+    out: np.ndarray  # [B, Hq, D] float32: over the store's values, turned
+    lse: np.ndarray  # [B, Hq] float32: natural log
+    touched: np.ndarray  # [B, Hq] int64: keys sampled per query head
+
+
+class SampledScratch(NamedTuple):
+    """sampled_decode_attention's scratch per (sequence, kv-head) item W (sampled_scratch)."""
+    s: np.ndarray  # [W, group, bs] float32: scores, then weights
+    sc: np.ndarray  # [W, group, bs] float32: the keys' centers' scores
+    kb: np.ndarray  # [W, bs, D] float32: K rows decoded
+    cb: np.ndarray  # [W, bs, D] float32: their centers
+    vb: np.ndarray  # [W, bs, D] float32: V rows decoded
+    m: np.ndarray  # [W, group] float32: running max
+    l: np.ndarray  # [W, group] float32: running sum
+    count: np.ndarray  # [W, cap] uint8, zeros: collisions of each indexed key (left zeroed)
+    marks: np.ndarray  # [W, cap] uint8, zeros: the heads that retrieved each key (left zeroed)
+    cand: np.ndarray  # [W, (group + 1) * cap] int64: each hashed query's keys, then their union
+    entries: np.ndarray  # [W, max(ROWS_AHEAD, bs), 2] int64: where sampled rows' K and V entries start
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _attend_range(q, q_turned, k_parts, v_parts, thr_k, thr_v, k_center, kvh, table, first_seg, lo, hi, scale, s, sc,
-                  kb, cb, vb, acc, m, l):
-    """Exact attention of the group's queries over positions [lo, hi) of one kv-head: the keys as
-    stored (q_turned) plus their centers (q), see sampled_decode_attention."""
-    bs = k_parts[0].shape[1]
+def _attend_range(q, q_turned, k_parts, v_parts, k_center, kvh, table, lo, hi, scale, s, sc, kb, cb, vb, acc, m, l):
+    """Exact attention of the group's queries (q, q_turned [group, D]) over positions [lo, hi) of one
+    kv-head: the keys as stored (q_turned) plus their centers (q), see sampled_decode_attention. The
+    item's scratch and states come as arrays, not a record: written through a record built in the
+    parallel loop, they would lose writes (oaken/records.py)."""
+    bs = k_parts.dense.shape[1]
+    first_seg = kvh * q.shape[1] // SEGMENT
     if hi <= lo:
         return
-    centered = k_center[1].shape[0] > 0
+    centered = k_center.block_cos.shape[0] > 0
     for j in range(lo // bs, (hi + bs - 1) // bs):
         block = table[j]
         start, end = max(lo - j * bs, 0), min(hi - j * bs, bs)
-        load_block(k_parts, block, thr_k, first_seg, end, kb)
-        load_block(v_parts, block, thr_v, first_seg, end, vb)
+        load_block(k_parts, block, first_seg, end, kb)
+        load_block(v_parts, block, first_seg, end, vb)
         block_scores(q_turned, kb[start:], end - start, scale, s)
         if centered:
             _center_rows(k_center, kvh, j * bs, end, cb)
@@ -55,8 +111,8 @@ def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg, entr
     one in turn): first each row's nibbles, scales and counts and its key's cos and sin rows, then,
     its block's counts having arrived meanwhile, where its sparse entries start (kept in
     entries [n, 2] for K and V) and their line."""
-    bs = k_parts[0].shape[1]
-    cos, sin = k_center[1], k_center[2]
+    bs = k_parts.dense.shape[1]
+    cos, sin = k_center.block_cos, k_center.block_sin
     for pos in positions:
         j, offset = pos // bs, pos % bs
         block = table[j]
@@ -65,42 +121,30 @@ def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg, entr
                 prefetch(cos, (j, d))
                 prefetch(sin, (j, d))
         for parts in (k_parts, v_parts):
-            prefetch(parts[0], (block, offset, first_seg * (SEGMENT // 2)))
-            prefetch(parts[1], (block, offset, 0))
-            prefetch(parts[2], (block, offset, 0))
+            prefetch(parts.dense, (block, offset, first_seg * (SEGMENT // 2)))
+            prefetch(parts.scales, (block, offset, 0))
+            prefetch(parts.counts, (block, offset, 0))
     for i in range(positions.shape[0]):
         block, offset = table[positions[i] // bs], positions[i] % bs
-        entries[i, 0] = row_entries(k_parts[2][block], offset)
-        entries[i, 1] = row_entries(v_parts[2][block], offset)
-        prefetch(k_parts[3], (block, entries[i, 0]))
-        prefetch(v_parts[3], (block, entries[i, 1]))
+        entries[i, 0] = row_entries(k_parts.counts[block], offset)
+        entries[i, 1] = row_entries(v_parts.counts[block], offset)
+        prefetch(k_parts.sparse, (block, entries[i, 0]))
+        prefetch(v_parts.sparse, (block, entries[i, 1]))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def sampled_decode_attention(q, q_turned, r, r_turned, r_norm, r_mu, r_codes, k_parts, v_parts, thr_k, thr_v, k_center,
-                             block_tables, seq_lens, set_of, indexed, offsets, ids, norms, log_u, num_sinks, window,
-                             min_hits, scale, out, lse, touched, s, sc, kb, cb, vb, m, l, count, marks, cand, entries):
+def sampled_decode_attention(queries, k_parts, v_parts, k_center, block_tables, seq_lens, scale, tables, sampling,
+                             outputs, scratch):
     """One query token per sequence: exact attention over the sinks [0, num_sinks) and the tail
     [max(indexed, n - window), n), importance-sampled attention over the rest. The tail also
     takes in the last block (with window < block_size): a block still filling lives in full
     precision, and sampled rows are read by load_row, which only decodes quantized blocks.
 
-    q [B, Hq, D] float32 in the store's key space (already times key_scale); r [B, Hkv * R, D] the
-    queries that were hashed, in the same space, R per kv-head: R = group (each head retrieves
-    its own keys; r is q) or R = 1 (the group's heads share one retrieval by their mean query);
-    q_turned, r_turned the same turned by the store's rotation (as its keys are; q and r where it
-    does not rotate); r_norm [B, Hkv * R] norms of the true hashed queries and r_mu their dot
-    products with the keys' center for LSH; r_codes [B, Hkv * R, L] int32; k_parts, v_parts,
-    thr_k, thr_v as in oaken_decode_attention (with tails, and the keys' centers k_center:
-    oaken.add_key_center); set_of [B, Hkv, 2] the range [first, end) of each item's table sets,
-    indexed [S] keys in each set, offsets [S, L, 2^K + 1], ids [S, L, >= bytes] (packed for
-    indexed[S] keys), norms [S, >= indexed] each key's |k - mu| as hashed (true keys); log_u
-    [LOG_U_POINTS] (log_u_table of the same K, L and min_hits, the collisions a key needs to be
-    retrieved). Writes out [B, Hq, D] (in the store's value space, turned), lse [B, Hq] and
-    touched [B, Hq] (keys sampled per query head).
-    Scratch per (sequence, kv-head) item W: s, sc [W, group, bs], kb, cb, vb [W, bs, D], m, l [W, group],
-    count, marks [W, cap] uint8 zeros, cand [W, (group + 1) * cap] int64, cap >= the keys an item indexes,
-    entries [W, max(ROWS_AHEAD, bs), 2] int64.
+    queries: SampledQueries; k_parts, v_parts: one layer's K and V (oaken.OakenParts); k_center:
+    oaken.KeyCenter (oaken.add_key_center); block_tables, seq_lens, scale as in
+    paged_decode_attention; tables: LshTables; sampling:
+    Sampling; outputs: SampledOutputs (written); scratch: SampledScratch, cap >= the keys an item
+    indexes, count and marks zeros (and left so).
 
     Each hashed query retrieves its keys; the union of the group's keys is walked in position
     order, block_size rows at a time: rows decoded into kb/vb (the lines of ROWS_AHEAD rows are
@@ -109,13 +153,30 @@ def sampled_decode_attention(q, q_turned, r, r_turned, r_norm, r_mu, r_codes, k_
     scores as stored, turned (q_turned . kb), plus its center (q . cb): no row is turned back.
     u comes from the angle between the key and the query that retrieved it (with R = 1 the
     group's mean query, for all its heads)."""
+    q, q_turned, r, r_turned, r_norm, r_mu, r_codes = queries  # read only: unpacked (oaken/records.py)
+    set_of, indexed, offsets, ids, norms = tables
+    log_u, num_sinks, window, min_hits = sampling
+    out = outputs.out  # written: one field a statement
+    lse = outputs.lse
+    touched = outputs.touched
+    s = scratch.s
+    sc = scratch.sc
+    kb = scratch.kb
+    cb = scratch.cb
+    vb = scratch.vb
+    m = scratch.m
+    l = scratch.l
+    count = scratch.count
+    marks = scratch.marks
+    cand = scratch.cand
+    entries = scratch.entries
     num_seqs, num_heads, head_dim = q.shape
-    bs = k_parts[0].shape[1]
+    bs = k_parts.dense.shape[1]
     num_kv_heads = set_of.shape[1]
     group = num_heads // num_kv_heads
     per_head = r.shape[1] == num_heads  # else one shared query per kv-head
     num_r = group if per_head else 1
-    centered = k_center[1].shape[0] > 0
+    centered = k_center.block_cos.shape[0] > 0
     cap = count.shape[1]
     for item in prange(num_seqs * num_kv_heads):
         b, kvh = item // num_kv_heads, item % num_kv_heads
@@ -133,9 +194,8 @@ def sampled_decode_attention(q, q_turned, r, r_turned, r_norm, r_mu, r_codes, k_
         tail = max(min(num_indexed, n - window, (n - 1) // bs * bs), sinks)  # the last block may still be filling
         for part in range(2):  # the sinks, then the tail
             lo, hi = (0, sinks) if part == 0 else (tail, n)
-            _attend_range(q[b, heads], q_turned[b, heads], k_parts, v_parts, thr_k, thr_v, k_center, kvh, table,
-                          first_seg, lo, hi, scale, s[item], sc[item], kb[item], cb[item], vb[item], acc, m[item],
-                          l[item])
+            _attend_range(q[b, heads], q_turned[b, heads], k_parts, v_parts, k_center, kvh, table, lo, hi, scale,
+                          s[item], sc[item], kb[item], cb[item], vb[item], acc, m[item], l[item])
         num, heads_of, union = 0, marks[item], cand[item, group * cap:]
         for g in range(num_r):
             h = kvh * num_r + g
@@ -159,11 +219,12 @@ def sampled_decode_attention(q, q_turned, r, r_turned, r_norm, r_mu, r_codes, k_
         for c0 in range(0, num, bs):
             width = min(bs, num - c0)
             if c0 % ahead == 0:
-                _prefetch_rows(k_parts, v_parts, k_center, table, union[c0:min(c0 + ahead, num)], first_seg, entries[item])
+                _prefetch_rows(k_parts, v_parts, k_center, table, union[c0:min(c0 + ahead, num)], first_seg,
+                               entries[item])
             for t in range(width):
                 pos, e = union[c0 + t], entries[item, (c0 + t) % ahead]
-                load_row(k_parts, table[pos // bs], thr_k, first_seg, pos % bs, e[0], kb[item, t])
-                load_row(v_parts, table[pos // bs], thr_v, first_seg, pos % bs, e[1], vb[item, t])
+                load_row(k_parts, table[pos // bs], first_seg, pos % bs, e[0], kb[item, t])
+                load_row(v_parts, table[pos // bs], first_seg, pos % bs, e[1], vb[item, t])
                 if centered:
                     _center_rows(k_center, kvh, pos, 1, cb[item, t:t + 1])
             block_scores(q_turned[b, heads], kb[item], width, 1.0, s[item])  # q . k, unscaled
@@ -200,11 +261,12 @@ def sampled_decode_attention(q, q_turned, r, r_turned, r_norm, r_mu, r_codes, k_
         attend_end(acc, m[item], l[item], lse[b, heads])
 
 
-def sampled_scratch(work: int, group: int, block_size: int, head_dim: int, capacity: int) -> tuple[np.ndarray, ...]:
-    """s, sc, kb, cb, vb, m, l, count, marks, cand, entries for `work` (sequence, kv-head) items."""
+def sampled_scratch(work: int, group: int, block_size: int, head_dim: int, capacity: int) -> SampledScratch:
+    """SampledScratch for `work` (sequence, kv-head) items that index up to `capacity` keys each."""
     f32 = np.float32
-    return (np.empty((work, group, block_size), f32), np.empty((work, group, block_size), f32),
-            *(np.empty((work, block_size, head_dim), f32) for _ in range(3)),
-            np.empty((work, group), f32), np.empty((work, group), f32),
-            np.zeros((work, capacity), np.uint8), np.zeros((work, capacity), np.uint8),
-            np.empty((work, (group + 1) * capacity), np.int64), np.empty((work, max(ROWS_AHEAD, block_size), 2), np.int64))
+    return SampledScratch(np.empty((work, group, block_size), f32), np.empty((work, group, block_size), f32),
+                          *(np.empty((work, block_size, head_dim), f32) for _ in range(3)),
+                          np.empty((work, group), f32), np.empty((work, group), f32),
+                          np.zeros((work, capacity), np.uint8), np.zeros((work, capacity), np.uint8),
+                          np.empty((work, (group + 1) * capacity), np.int64),
+                          np.empty((work, max(ROWS_AHEAD, block_size), 2), np.int64))

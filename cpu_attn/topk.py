@@ -1,4 +1,4 @@
-"""The TopK baselines of the accuracy harness (issue #4): each query head attends to the sinks,
+"""The TopK baselines of the accuracy harness: each query head attends to the sinks,
 the local window and `frac` of the other keys, those with the highest scores.
 
     TopK     the oracle: exact scores of every key (it saves no work); exact top-k by inner

@@ -2,9 +2,10 @@
 and small scratch, never a full-precision copy of the cache."""
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
-from cpu_attn.kernels import attend_scores, block_scores, finish_unit, merge_parts, part_blocks
+from cpu_attn.kernels import AttentionScratch, attend_scores, block_scores, finish_unit, merge_parts, part_blocks
 from cpu_attn.llvm_ir import _FAST
 from cpu_attn.softmax import attend_begin, softmax_rows16
 from cpu_attn.oaken.avx2 import avx2_add_weighted_rows, avx2_block_scores
@@ -12,6 +13,7 @@ from cpu_attn.oaken.center import add_center_scores, center_codes, center_scales
 from cpu_attn.oaken.codec import SEGMENT
 from cpu_attn.oaken.codes import ROWS, VNNI
 from cpu_attn.oaken.decode import load_block, prefetch_block
+from cpu_attn.oaken.records import OakenScratch
 from cpu_attn.oaken.vnni import vnni_add_weighted_rows, vnni_block_scores
 
 int16_block_scores = vnni_block_scores if VNNI else avx2_block_scores
@@ -20,31 +22,43 @@ int16_add_weighted_rows = vnni_add_weighted_rows if VNNI else avx2_add_weighted_
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, q_codes, block_tables, seq_lens, scale,
-                           out, lse, scores, kb, vb, m, l, parts, qcb, sc, kacc, centers):
+def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_lens, scale, out, lse, scratch):
     """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
     of one kv-head are decoded into small scratch (kb, vb: [U, block_size, D], L1-sized) and used
     at once; no full-precision copy of the cache is ever made. Scratch and states are per unit, a
     (sequence, kv-head, part) as in paged_decode_attention, but a parallel task is a (sequence,
     part) that takes every kv-head of each of its blocks: a row holds all kv-heads, so the block's
-    lines are fetched once (8k x 8: 4.97-5.05 -> 4.39-4.52 ms against a unit per task), and the int16
-    kernels take all kv-heads of a block in one call (a row's levels made once, not once a kv-head).
-    A task's units are consecutive (unit = (b * splits + part) * Hkv + kvh), so its scores, kacc
-    and outputs are [Hq, ...] arrays.
-    k_parts, v_parts: (dense, scales, counts, sparse, tail, tail_of) of one layer (see load_block);
-    thr_k, thr_v: [4]; q_center [B, Hq, D] and center: the keys' centers in the score domain (see
-    add_center_scores; q_center [0, 0, 0]: keys not centered); scratch qcb [U, group, D], sc
-    [U, group, bs]. q_codes = (codes [B, Hq, D] int16, scales [B, Hq]): the queries as
-    vnni_block_scores takes them; then every full quantized block is not decoded: its keys are
-    scored by vnni_block_scores (scratch kacc [U, group, 16, 16]), their centers by
-    vnni_center_scores (scratch centers = (codes [U, group, D] int16, factor, inv [U, group]); see
-    center_codes) and its values summed by vnni_add_weighted_rows. codes [0, 0, 0]: every block is decoded."""
+    lines are fetched once, and the int16 kernels take all kv-heads of a block in one call (a
+    row's levels made once, not once a kv-head). A task's units are consecutive (unit = (b *
+    splits + part) * Hkv + kvh), so its scores, kacc and outputs are [Hq, ...] arrays.
+
+    queries: DecodeQueries; k_parts, v_parts: one layer's K and V (OakenParts); center:
+    ScoreCenter (all records.py); block_tables, seq_lens, scale, out, lse as in
+    paged_decode_attention; scratch: OakenScratch. With query codes, every full quantized block
+    is not decoded: its keys are scored by vnni_block_scores (or avx2_block_scores), their
+    centers by vnni_center_scores (see center_codes) and its values summed by
+    vnni_add_weighted_rows; without (codes [0, 0, 0]) every block is decoded. Without center
+    terms (queries.center [0, 0, 0]) the keys are not centered; else their centers are added in
+    the score domain (add_center_scores)."""
+    q, q_center, qi, qscale = queries  # read only: unpacked (records.py)
+    thr_k, thr_v = k_parts.thr, v_parts.thr
+    scores = scratch.scores  # written: one field a statement
+    kb = scratch.kb
+    vb = scratch.vb
+    m = scratch.m
+    l = scratch.l
+    parts = scratch.parts
+    qcb = scratch.qcb
+    sc = scratch.sc
+    kacc = scratch.kacc
+    abq_all = scratch.abq
+    factor_all = scratch.factor
+    inv_all = scratch.inv
     num_seqs, num_heads, head_dim = q.shape
-    block_size = k_parts[0].shape[1]
-    num_kv_heads = k_parts[0].shape[2] * 2 // head_dim
+    block_size = k_parts.dense.shape[1]
+    num_kv_heads = k_parts.dense.shape[2] * 2 // head_dim
     group = num_heads // num_kv_heads
     splits = parts.shape[0] // (num_seqs * num_kv_heads)
-    qi, qscale = q_codes
     int_dots = qi.shape[0] > 0
     for task in prange(num_seqs * splits):  # a part of one sequence, every kv-head of each of its blocks in turn
         b, part = task // splits, task % splits
@@ -59,8 +73,8 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
             task_kacc = kacc[units].reshape((num_heads, ROWS, 16))
         centered = int_dots and q_center.shape[0] > 0
         if centered:
-            abq = centers[0][units].reshape((num_heads, head_dim))
-            factor, inv = centers[1][units].reshape(num_heads), centers[2][units].reshape(num_heads)
+            abq = abq_all[units].reshape((num_heads, head_dim))
+            factor, inv = factor_all[units].reshape(num_heads), inv_all[units].reshape(num_heads)
             center_scales(q_center[b], scale, inv, factor)
         for j in range(first, end):
             block = block_tables[b, j]
@@ -68,28 +82,38 @@ def oaken_decode_attention(q, k_parts, v_parts, thr_k, thr_v, q_center, center, 
             if j + 1 < end:
                 prefetch_block(k_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
                 prefetch_block(v_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
-            if int_dots and width == block_size and k_parts[5][block] < 0:  # full and quantized, K and V alike
+            if int_dots and width == block_size and k_parts.tail_of[block] < 0:  # full and quantized, K and V alike
                 # the block's lines, loaded once, serve every kv-head; each step one call for all query heads
-                int16_block_scores(task_scores, qi[b], qscale[b], k_parts[0][block], k_parts[1][block],
-                                   k_parts[2][block], k_parts[3][block], thr_k, scale, task_kacc)
+                int16_block_scores(task_scores, qi[b], qscale[b], k_parts.dense[block], k_parts.scales[block],
+                                   k_parts.counts[block], k_parts.sparse[block], thr_k, scale, task_kacc)
                 if centered:
                     center_codes(q_center[b], center, j, inv, abq)
-                    vnni_center_scores(task_scores, abq, factor, center[3])
+                    vnni_center_scores(task_scores, abq, factor, center.offset_pairs)
                 softmax_rows16(task_scores, task_acc, task_m, task_l)
-                int16_add_weighted_rows(task_acc, task_scores, v_parts[0][block], v_parts[1][block],
-                                        v_parts[2][block], v_parts[3][block], thr_v)
+                int16_add_weighted_rows(task_acc, task_scores, v_parts.dense[block], v_parts.scales[block],
+                                        v_parts.counts[block], v_parts.sparse[block], thr_v)
                 continue
             for kvh in range(num_kv_heads):
                 unit = task * num_kv_heads + kvh
                 heads = slice(kvh * group, (kvh + 1) * group)
                 first_seg = kvh * head_dim // SEGMENT
-                load_block(k_parts, block, thr_k, first_seg, width, kb[unit])
+                load_block(k_parts, block, first_seg, width, kb[unit])
                 block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
                 if q_center.shape[0]:
                     add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
-                load_block(v_parts, block, thr_v, first_seg, width, vb[unit])
+                load_block(v_parts, block, first_seg, width, vb[unit])
                 attend_scores(scores[unit], vb[unit], width, parts[unit], m[unit], l[unit])
         for kvh in range(num_kv_heads):
             heads = slice(kvh * group, (kvh + 1) * group)
             finish_unit(parts, m, l, out, lse, task * num_kv_heads + kvh, splits, b, heads)
     merge_parts(parts, m, l, out, lse, num_kv_heads, kv_inner=True)
+
+
+def oaken_scratch(base: AttentionScratch, int_dots: bool) -> OakenScratch:
+    """oaken_decode_attention's scratch: attention_scratch's arrays, the center's, and the int16
+    kernels' (none without int_dots, when every block is decoded)."""
+    units, group, block_size = base.scores.shape
+    head_dim, int_units, f32 = base.parts.shape[2], units if int_dots else 0, np.float32
+    return OakenScratch(*base, np.empty((units, group, head_dim), f32), np.empty((units, group, block_size), f32),
+                        np.empty((int_units, group, ROWS, 16), f32), np.empty((int_units, group, head_dim), np.int16),
+                        np.empty((int_units, group), f32), np.empty((int_units, group), f32))

@@ -103,13 +103,15 @@ def center_terms(q, center, out):
 
 
 @njit(cache=True, nogil=True)
-def decode_queries(q, key_scales, rotation, key_center, turned, center, codes, scales):
-    """One decode step's queries as oaken_decode_attention takes them, in one call (the same steps
-    as OakenKVStore's _store_queries and _rotate, center_terms and query_codes, which took ~30 us
-    as NumPy and Numba calls at 8 sequences): q [B, Hq, D] -> turned = q * key_scales (store space,
-    key_scales [Hkv, D]) times the rotation [D, D] (none when empty); center = the center terms of
-    the unturned store-space q (center_terms against key_center [Hkv, 2, D]; skipped when center is
-    empty, keys not centered); codes, scales = query_codes(turned) (skipped when codes is empty)."""
+def decode_queries(q, key_scales, rotation, key_center, queries):
+    """One decode step's queries as oaken_decode_attention takes them (records.DecodeQueries,
+    written), in one call (the same steps as OakenKVStore's _store_queries and _rotate,
+    center_terms and query_codes, which cost more as separate NumPy and Numba calls): q [B, Hq,
+    D] -> turned = q * key_scales (store space, key_scales [Hkv, D]) times the rotation [D, D]
+    (none when empty); center = the center terms of the unturned store-space q (center_terms
+    against key_center [Hkv, 2, D]; skipped when center is empty, keys not centered); codes,
+    code_scales = query_codes(turned) (skipped when codes is empty)."""
+    turned, center, codes, scales = queries
     num_seqs, num_heads, dim = q.shape
     group = num_heads // key_scales.shape[0]
     for b in range(num_seqs):

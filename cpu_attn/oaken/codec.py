@@ -226,11 +226,21 @@ def _fp16_bits(x):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def write_tokens(x, thr, slot_mapping, runs, dense, scales, counts, sparse, shifted, group, peak, scale32):
-    """Quantize rows x [T, C] into their slots; `runs` [R + 1] splits the rows into runs that share
-    a block (rows of a run are in position order), runs go in parallel. Returns the number of
-    non-finite rows (nothing of those rows is written).
-    Per-thread scratch: shifted [threads, C], group [threads, C] int8, peak [threads, 3], scale32 [threads, 3]."""
+def write_tokens(x, slot_mapping, runs, parts, scratch):
+    """Quantize rows x [T, C] by parts.thr into their slots of one layer's K or V (parts:
+    records.OakenParts, its dense, scales, counts and sparse written); `runs` [R + 1] splits the
+    rows into runs that share a block (rows of a run are in position order), runs go in parallel.
+    Returns the number of non-finite rows (nothing of those rows is written). scratch:
+    records.TokenScratch."""
+    dense = parts.dense  # one field a statement: a parallel kernel loses writes to unpacked arrays (records.py)
+    scales = parts.scales
+    counts = parts.counts
+    sparse = parts.sparse
+    shifted = scratch.shifted
+    group = scratch.group
+    peak = scratch.peak
+    scale32 = scratch.scale32
+    thr = parts.thr
     block_size, budget = dense.shape[1], sparse.shape[1]
     bad = 0
     for r in prange(runs.shape[0] - 1):

@@ -46,8 +46,8 @@ def _scatter_entries(typingctx, out, out_at, dense, dense_at, sparse, k, n, s_lo
     instruction each with AVX-512; LLVM expands them lane by lane on CPUs without, where decode_token
     uses _write_entries instead).
     Sixteen lanes: a segment has ~9 entries at the default ratios (with eight, two passes: 5 %
-    slower). Exact attention at 16 x 8k (one layer) went from 25.6 to 21 ms with it on an AVX-512
-    Xeon, and from 27.1 to 22.6 ms compiled for plain x86-64."""
+    slower). Exact attention at 16 x 8k (one layer) takes 21 ms with it against 25.6 without on an
+    AVX-512 Xeon, and 22.6 against 27.1 ms compiled for plain x86-64."""
     if not _entries_args(out, dense, sparse):
         return None
 
@@ -220,18 +220,18 @@ def row_entries(counts, offset):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def load_block(parts, block, thr, first_seg, width, out):
-    """Rows 0..width-1 of `block` for one kv-head -> out [bs, D] float32. parts = (dense, scales,
-    counts, sparse, tail, tail_of): a block still filling lives in full precision in
-    tail[tail_of[block]] ([bs, C] float32); any other block is decoded (dequantize_block)."""
-    dense, scales, counts, sparse, tail, tail_of = parts
-    slot = tail_of[block]
+def load_block(parts, block, first_seg, width, out):
+    """Rows 0..width-1 of `block` for one kv-head -> out [bs, D] float32. parts: records.OakenParts;
+    a block still filling lives in full precision in tail[tail_of[block]] ([bs, C] float32); any
+    other block is decoded (dequantize_block)."""
+    slot = parts.tail_of[block]
     if slot >= 0:
         first = first_seg * SEGMENT
         for t in range(width):
-            out[t, :] = tail[slot, t, first:first + out.shape[1]]
+            out[t, :] = parts.tail[slot, t, first:first + out.shape[1]]
     else:
-        dequantize_block(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, width, out)
+        dequantize_block(parts.dense[block], parts.scales[block], parts.counts[block], parts.sparse[block], parts.thr,
+                         first_seg, width, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -240,7 +240,7 @@ def prefetch_block(parts, block, first_seg, head_dim):
     scales and counts, and the block's sparse entries (the store's arrays start on a line, so a
     head's run of nibbles, head_dim / 2 bytes at a multiple of that, lies in one line per 64
     bytes). A sequence's blocks lie anywhere in the pool, so the hardware prefetchers stop at every
-    block; asked for the next block ahead, the exact kernel at 8 x 32k went ~52 -> ~36 ms."""
+    block; asked for the next block ahead, the exact kernel at 8 x 32k takes ~36 ms against ~52."""
     dense, scales, counts, sparse = parts[0], parts[1], parts[2], parts[3]
     at = first_seg * (SEGMENT // 2)
     for t in range(dense.shape[1]):
@@ -254,22 +254,22 @@ def prefetch_block(parts, block, first_seg, head_dim):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def load_row(parts, block, thr, first_seg, offset, e, out):
+def load_row(parts, block, first_seg, offset, e, out):
     """Row `offset` of `block` for one kv-head -> out [D] float32, for a block that is not still
     filling (its rows are quantized; see load_block); e = row_entries(counts[block], offset). No tail
     check here: with it (a branch around the decoder) LLVM compiles the decoder ~2.5x slower, 100 vs
     40 ns per sampled row."""
-    dense, scales, counts, sparse = parts[0], parts[1], parts[2], parts[3]
-    decode_token(dense[block, offset], scales[block, offset], counts[block, offset], sparse[block], e, thr, first_seg, out)
+    decode_token(parts.dense[block, offset], parts.scales[block, offset], parts.counts[block, offset],
+                 parts.sparse[block], e, parts.thr, first_seg, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def dequantize_blocks(parts, thr, blocks, num_tokens, out):
+def dequantize_blocks(parts, blocks, num_tokens, out):
     """First num_tokens positions of a sequence's blocks -> out [len(blocks), Hkv, block_size, D]
     float32 (the context of a later prefill chunk); rows past num_tokens are left unset.
     parts as in load_block."""
-    num_kv_heads, head_dim, block_size = out.shape[1], out.shape[3], parts[0].shape[1]
+    num_kv_heads, head_dim, block_size = out.shape[1], out.shape[3], parts.dense.shape[1]
     for item in prange(blocks.shape[0] * num_kv_heads):
         j, kvh = item // num_kv_heads, item % num_kv_heads
-        load_block(parts, blocks[j], thr, kvh * head_dim // SEGMENT, min(block_size, num_tokens - j * block_size),
+        load_block(parts, blocks[j], kvh * head_dim // SEGMENT, min(block_size, num_tokens - j * block_size),
                    out[j, kvh])

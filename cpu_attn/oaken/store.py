@@ -106,9 +106,9 @@ class OakenKVStore:
         # get_thread_id() in a kernel is below the pool's size, whatever thread count the calling thread
         # set (Numba's count is per calling thread: the store may be built in one thread, used in another)
         threads = numba.config.NUMBA_NUM_THREADS
-        self._scratch = (np.empty((threads, c), np.float32), np.empty((threads, c), np.int8),
-                         np.empty((threads, 3), np.float32), np.empty((threads, 3), np.float32))
-        self._sampled: dict[int, tuple[np.ndarray, ...]] = {}  # sampled attention's scratch per calling thread
+        self._scratch = oaken.TokenScratch(np.empty((threads, c), np.float32), np.empty((threads, c), np.int8),
+                                           np.empty((threads, 3), np.float32), np.empty((threads, 3), np.float32))
+        self._sampled: dict[int, sampled.SampledScratch] = {}  # sampled attention's scratch per calling thread
 
     @staticmethod
     def sparse_budget(num_kv_heads: int, head_dim: int, block_size: int, sparse_fraction: float) -> int:
@@ -143,11 +143,11 @@ class OakenKVStore:
         """[T] written positions -> the key centers at them in store space, R(p) key_bias / key_scales: [T, Hkv, D]."""
         return turn(self.key_bias[layer][None], self._cos[positions], self._sin[positions]) / self.key_scales[layer]
 
-    def _center_args(self, layer: int) -> tuple[np.ndarray, ...]:
+    def _key_center(self, layer: int) -> oaken.KeyCenter:
         """The kernels' key centers (oaken.add_key_center): cos and sin at the block starts and at the
         offsets in a block (the full tables' first block_size rows)."""
         bs = self.block_size
-        return self.key_center[layer], self._block_cos, self._block_sin, self._cos[:bs], self._sin[:bs]
+        return oaken.KeyCenter(self.key_center[layer], self._block_cos, self._block_sin, self._cos[:bs], self._sin[:bs])
 
     def _rotate(self, x: np.ndarray, matrix: np.ndarray | None = None) -> np.ndarray:
         """[..., Hkv * D] or [..., D] rows -> each head's D values times the rotation, or `matrix`
@@ -164,19 +164,18 @@ class OakenKVStore:
     def _unrotate(self, x: np.ndarray) -> np.ndarray:
         return self._rotate(x, self._unrotation)
 
-    def _parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
-        return self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv], self.sparse[layer, kv]
-
-    def _read_parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
-        return self._parts(layer, kv) + (self.tail[layer, kv], self.tail_of[layer])
+    def _parts(self, layer: int, kv: int) -> oaken.OakenParts:
+        """One layer's K (kv 0) or V (kv 1) as the kernels take it."""
+        return oaken.OakenParts(self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv],
+                                self.sparse[layer, kv], self.tail[layer, kv], self.tail_of[layer],
+                                self.thresholds[layer, kv])
 
     def _quantize(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray]) -> None:
         if len(slot_mapping) == 0:
             return
         runs = _block_runs(slot_mapping, self.block_size)
         for kv, x in enumerate(rows):
-            bad = oaken.write_tokens(x, self.thresholds[layer, kv], slot_mapping, runs, *self._parts(layer, kv),
-                                     *self._scratch)
+            bad = oaken.write_tokens(x, slot_mapping, runs, self._parts(layer, kv), self._scratch)
             if bad:
                 raise _not_finite('KV'[kv], layer, bad)
 
@@ -214,13 +213,14 @@ class OakenKVStore:
         rotation). False, with nothing written, when a row does not."""
         c = self.num_kv_heads * self.head_dim
         centered = self.key_bias is not None
-        result = oaken.write_tail_rows(
-            *rows, self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
+        transform = oaken.RowTransform(
+            self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
             self.key_bias[layer].reshape(1, c) if centered else np.zeros((0, c), np.float32), self.rotation,
-            self._cos, self._sin,
-            positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
-            self.block_size, self.tail[layer], self.tail_of[layer], self.tail_len[layer], self.tail_stamp[layer],
-            self._writes)
+            self._cos, self._sin)
+        tails = oaken.TailSlots(self.tail[layer], self.tail_of[layer], self.tail_len[layer], self.tail_stamp[layer])
+        result = oaken.write_tail_rows(
+            *rows, positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
+            self.block_size, transform, tails, self._writes)
         if result > 0:
             raise _not_finite("K or V", layer, result)
         if result < 0:
@@ -283,7 +283,7 @@ class OakenKVStore:
         out = []
         for kv in (0, 1):
             x = np.empty(shape, np.float32)
-            oaken.dequantize_blocks(self._read_parts(layer, kv), self.thresholds[layer, kv], blocks, seq_len, x)
+            oaken.dequantize_blocks(self._parts(layer, kv), blocks, seq_len, x)
             x = self._unrotate(x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len])
             if kv == 0 and self.key_bias is not None:
                 x = x + self._centers(layer, np.arange(seq_len))
@@ -299,24 +299,18 @@ class OakenKVStore:
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
         # the kernel's tasks are parts of sequences (all kv-heads of a block in turn): split as many
         scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(num_seqs, seq_lens, self.block_size))
-        units = len(scratch[0])
-        int_dots = self.int_dots and num_heads <= oaken.MAX_HEADS
-        int_units = units if int_dots else 0  # no int16 scratch (and empty query codes) when decoding every block
+        int_dots = self.int_dots and num_heads <= oaken.MAX_HEADS  # else no int16 scratch, empty query codes
         # the queries in store space, turned, their center terms and int16 codes, in one call
         centered = self.key_bias is not None
-        turned, q_center = np.empty(q.shape, np.float32), np.empty(q.shape if centered else (0, 0, 0), np.float32)
-        q_codes = (np.empty(q.shape if int_dots else (0, 0, 0), np.int16),
-                   np.empty(q.shape[:2] if int_dots else (0, 0), np.float32))
+        queries = oaken.DecodeQueries(np.empty(q.shape, np.float32),
+                                      np.empty(q.shape if centered else (0, 0, 0), np.float32),
+                                      np.empty(q.shape if int_dots else (0, 0, 0), np.int16),
+                                      np.empty(q.shape[:2] if int_dots else (0, 0), np.float32))
         oaken.decode_queries(np.ascontiguousarray(q, np.float32), self.key_scales[layer], self.rotation,
-                             self.key_center[layer], turned, q_center, *q_codes)
-        oaken.oaken_decode_attention(
-            turned, self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
-            self.thresholds[layer, 1], q_center,
-            (self._block_cos, self._block_sin, self._offset_table, self._offset_pairs), q_codes, block_tables, seq_lens,
-            np.float32(scale), out, lse, *scratch, np.empty((units, group, head_dim), np.float32),
-            np.empty((units, group, self.block_size), np.float32), np.empty((int_units, group, oaken.ROWS, 16), np.float32),
-            (np.empty((int_units, group, head_dim), np.int16), np.empty((int_units, group), np.float32),
-             np.empty((int_units, group), np.float32)))
+                             self.key_center[layer], queries)
+        center = oaken.ScoreCenter(self._block_cos, self._block_sin, self._offset_table, self._offset_pairs)
+        oaken.oaken_decode_attention(queries, self._parts(layer, 0), self._parts(layer, 1), center, block_tables,
+                                     seq_lens, np.float32(scale), out, lse, oaken.oaken_scratch(scratch, int_dots))
         oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
         return out, lse
 
@@ -355,31 +349,30 @@ class OakenKVStore:
         r_mu = np.einsum("bhrd,bhd->bhr", per_kv_head, mu / key_scale).reshape(num_seqs, -1).astype(np.float32)
         q_turned = self._rotate(q_store)
         r_turned = q_turned if r_store is q_store else self._rotate(r_store)
-        out = np.empty(q.shape, np.float32)
-        lse = np.empty((num_seqs, num_heads), np.float32)
-        touched = np.empty((num_seqs, num_heads), np.int64)
+        queries = sampled.SampledQueries(q_store, q_turned, r_store, r_turned,
+                                         np.linalg.norm(r, axis=-1).astype(np.float32), r_mu,
+                                         np.ascontiguousarray(q_codes, np.int32))
+        outputs = sampled.SampledOutputs(np.empty(q.shape, np.float32), np.empty((num_seqs, num_heads), np.float32),
+                                         np.empty((num_seqs, num_heads), np.int64))
         sampled.sampled_decode_attention(
-            q_store, q_turned, r_store, r_turned,
-            np.linalg.norm(r, axis=-1).astype(np.float32), r_mu, np.ascontiguousarray(q_codes, np.int32),
-            self._read_parts(layer, 0), self._read_parts(layer, 1), self.thresholds[layer, 0],
-            self.thresholds[layer, 1], self._center_args(layer), block_tables, seq_lens, set_of, indexed, offsets,
-            ids, norms, log_u, num_sinks, window, min_hits, np.float32(scale), out, lse, touched,
-            *self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
-        oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
-        return out, lse, touched
+            queries, self._parts(layer, 0), self._parts(layer, 1), self._key_center(layer), block_tables, seq_lens,
+            np.float32(scale), sampled.LshTables(*tables), sampled.Sampling(log_u, num_sinks, window, min_hits),
+            outputs, self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
+        oaken.decode_outputs(outputs.out, self._unrotation, self.value_scales[layer])
+        return outputs
 
-    def _sampled_scratch(self, work: int, group: int, capacity: int) -> tuple[np.ndarray, ...]:
+    def _sampled_scratch(self, work: int, group: int, capacity: int) -> sampled.SampledScratch:
         """sampled.sampled_scratch for `work` items, kept between calls (the kernel leaves its count and marks
         zeroed, as it needs them) and grown by a quarter past what a call needs. Fresh arrays on every
         call cost ~0.25 ms a sampled layer at 16 x 8k, and ~10 ms after the server's malloc_trim gave
         their pages back (one layer's captured arguments, replayed)."""
         have = self._sampled.get(threading.get_ident())
-        items, cap = (0, 0) if have is None or have[0].shape[1] != group else (have[0].shape[0], have[7].shape[1])
+        items, cap = (0, 0) if have is None or have.s.shape[1] != group else (have.s.shape[0], have.count.shape[1])
         if items < work or cap < capacity:
             have = sampled.sampled_scratch(max(items, work), group, self.block_size, self.head_dim,
                                        max(cap, capacity + capacity // 4))
             self._sampled[threading.get_ident()] = have
-        return tuple(a[:work] for a in have)
+        return sampled.SampledScratch(*(a[:work] for a in have))
 
     def group_counts(self, block_table, seq_len: int) -> dict[str, int]:
         """What one sequence's stored values are, over every layer, K and V: counts of values,

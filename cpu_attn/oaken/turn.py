@@ -134,17 +134,17 @@ def _turn_few(x, matrix):  # _turn_all's loop on one thread (a parallel njit's p
 
 
 @njit(cache=True, nogil=True)
-def write_tail_rows(k, v, key_scales, value_scales, key_bias, rotation, cos, sin, positions, slot_mapping, block_size,
-                    tail, tail_of, tail_len, tail_stamp, stamp):
+def write_tail_rows(k, v, positions, slot_mapping, block_size, transform, tails, stamp):
     """A decode step's rows, one per sequence, each going on filling its block's tail slot without
     filling it up, written into one layer's tails in store space: (k - R(p) key_bias) / key_scales
-    (key_bias [0]: no centering) and v / value_scales, with the same float32 operations, in the
-    same order, as OakenKVStore.write's NumPy path, then each head times `rotation` ([D, D]; [0, 0]:
-    none). k, v, key_scales, value_scales, key_bias [T or 1, Hkv * D]; cos, sin [>= max position +
-    1, D / 2]; tail [2, slots, bs, Hkv * D];
-    tail_of [blocks]; tail_len, tail_stamp [slots] (stamps stamp + 1 ..).
+    (key_bias [0, C]: no centering) and v / value_scales, with the same float32 operations, in the
+    same order, as OakenKVStore.write's NumPy path, then each head times `rotation` ([0, 0]:
+    none). k, v [T, Hkv * D]; positions, slot_mapping [T] int64; transform: records.RowTransform;
+    tails: records.TailSlots (stamps stamp + 1 ..).
     Returns 0 when written; -1 when a row is not such a row, or the number of rows with NaN or
     inf; then nothing is written."""
+    key_scales, value_scales, key_bias, rotation, cos, sin = transform
+    tail, tail_of, tail_len, tail_stamp = tails
     n, c = k.shape
     half = cos.shape[1]
     for i in range(n):
