@@ -14,7 +14,7 @@ from dataclasses import replace
 from accel_sim.cost import StepWork, step_cost
 from accel_sim.hardware import SYSTEMS, System, make_system
 from accel_sim.models import get_model
-from server.backend import StepInput, StepOutput
+from hetcore.backend import StepInput, StepOutput
 
 # simulated KV format -> the CPU store format computing the same numerics
 NUMERICS_KV_FORMAT = {"oaken": "oaken", "fp16": "fp16", "kivi4": "kivi", "qserve_kv4": "int4"}

@@ -30,7 +30,7 @@ from benchmarks.common import machine, print_table, write_json
 
 
 def engine_for(executor: str, microbatches: int = 1, cpu_actors: int = 2):
-    from server.cli import start_engine, warm_up
+    from server.launch import start_engine, warm_up
     from server.config import ServeConfig
 
     cfg = ServeConfig(executor=executor, ray_cpu_actors=cpu_actors, ray_microbatches=microbatches, kv_format="fp32",
@@ -42,7 +42,7 @@ def engine_for(executor: str, microbatches: int = 1, cpu_actors: int = 2):
 
 def decode_steps(engine, concurrency: int, prompt_tokens: int, output_tokens: int) -> list[dict]:
     """Timings of the decode-only steps while `concurrency` requests run to the end."""
-    from server.backend import SamplingParams
+    from hetcore.backend import SamplingParams
     from server.engine import EngineRequest
 
     steps, step = [], engine.backend.step

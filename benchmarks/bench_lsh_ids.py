@@ -20,7 +20,7 @@ from benchmarks.bench_decode_attn import best_of
 from benchmarks.common import machine, print_table, write_json
 from cpu_attn import lsh
 from cpu_attn.llvm_ir import prefetch
-from gpu_model.lsh import simhash, simhash_matrix
+from cpu_attn.simhash import simhash, simhash_matrix
 
 HEAD_DIM, GROUP = 64, 3
 

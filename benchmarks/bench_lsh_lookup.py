@@ -4,7 +4,7 @@ side by side in one run, on the same codes.
     python -m benchmarks.bench_lsh_lookup [--keys 4096 8192 16384 32768] [--lsh-k 10] [--lsh-l 150]
 
 Keys of one (sequence, layer, kv-head): Gaussian with a heavy channel, centered, hashed with
-gpu_model.lsh (K bits per table, L tables); queries near stored keys. Both indexes hold the same
+cpu_attn.simhash (K bits per table, L tables); queries near stored keys. Both indexes hold the same
 codes: ours as L CSR tables of bit-packed ids (cpu_attn.lsh.table_set); faiss's
 IndexBinaryMultiHash(d = K·L bits, nhash = L, b = K) as L hash maps over the same K-bit pieces.
 Per query, ours returns the keys colliding in >= 2 tables (what MagicPIG samples); faiss
@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.common import machine, print_table, write_json
 from cpu_attn import lsh
-from gpu_model.lsh import simhash, simhash_matrix
+from cpu_attn.simhash import simhash, simhash_matrix
 
 HEAD_DIM = 64
 

@@ -5,7 +5,7 @@ and torch SDPA on fp32 KV, side by side in one run.
 
 One layer of SmolLM2-135M (9/3 heads, head_dim 64; `--shape llama-3.1-8b`: 32/8 of 128), keys with a
 heavy channel and values from a Gaussian, written through the store; SimHash codes (K bits, L tables)
-of the centered keys and the queries from gpu_model.lsh; 4 sink tokens and a 64-token exact window.
+of the centered keys and the queries from cpu_attn.simhash; 4 sink tokens and a 64-token exact window.
 Queries are drawn near a few stored keys (as real attention is peaked), so retrieval finds what it should.
 Reports ms, the share of keys sampled beyond the exact part, and sampled / exact-Oaken time, for
 each query head retrieving its keys (MagicPIG's "head" retrieval as the paper: L = --lsh-l 150, >= 2
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from benchmarks.bench_decode_attn import BLOCK, SHAPES, best_of, fill, served_oaken
 from benchmarks.common import machine, print_table, write_json
 from cpu_attn import lsh
-from gpu_model.lsh import simhash, simhash_matrix
+from cpu_attn.simhash import simhash, simhash_matrix
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import torch
 from numba.typed import List
 
 from cpu_attn import lsh
-from gpu_model.lsh import LshCoder, simhash, simhash_matrix
+from cpu_attn.simhash import LshCoder, simhash, simhash_matrix
 
 
 RETRIEVALS = ("head", "group")

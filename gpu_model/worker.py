@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from gpu_model.lsh import LshCoder
+from cpu_attn.simhash import LshCoder
 from gpu_model.model import LlamaModel
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], codes) -> [T, Hq * D], all CPU float32;

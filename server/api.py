@@ -20,7 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.backend import SamplingParams
+from hetcore.backend import SamplingParams
 from server.config import ServeConfig
 from server.engine import Engine, EngineRequest, RequestEvent
 from server.guard import Guard, GuardConfig

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict, deque
 
-from server.backend import KVSpec
+from hetcore.backend import KVSpec
 
 
 class BlockManager:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable
 
-from server.backend import Backend, SamplingParams, StepInput, TokenLogprobs, WorkerLost
+from hetcore.backend import Backend, SamplingParams, StepInput, TokenLogprobs, WorkerLost
 from server.block_manager import BlockManager
 from server.detokenizer import IncrementalDetokenizer
 from server.memory import Trimmer
@@ -103,7 +103,7 @@ class Engine:
     # ---- called from any thread
     def run(self, on_started: Callable[[], None] = lambda: None) -> None:
         """Run the loop on the calling thread until stop(): the thread that built the backend
-        (server.cli.start_engine). on_started() is called once this thread is the engine's."""
+        (server.launch.start_engine). on_started() is called once this thread is the engine's."""
         self._thread = threading.current_thread()
         on_started()
         self._loop()
@@ -121,7 +121,7 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Start /metrics (and a simulated backend's clock) from zero at the next step boundary, after
-        requests submitted before it (server.cli.warm_up: its requests are not traffic)."""
+        requests submitted before it (server.launch.warm_up: its requests are not traffic)."""
         self._inbox.put(("reset_stats", None))
 
     def abort_all(self, error: str) -> None:

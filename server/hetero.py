@@ -18,7 +18,7 @@ from gpu_model.loader import load_model
 from gpu_model.model import LlamaModel
 from gpu_model.sampler import logprobs, sample
 from gpu_model.worker import ModelWorker
-from server.backend import KVCapacityError, KVSpec, StepInput, StepOutput
+from hetcore.backend import KVCapacityError, KVSpec, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,10 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
                            "run `hetserve calibrate --text FILE` first, or pass --oaken-thresholds")
     from gpu_model.tokenizer import Tokenizer
 
-    log.warning("%s: calibrating Oaken thresholds on %d windows of %s (once: minutes on a CPU)",
+    log.warning("%s: calibrating Oaken thresholds now, before serving, on %d windows of %s. This runs once per "
+                "model and dtype and takes minutes on a CPU (about 1-3 for SmolLM2-135M, more for bigger models). "
+                "To avoid it at start-up, run `hetserve calibrate` (same --model and --dtype) beforehand, or pass "
+                "--oaken-thresholds FILE",
                 "no Oaken thresholds for this model yet" if found is None
                 else f"older calibration (version {found.version})", CALIBRATION_WINDOWS, DEFAULT_TEXT)
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(DEFAULT_TEXT.read_text())

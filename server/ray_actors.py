@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from server import channel
-from server.backend import StepInput, StepOutput, WorkerLost
+from hetcore.backend import StepInput, StepOutput, WorkerLost
 from server.memory import Trimmer
 
 log = logging.getLogger(__name__)

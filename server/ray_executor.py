@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cpu_attn.calibrate import SPARSE_FRACTION
-from server.backend import StepInput, StepOutput, WorkerLost
+from hetcore.backend import StepInput, StepOutput, WorkerLost
 from server.ray_actors import STEP_TIMEOUT_S, AttentionActor, ModelActor
 
 log = logging.getLogger(__name__)

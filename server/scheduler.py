@@ -18,7 +18,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.backend import SamplingParams, SeqChunk, StepInput, StepOutput
+from hetcore.backend import SamplingParams, SeqChunk, StepInput, StepOutput
 from server.block_manager import BlockManager
 
 

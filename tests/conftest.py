@@ -26,7 +26,7 @@ class RunningServer:
         import uvicorn
 
         from server.api import ServerState, create_app
-        from server.cli import start_engine, warm_up
+        from server.launch import start_engine, warm_up
 
         self.engine, self.model_name, max_model_len = start_engine(cfg)
         warm_up(self.engine, cfg.lsh_config())

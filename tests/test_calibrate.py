@@ -92,7 +92,7 @@ def test_windows_are_spread_over_the_context_and_only_rotate_keys(tmp_path):
 
 def test_calibrate_cli_on_wikitext(tmp_path, capsys):
     from cpu_attn.calibrate import DEFAULT_TEXT
-    from server.cli import main
+    from hetserve.cli import main
 
     if not DEFAULT_TEXT.exists():
         pytest.skip("../shared/data is not beside the project")
@@ -176,7 +176,7 @@ def test_bundled_calibration_is_what_calibrate_writes(tmp_path):
     """`hetserve calibrate` with its defaults reproduces the shipped file (~5 minutes on 2 cores)."""
     from cpu_attn.calibrate import DEFAULT_TEXT, bundled_thresholds
     from gpu_model.loader import default_model_path
-    from server.cli import main
+    from hetserve.cli import main
 
     if not DEFAULT_TEXT.exists():
         pytest.skip("../shared/data is not beside the project")

@@ -52,7 +52,7 @@ def test_bad_values_are_refused_with_a_message(tmp_path):
 
 
 def test_every_option_is_documented_in_help(capsys):
-    from server.cli import main
+    from hetserve.cli import main
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
@@ -66,7 +66,7 @@ def test_every_option_is_documented_in_help(capsys):
 def test_magicpig_defaults_agree_with_lsh_config():
     """serve's options and eval's repeat LshConfig's defaults (parsing options does not import torch)."""
     from cpu_attn.magicpig import LshConfig
-    from server.eval_cli import add_eval_arguments
+    from evaluation.cli import add_eval_arguments
 
     default = LshConfig()
     assert parse(["--kv-format", "oaken", "--attention", "magicpig"]).lsh_config() == default
@@ -83,7 +83,7 @@ def test_magicpig_defaults_agree_with_lsh_config():
 
 @pytest.mark.parametrize("command", ["serve", "eval", "calibrate"])
 def test_a_missing_model_is_an_error_message_not_a_traceback(command, tmp_path, capsys):
-    from server.cli import main
+    from hetserve.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main([command, "--model", str(tmp_path / "none.gguf")])
@@ -94,7 +94,7 @@ def test_a_missing_model_is_an_error_message_not_a_traceback(command, tmp_path, 
 def test_too_small_a_cache_for_magicpig_is_an_error_message_not_a_traceback(capsys):
     """MagicPIG's tables count in the KV capacity: a block of 16 tokens takes ~0.9 MiB with them at
     SmolLM2's shape, and `hetserve serve` says what to change."""
-    from server.cli import main
+    from hetserve.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--kv-format", "oaken", "--attention", "magicpig", "--kv-cache-bytes", "1MiB"])

@@ -663,7 +663,7 @@ def test_server_config_repeats_the_stores_constants():
 def test_eval_exact_format_agrees_and_oaken_is_close(tmp_path):
     from cpu_attn.calibrate import calibrate, text_windows
     from gpu_model.loader import load_model
-    from server.evaluate import evaluate
+    from evaluation.evaluate import evaluate
     from tests.test_model import tiny_model_dir
 
     model_dir, _ = tiny_model_dir(tmp_path, head_dim=64, hidden_size=128)
@@ -715,7 +715,7 @@ def test_eval_cli_writes_json(tmp_path, capsys):
     import json
 
     from cpu_attn.calibrate import DEFAULT_TEXT
-    from server.cli import main
+    from hetserve.cli import main
 
     if not DEFAULT_TEXT.exists():
         pytest.skip("../shared/data is not beside the project")
@@ -736,7 +736,7 @@ def test_eval_cli_writes_json(tmp_path, capsys):
 def test_eval_scores_top1_at_clear_and_near_tie_positions():
     import torch
 
-    from server.evaluate import CLEAR_GAP, _Score
+    from evaluation.evaluate import CLEAR_GAP, _Score
 
     # exact top-2 gaps: 1.0 (clear), 0.05 (a near-tie), 0.5 (clear); the format flips the near-tie and the last
     ref = torch.log_softmax(torch.tensor([[2.0, 1.0, -3.0], [1.0, 0.95, -3.0], [0.0, -3.0, -0.5]]), -1)

@@ -30,7 +30,7 @@ from loadgen.traces import (
     read_burstgpt,
     read_trace,
 )
-from server.cli import main as hetserve_main
+from hetserve.cli import main as hetserve_main
 from tests.conftest import SHARED, free_port
 
 AZURE = SHARED / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cpu_attn import lsh
-from gpu_model.lsh import pack_signs_torch, simhash, simhash_matrix
+from cpu_attn.simhash import pack_signs_torch, simhash, simhash_matrix
 from tests.test_cpu_attn import naive_attention
 from tests.test_kv_formats import channel_transforms, oaken_store, write_sequences
 
@@ -229,7 +229,7 @@ def test_coder_centers_keys_on_their_first_chunk():
     """LshCoder (the model worker's half): query codes are plain SimHash, of the decode rows
     (one-token chunks) only; key codes are those of k - mean(first prefill chunk's keys), per
     sequence and layer, kept for later chunks; a new prefill recenters; free() drops the centers."""
-    from gpu_model.lsh import LshCoder
+    from cpu_attn.simhash import LshCoder
 
     coder = LshCoder(64, 8, 20, seed=3)
     w = coder.w.numpy()
@@ -268,7 +268,7 @@ def test_coder_centers_keys_on_their_first_chunk():
 
 
 def test_shared_coder_hashes_each_groups_mean_query():
-    from gpu_model.lsh import LshCoder
+    from cpu_attn.simhash import LshCoder
 
     coder = LshCoder(64, 8, 20, seed=3, shared=True)
     q, k = torch.randn(5, 9, 64), torch.randn(5, 3, 64)
@@ -487,7 +487,7 @@ def test_kv_cache_capacity_counts_magicpig_state():
     from cpu_attn.calibrate import SPARSE_FRACTION
     from cpu_attn.kv_store import OakenKVStore
     from cpu_attn.magicpig import LshConfig, host_bytes
-    from server.backend import KVCapacityError
+    from hetcore.backend import KVCapacityError
     from server.hetero import kv_capacity_for, kv_spec
 
     shape, lsh = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64), LshConfig()  # SmolLM2's

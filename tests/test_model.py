@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from server.backend import SamplingParams, SeqChunk, StepInput
+from hetcore.backend import SamplingParams, SeqChunk, StepInput
 from server.block_manager import BlockManager
 
 GREEDY = SamplingParams(temperature=0.0)

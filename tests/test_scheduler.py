@@ -1,7 +1,7 @@
 """Scheduler and block accounting, without a model."""
 import pytest
 
-from server.backend import KVSpec, SamplingParams, StepOutput
+from hetcore.backend import KVSpec, SamplingParams, StepOutput
 from server.block_manager import BlockManager
 from server.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
 
@@ -126,7 +126,7 @@ def test_max_num_seqs_limits_admission():
 
 
 def test_sharded_blocks_spread_sequences_and_skip_dead_shards():
-    from server.backend import KVSpec
+    from hetcore.backend import KVSpec
     from server.block_manager import BlockManager
 
     blocks = BlockManager(KVSpec(block_size=4, num_blocks=10, bytes_per_block=1, shards=(5, 5)))

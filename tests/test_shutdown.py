@@ -35,7 +35,7 @@ def test_sigterm_drains_then_cancels_and_exits_zero(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--kv-format", "fp32",
+    cmd = [sys.executable, "-m", "hetserve", "serve", "--port", str(port), "--kv-format", "fp32",
            "--kv-cache-bytes", "64MiB", "--max-num-seqs", "8", "--shutdown-grace-s", str(GRACE_S),
            "--log-format", "json"]
     with open(log_path, "w") as log:

@@ -24,7 +24,7 @@ def smollm2():
 
 
 def haystack() -> list[str]:
-    from server.tasks import sentences
+    from evaluation.tasks import sentences
 
     text = WIKITEXT.read_text()[:200_000] if WIKITEXT.exists() else "A plain sentence of five words here.\n" * 2000
     return sentences(text)
@@ -33,7 +33,7 @@ def haystack() -> list[str]:
 @pytest.mark.parametrize("task", ["passkey", "niah", "cwe"])
 @pytest.mark.parametrize("context", [512, 2048])
 def test_prompts_fit_the_context_and_hold_the_answer(smollm2, task, context):
-    from server.tasks import make_samples
+    from evaluation.tasks import make_samples
 
     _, tok = smollm2
     samples = make_samples(task, tok, context, 3, haystack(), seed=1)
@@ -52,7 +52,7 @@ def test_prompts_fit_the_context_and_hold_the_answer(smollm2, task, context):
 
 
 def test_answers_are_scored_by_whole_words():
-    from server.tasks import Sample
+    from evaluation.tasks import Sample
 
     key = Sample([1], ("71432",), 8)
     assert key.score(" 71432. It") == 1 and key.score(" 714321") == 0 and key.score("") == 0
@@ -68,7 +68,7 @@ def test_generate_equals_plain_greedy_decoding(smollm2):
     from cpu_attn.kv_store import make_store
     from cpu_attn.worker import AttentionWorker, ChunkLayout
     from gpu_model.worker import ModelWorker
-    from server.tasks import generate, make_samples
+    from evaluation.tasks import generate, make_samples
 
     model, tok = smollm2
     cfg = model.cfg
@@ -94,7 +94,7 @@ def test_generate_equals_plain_greedy_decoding(smollm2):
 def test_task_harness_scores_oaken_magicpig_and_topk(smollm2):
     from cpu_attn.calibrate import calibrate, text_windows
     from cpu_attn.magicpig import LshConfig
-    from server.tasks import evaluate_task
+    from evaluation.tasks import evaluate_task
 
     model, tok = smollm2
     cal = calibrate(model, text_windows(tok.encode(" ".join(haystack()[:400])), 4, 128), progress=False)
@@ -110,7 +110,7 @@ def test_task_harness_scores_oaken_magicpig_and_topk(smollm2):
 
 def test_eval_cli_task_writes_json(tmp_path, capsys):
     """fp32 KV scored against itself: the variant's accuracy is the reference's."""
-    from server.cli import main
+    from hetserve.cli import main
 
     out = tmp_path / "passkey.json"
     main(["eval", "--task", "passkey", "--kv-format", "fp32", "--context-tokens", "400", "--num-samples", "2",

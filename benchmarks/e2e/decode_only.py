@@ -4,7 +4,7 @@
     python -m benchmarks.e2e.decode_only --context-tokens 7936 --concurrency 1 4 16 --steps 48 \
         -- --kv-format oaken --attention magicpig
 
-The server's own backend (built by `server.cli.build_engine` from the `hetserve serve` options after
+The server's own backend (built by `server.launch.build_engine` from the `hetserve serve` options after
 `--`) prefills one prompt once (one chunk, exact SDPA), then every decoding sequence gets that prompt's
 KV blocks in its block table (shared read-only, as a prefix cache would) plus blocks of its own for the
 tokens it decodes, and copies of the per-sequence MagicPIG state (LSH key centers and hash tables). Each
@@ -57,7 +57,7 @@ def _copy_blocks(store, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
 
 def prefill_one(backend, prompt: list[int], blocks: tuple[int, ...]) -> int:
     """The backend's own prefill of `prompt` as sequence 0 -> the first token it samples."""
-    from server.backend import SamplingParams, SeqChunk, StepInput
+    from hetcore.backend import SamplingParams, SeqChunk, StepInput
 
     return backend.step(StepInput((SeqChunk(0, tuple(prompt), 0, blocks, SamplingParams(temperature=0.0)),))).sampled[0]
 
@@ -66,7 +66,7 @@ def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, wa
         is_distinct: bool = False, prefill=prefill_one) -> list[dict]:
     """`prefill(backend, prompt, blocks)` fills sequence 0's KV (and MagicPIG state) and returns its
     first token (default: prefill_one)."""
-    from server.backend import SamplingParams, SeqChunk, StepInput
+    from hetcore.backend import SamplingParams, SeqChunk, StepInput
 
     bs = backend.kv_spec.block_size
     greedy = SamplingParams(temperature=0.0)
@@ -133,7 +133,7 @@ def main() -> None:
 
     from benchmarks.e2e.servers import SMOLLM2
     from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, TargetTokenizer
-    from server.cli import build_engine
+    from server.launch import build_engine
     from server.config import add_arguments, from_args
     from server.hetero import kv_capacity_for
 

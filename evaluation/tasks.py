@@ -185,7 +185,7 @@ def evaluate_task(model, tok, task: str, context_tokens: list[int], num_samples:
     `evaluate` (formats, +magicpig, +topk), on the same samples."""
     from tqdm import tqdm
 
-    from server.evaluate import sparse_part, variant_names
+    from evaluation.evaluate import sparse_part, variant_names
 
     cfg = model.cfg
     names = ["fp32-exact"] + variant_names(kv_formats, lsh, topk_frac)

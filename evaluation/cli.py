@@ -5,22 +5,31 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from server import logs
 from server.config import CPU_LINEAR_DTYPES, KV_FORMATS, flag_type, parse_layers, parse_switch
 
 
 def register(sub) -> None:
     """Add `calibrate` and `eval` to the `hetserve` subparsers `sub`. They load a model, so they set
-    `run`, not `func`: server.cli.main runs them under its one-line model errors, as it does serve."""
+    `run`, not `func`: hetserve.cli.main runs them under its one-line model errors, as it does serve."""
     p_cal = sub.add_parser("calibrate", help="profile Oaken KV quantization thresholds for a model",
                            description="Run windows of text through the model and save per-layer Oaken "
                                        "thresholds for K and V next to the model cache.")
     add_calibrate_arguments(p_cal)
-    p_cal.set_defaults(run=calibrate_command)
+    p_cal.set_defaults(run=_logged(calibrate_command))
     p_eval = sub.add_parser("eval", help="perplexity and fidelity of KV formats through the serving path",
                             description="Prefill and decode windows of text through the KV store in each format, "
                                         "against exact fp32 KV in lockstep: perplexity, KL, top-1 agreement, bits.")
     add_eval_arguments(p_eval)
-    p_eval.set_defaults(run=eval_command)
+    p_eval.set_defaults(run=_logged(eval_command))
+
+
+def _logged(command):
+    """`command` with info-level text logs (their progress, and an Oaken calibration when thresholds are missing)."""
+    def run(args: argparse.Namespace) -> None:
+        logs.configure("info", "text")
+        command(args)
+    return run
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
@@ -140,7 +149,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                         "decode step, not on its first chunk (default: on)")
     p.add_argument("--task", choices=["passkey", "niah", "cwe"],
                    help="score a long-context task instead of perplexity: passkey retrieval, multi-key needle in a "
-                        "haystack, common-words extraction (server/tasks.py)")
+                        "haystack, common-words extraction (evaluation/tasks.py)")
     p.add_argument("--context-tokens", default="2048,4096,8192", help="--task: prompt lengths, comma-separated; at most "
                    "the model's context less 64 tokens for the answer (default: 2048,4096,8192)")
     p.add_argument("--num-samples", type=int, default=10, help="--task: prompts per length (default: 10)")
@@ -149,7 +158,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _task_command(args, model, tok, formats, cal, lsh) -> list[dict]:
-    from server.tasks import evaluate_task, sentences
+    from evaluation.tasks import evaluate_task, sentences
 
     longest = model.cfg.max_position_embeddings
     lengths = [int(n) for n in args.context_tokens.split(",") if n.strip()]
@@ -178,7 +187,7 @@ def eval_command(args: argparse.Namespace) -> None:
     from gpu_model.loader import load_model, resolve_model_dir
     from gpu_model.tokenizer import Tokenizer
     from cpu_attn.magicpig import LshConfig
-    from server.evaluate import evaluate
+    from evaluation.evaluate import evaluate
     from server.hetero import oaken_thresholds
 
     formats = [f.strip() for f in args.kv_format.split(",") if f.strip()]

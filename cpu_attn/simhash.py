@@ -1,4 +1,4 @@
-"""SimHash codes for MagicPIG's LSH (issue #4), computed next to the QKV projection.
+"""SimHash codes for MagicPIG's LSH, computed next to the QKV projection.
 
 One seeded Gaussian matrix W [head_dim, K * L] serves every layer and head. A vector's code in
 table t is the K sign bits of x . W[:, t*K:(t+1)*K] packed into an integer (bit b = column

@@ -1,0 +1,6 @@
+"""`python -m hetserve`: the same as the `hetserve` command."""
+import sys
+
+from hetserve.cli import main
+
+sys.exit(main())
