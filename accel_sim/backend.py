@@ -4,8 +4,8 @@ The numbers come from the real model (the hetero backend, with the KV format the
 system stores: Oaken for the Oaken devices); each step's duration comes from the cost model
 for the chosen system and a timing model shape (default: the served SmolLM2 itself, or any
 shape from `accel_sim.models`, e.g. llama2-13b to ask what that model would cost). A virtual
-clock advances by the simulated step time; `timings_s` carries `sim_step_s` and `sim_clock_s`,
-from which the engine derives each request's simulated timing.
+clock advances by the simulated step time; each StepOutput carries it (`virtual_clock_s`), from
+which the server derives each request's simulated timing and the /metrics series of the clock.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import replace
 from accel_sim.cost import StepWork, step_cost
 from accel_sim.hardware import SYSTEMS, System, make_system
 from accel_sim.models import get_model
-from hetcore.backend import StepInput, StepOutput
+from hetcore.backend import Backend, StepInput, StepOutput
 
 # simulated KV format -> the CPU store format computing the same numerics
 NUMERICS_KV_FORMAT = {"oaken": "oaken", "fp16": "fp16", "kivi4": "kivi", "qserve_kv4": "int4"}
@@ -44,10 +44,10 @@ def step_work(inp: StepInput, sliding_window: int | None = None) -> StepWork:
     return StepWork(num_decode, dec_kv, pre_tok, pre_kv, pairs, sampled)
 
 
-class SimBackend:
+class SimBackend(Backend):
     """Wraps a real backend (for tokens) and a simulated `System` (for time)."""
 
-    def __init__(self, inner, system: System):
+    def __init__(self, inner: Backend, system: System):
         self.inner = inner
         self.system = system
         self.kv_spec = inner.kv_spec
@@ -63,9 +63,8 @@ class SimBackend:
         out = self.inner.step(inp)
         if not inp.chunks:
             return out
-        cost = step_cost(self.system, step_work(inp, self.system.model.sliding_window))
-        self.clock_s += cost.time_s
-        return replace(out, timings_s={**out.timings_s, "sim_step_s": cost.time_s, "sim_clock_s": self.clock_s})
+        self.clock_s += step_cost(self.system, step_work(inp, self.system.model.sliding_window)).time_s
+        return replace(out, virtual_clock_s=self.clock_s)
 
     def reset_clock(self) -> None:
         self.clock_s = 0.0
@@ -73,8 +72,8 @@ class SimBackend:
     def close(self) -> None:
         self.inner.close()
 
-    def __getattr__(self, name: str):
-        # the inner backend's optional capabilities (live_shards, health) stay visible to the engine
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def live_shards(self) -> set[int]:
+        return self.inner.live_shards()
+
+    def health(self) -> str:
+        return self.inner.health()

@@ -43,7 +43,7 @@ def engine_for(executor: str, microbatches: int = 1, cpu_actors: int = 2):
 def decode_steps(engine, concurrency: int, prompt_tokens: int, output_tokens: int) -> list[dict]:
     """Timings of the decode-only steps while `concurrency` requests run to the end."""
     from hetcore.backend import SamplingParams
-    from server.engine import EngineRequest
+    from server.request import EngineRequest
 
     steps, step = [], engine.backend.step
 
@@ -51,7 +51,7 @@ def decode_steps(engine, concurrency: int, prompt_tokens: int, output_tokens: in
         t0 = time.perf_counter()
         out = step(inp)
         if all(len(c.token_ids) == 1 for c in inp.chunks):
-            steps.append({**out.timings_s, "wall": time.perf_counter() - t0, "batch": len(inp.chunks)})
+            steps.append({**(out.timings.parts() if out.timings else {}), "wall": time.perf_counter() - t0, "batch": len(inp.chunks)})
         return out
 
     engine.backend.step = timed

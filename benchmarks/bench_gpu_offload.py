@@ -157,14 +157,16 @@ def host_bytes_per_seq(cfg: ModelConfig, lsh: LshConfig, context: int) -> int:
 
 
 def hetserve_backend(model: LlamaModel, thresholds: Path, context: int, steps: int, max_batch: int, lsh: LshConfig):
+    from server.backend_config import BackendConfig
     from server.hetero import HeteroBackend
 
     seqs = max_batch + 1  # the prompt's own sequence too
     capacity = kv_capacity_for(model.cfg, "oaken", BLOCK_SIZE, seqs, context + steps + 3 + 2 * BLOCK_SIZE, lsh,
                                recent_blocks=seqs)
-    return HeteroBackend(None, model=model, device=model.device.type, dtype=str(model.dtype).removeprefix("torch."),
-                         kv_format="oaken", kv_capacity_bytes=capacity, block_size=BLOCK_SIZE, max_model_len=None,
-                         oaken_thresholds_path=str(thresholds), oaken_recent_blocks=seqs, lsh=lsh, max_num_seqs=seqs)
+    config = BackendConfig(device=model.device.type, dtype=str(model.dtype).removeprefix("torch."), kv_format="oaken",
+                           kv_capacity_bytes=capacity, block_size=BLOCK_SIZE, oaken_thresholds_path=str(thresholds),
+                           oaken_recent_blocks=seqs, lsh=lsh, max_num_seqs=seqs)
+    return HeteroBackend(None, config, model=model)
 
 
 def run_context(model: LlamaModel, thresholds: Path, context: int, batches: list[int], steps: int, lsh: LshConfig,

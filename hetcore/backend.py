@@ -1,15 +1,17 @@
-"""The contract between the engine and a backend: one dataclass per direction plus a Protocol.
+"""The contract between the engine and a backend: one dataclass per direction plus a base class.
 
 Every step the scheduler sends a `StepInput` naming, per sequence, which tokens to run and
 where their KV lives; the backend runs them and returns a `StepOutput` with one sampled token
-for each sequence whose chunk reached the end of its known tokens. Nothing here imports torch,
-so the scheduler and its tests run without a model.
+for each sequence whose chunk reached the end of its known tokens, and a `StepTimings` of where
+the time went. Every backend subclasses `Backend`, which names each capability the engine uses.
+Nothing here imports torch, so the scheduler and its tests run without a model.
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
 
 class KVCapacityError(ValueError):
@@ -82,6 +84,28 @@ TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True)
+class StepTimings:
+    """Where one step's wall time went, in seconds, as the backend measured it."""
+
+    accelerator_s: float
+    """The model worker: linears, LSH codes and sampling (on Ray, with the waits for attention it cannot overlap)."""
+    cpu_attn_s: float
+    """Attention and KV writes on the CPU attention workers, summed over the workers."""
+    step_s: float
+    """The whole step, end to end."""
+    cpu_attn_dense_s: float | None = None
+    """Of cpu_attn_s, the layers a sparse attention keeps exact (MagicPIG's dense layers); None without one."""
+    cpu_attn_max_s: float | None = None
+    """The busiest attention worker's cpu_attn_s (Ray executor); None in one process."""
+
+    def parts(self) -> dict[str, float]:
+        """Part name -> seconds of the parts measured, named as /metrics' step_time_seconds{part} labels them."""
+        parts = {"accelerator": self.accelerator_s, "cpu_attn": self.cpu_attn_s, "cpu_attn_max": self.cpu_attn_max_s,
+                 "cpu_attn_dense": self.cpu_attn_dense_s, "step": self.step_s}
+        return {part: seconds for part, seconds in parts.items() if seconds is not None}
+
+
+@dataclass(frozen=True)
 class StepOutput:
     sampled: dict[int, int]
     """seq_id -> next token, for every chunk that had `sampling` set."""
@@ -89,8 +113,10 @@ class StepOutput:
     """seq_id -> the sampled token's logprobs, for the chunks whose sampling asked for them."""
     prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     """seq_id -> (position, logprobs of the prompt token there) for each of its chunk's `prompt_targets`."""
-    timings_s: dict[str, float] = field(default_factory=dict)
-    """Where the step's time went (e.g. accelerator, cpu_attn), for metrics."""
+    timings: StepTimings | None = None
+    """Where the step's time went, for metrics; None from a backend that does not measure it."""
+    virtual_clock_s: float | None = None
+    """A simulated backend's virtual clock after this step (seconds since its last reset_clock); None in real time."""
 
 
 @dataclass(frozen=True)
@@ -147,13 +173,32 @@ class WorkerLost(RuntimeError):
         self.shard = shard
 
 
-class Backend(Protocol):
+class Backend(abc.ABC):
+    """What the engine asks of a backend. A subclass sets the three attributes in its __init__ and implements
+    step() and close(); the optional capabilities below have the defaults of one healthy, real-time worker."""
+
     kv_spec: KVSpec
+    """The KV geometry the scheduler's block manager allocates within."""
     max_model_len: int
+    """Longest sequence, prompt plus output, in tokens."""
+    model_cfg: Any
+    """The served model's configuration (gpu_model.config.ModelConfig: the tokenizer takes its eos_token_ids)."""
 
-    def step(self, inp: StepInput) -> StepOutput: ...
+    @abc.abstractmethod
+    def step(self, inp: StepInput) -> StepOutput:
+        """Run `inp`'s chunks and free its finished sequences; raises WorkerLost when a worker dies."""
 
-    def close(self) -> None: ...
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the workers; the backend is not stepped again."""
 
-    # optional: live_shards() -> set of CPU attention shards able to take sequences, and
-    # health() -> "ok" | "degraded" | "down"; a backend without them is one healthy shard
+    def live_shards(self) -> set[int]:
+        """The CPU attention shards able to take sequences now: by default every shard of kv_spec."""
+        return set(range(len(self.kv_spec.shards) or 1))
+
+    def health(self) -> str:
+        """"ok", "degraded" (serving, with a CPU attention worker down) or "down" (not serving)."""
+        return "ok"
+
+    def reset_clock(self) -> None:
+        """Restart a virtual clock from zero (simulated backends); real time has none to reset."""

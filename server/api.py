@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hetcore.backend import SamplingParams
 from server.config import ServeConfig
-from server.engine import Engine, EngineRequest, RequestEvent
+from server.engine import Engine
+from server.request import EngineRequest, RequestEvent
 from server.guard import Guard, GuardConfig
 from server.metrics import PREFIX, gauge
 from server.protocol import (
@@ -105,10 +106,10 @@ def metrics_text(engine: Engine) -> str:
     lines += engine.metrics.render()
     # the names the first /metrics had (deploy/README.md), and the simulator's series
     lines += [f"hetserve_requests_running {engine.num_running}", f"hetserve_requests_waiting {engine.num_waiting}"]
-    if engine.sim_steps:
-        lines += [f"hetserve_sim_clock_seconds {engine.sim_clock_s:.6f}",
-                  f"hetserve_sim_steps_total {engine.sim_steps}",
-                  f"hetserve_sim_output_tokens_total {engine.sim_output_tokens}"]
+    clock = engine.clock
+    if clock.is_running:
+        lines += [f"hetserve_sim_clock_seconds {clock.now_s:.6f}", f"hetserve_sim_steps_total {clock.num_steps}",
+                  f"hetserve_sim_output_tokens_total {clock.num_output_tokens}"]
     return "\n".join(lines) + "\n"
 
 

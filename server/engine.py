@@ -1,7 +1,10 @@
 """The engine loop: one thread owns the backend and steps it; HTTP handlers only submit
 requests and receive events.
 
-    step(): schedule -> backend.step -> apply tokens (detokenize, check stops, emit events)
+    step(): schedule -> run (backend.step) -> postprocess (detokenize, check stops, emit events)
+
+Metrics (server.metrics) and a simulated backend's clock (server.virtual_clock) are fed from the
+step's typed output; the engine does not interpret them.
 """
 from __future__ import annotations
 
@@ -13,52 +16,16 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable
 
-from hetcore.backend import Backend, SamplingParams, StepInput, TokenLogprobs, WorkerLost
+from hetcore.backend import Backend, StepInput, StepOutput, StepTimings, TokenLogprobs, WorkerLost
 from server.block_manager import BlockManager
 from server.detokenizer import IncrementalDetokenizer
 from server.memory import Trimmer
 from server.metrics import ServingMetrics
+from server.request import EngineRequest, RequestEvent
 from server.scheduler import Scheduler, SchedulerConfig, Sequence
+from server.virtual_clock import VirtualClock
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RequestEvent:
-    """What a request produced since its last event."""
-
-    request_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    num_prompt_tokens: int
-    num_output_tokens: int
-    finish_reason: str | None = None
-    """None while running; then stop, length, abort, timeout or error."""
-    error: str | None = None
-    sim: dict | None = None
-    """Simulated timing (seconds on the backend's virtual clock), when the backend reports one."""
-    logprobs: tuple[TokenLogprobs, ...] = ()
-    """Each of `token_ids`' logprobs when the request asked for them; none for an end-of-sequence token."""
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
-    """When the request asked for them (sampling.prompt_logprobs), in its first event that carries a token or
-    ends it without an error: those of its prompt tokens from the second on."""
-    num_cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache."""
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    on_event: Callable[[RequestEvent], None]
-    """Called on the engine thread; must not block."""
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    arrival_s: float = field(default_factory=time.monotonic)
-    deadline_s: float | None = None
-    """time.monotonic() by which the request must finish; past it the engine ends it with finish_reason timeout."""
 
 
 @dataclass
@@ -66,10 +33,6 @@ class _Live:
     req: EngineRequest
     seq: Sequence
     detok: IncrementalDetokenizer
-    sim_start_s: float = 0.0
-    """Virtual clock at arrival, for backends that report `sim_clock_s` (accel_sim)."""
-    sim_first_s: float | None = None
-    sim_last_s: float | None = None
     scheduled_s: float | None = None
     first_token_s: float | None = None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -90,11 +53,10 @@ class Engine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         """The thread running the loop (run())."""
-        self.last_step_timings_s: dict[str, float] = {}
-        self.sim_clock_s = 0.0
-        """Simulated seconds of backend steps so far (backends reporting `sim_clock_s`), with the counters below."""
-        self.sim_steps = 0
-        self.sim_output_tokens = 0
+        self.last_step_timings: StepTimings | None = None
+        """Where the latest step's time went (None before the first, or from a backend that does not say)."""
+        self.clock = VirtualClock()
+        """A simulated backend's clock (idle for real-time backends)."""
         self.metrics = ServingMetrics()
         self._num_unread_adds = 0
         """Submitted requests still in the inbox: they count as waiting (admission control reads it)."""
@@ -139,8 +101,7 @@ class Engine:
         """ok; degraded (serving, with a CPU attention worker down); down (not serving)."""
         if not self.is_alive():
             return "down"
-        health = getattr(self.backend, "health", None)
-        return health() if health else "ok"
+        return self.backend.health()
 
     @property
     def num_running(self) -> int:
@@ -188,10 +149,8 @@ class Engine:
             elif kind == "reset_stats":
                 self.metrics = ServingMetrics()
                 self.blocks.queried_tokens = self.blocks.hit_tokens = 0
-                self.sim_clock_s, self.sim_steps, self.sim_output_tokens = 0.0, 0, 0
-                reset_clock = getattr(self.backend, "reset_clock", None)
-                if reset_clock:
-                    reset_clock()
+                self.clock.reset()
+                self.backend.reset_clock()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -200,7 +159,8 @@ class Engine:
     def _add(self, req: EngineRequest) -> None:
         seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), req.sampling)
         detok = IncrementalDetokenizer(self.tokenizer.decode, req.stop)
-        self._live[seq.seq_id] = _Live(req, seq, detok, self.sim_clock_s)
+        self._live[seq.seq_id] = _Live(req, seq, detok)
+        self.clock.on_arrival(seq.seq_id)
         self._by_request_id[req.request_id] = seq.seq_id
         self.scheduler.add(seq)
         self.metrics.on_arrival(len(req.prompt_token_ids))
@@ -214,11 +174,19 @@ class Engine:
                                                  "request_timeout_s); it was cancelled and its KV cache freed")
 
     def _sync_workers(self) -> None:
-        live_shards = getattr(self.backend, "live_shards", None)
-        if live_shards:
-            self.blocks.set_live(live_shards())
+        self.blocks.set_live(self.backend.live_shards())
 
     def step(self) -> None:
+        inp = self._schedule()
+        if not inp.chunks:
+            self._idle(inp)
+            return
+        out = self._run(inp)
+        if out is not None:
+            self._postprocess(out)
+
+    def _schedule(self) -> StepInput:
+        """The scheduler's next step; requests too long for the cache end, the newly scheduled get a queue time."""
         inp = self.scheduler.schedule()
         for seq in self.scheduler.too_long:
             self._finish(self._live[seq.seq_id], "length")
@@ -229,26 +197,34 @@ class Engine:
             if live.scheduled_s is None:
                 live.scheduled_s = now
                 self.metrics.on_scheduled(now - live.req.arrival_s)
-        if not inp.chunks:
-            if inp.freed_seq_ids:
-                self._free_finished(inp)
-            if self.scheduler.waiting and not self.blocks.live:  # every CPU attention worker is down
-                for seq in list(self.scheduler.waiting):
-                    self._finish(self._live[seq.seq_id], "error",
-                                 error="no worker can serve it: the backend is down (see /health); retry later")
-            return
+        return inp
+
+    def _idle(self, inp: StepInput) -> None:
+        """Nothing to run: tell the backend which sequences ended; with every worker down, fail the waiting."""
+        if inp.freed_seq_ids:
+            self._free_finished(inp)
+        if self.scheduler.waiting and not self.blocks.live:  # every CPU attention worker is down
+            for seq in list(self.scheduler.waiting):
+                self._finish(self._live[seq.seq_id], "error",
+                             error="no worker can serve it: the backend is down (see /health); retry later")
+
+    def _run(self, inp: StepInput) -> StepOutput | None:
+        """backend.step; None when a CPU attention worker died (its sequences are recomputed on the others)."""
         try:
-            out = self.backend.step(inp)
+            return self.backend.step(inp)
         except WorkerLost as exc:
             if exc.shard is None:
                 raise  # the accelerator worker: every running request fails (see _loop)
             log.error("%s; recomputing the running sequences on the other workers", exc)
             self.blocks.set_live(self.blocks.live - {exc.shard})
             self.scheduler.preempt_all()
-            return
-        self.last_step_timings_s = out.timings_s
-        self.metrics.on_step(out.timings_s, len(out.sampled))
-        sim_clock = out.timings_s.get("sim_clock_s")
+            return None
+
+    def _postprocess(self, out: StepOutput) -> None:
+        """Record the step, keep scored prompt positions, apply each sampled token to its request."""
+        self.last_step_timings = out.timings
+        self.metrics.on_step(out.timings, len(out.sampled))
+        self.clock.on_step(out.virtual_clock_s, out.sampled)
         for seq_id, scored in out.prompt_logprobs.items():
             live = self._live.get(seq_id)
             for pos, lp in scored if live else ():
@@ -260,14 +236,7 @@ class Engine:
             if live.first_token_s is None:
                 live.first_token_s = now
                 self.metrics.on_first_token(now - live.req.arrival_s)
-            if sim_clock is not None:
-                live.sim_first_s = sim_clock if live.sim_first_s is None else live.sim_first_s
-                live.sim_last_s = sim_clock
             self._on_token(live, token, out.logprobs.get(seq.seq_id))
-        if sim_clock is not None:
-            self.sim_clock_s = sim_clock
-            self.sim_steps += 1
-            self.sim_output_tokens += len(out.sampled)
 
     def _free_finished(self, inp: StepInput) -> None:
         """A step with nothing to run still tells the backend which sequences ended (it drops their
@@ -298,11 +267,7 @@ class Engine:
 
     def _event(self, live: _Live, text: str, token_ids: tuple[int, ...], reason: str | None = None,
                error: str | None = None, logprobs: tuple[TokenLogprobs, ...] = ()) -> RequestEvent:
-        sim = None
-        if live.sim_first_s is not None and live.sim_last_s is not None:
-            n = len(live.seq.output_token_ids)
-            sim = {"ttft_s": live.sim_first_s - live.sim_start_s, "e2e_s": live.sim_last_s - live.sim_start_s,
-                   "tpot_s": (live.sim_last_s - live.sim_first_s) / (n - 1) if n > 1 else None}
+        sim = self.clock.request_timing(live.seq.seq_id, len(live.seq.output_token_ids))
         prompt = ()
         if error is None and live.req.sampling.prompt_logprobs is not None and not live.prompt_logprobs_sent:
             prompt, live.prompt_logprobs_sent = tuple(live.prompt_logprobs), True
@@ -321,3 +286,4 @@ class Engine:
         first = live.first_token_s
         self.metrics.on_finish(reason, now - live.req.arrival_s, (now - first) / (n - 1) if first and n > 1 else None)
         live.req.on_event(self._event(live, text, token_ids, reason, error, logprobs))
+        self.clock.forget(live.seq.seq_id)

@@ -18,7 +18,8 @@ from gpu_model.loader import load_model
 from gpu_model.model import LlamaModel
 from gpu_model.sampler import logprobs, sample
 from gpu_model.worker import ModelWorker
-from hetcore.backend import KVCapacityError, KVSpec, StepInput, StepOutput
+from hetcore.backend import Backend, KVCapacityError, KVSpec, StepInput, StepOutput, StepTimings
+from server.backend_config import BackendConfig
 
 log = logging.getLogger(__name__)
 
@@ -204,30 +205,28 @@ def model_worker(model, lsh: LshConfig | None, device: str) -> ModelWorker:
                                                                 cfg.head_dim).coder(device))
 
 
-class HeteroBackend:
-    def __init__(self, model_dir: Path | None, *, device: str, dtype: str, kv_format: str,
-                 kv_capacity_bytes: int, block_size: int, max_model_len: int | None,
-                 gguf_blocks_max_tokens: int | None = None, cpu_linear_dtype: str = "auto",
-                 oaken_thresholds_path: str | None = None,
-                 oaken_sparse_fraction: float = SPARSE_FRACTION, oaken_recent_blocks: int = 0, lsh: LshConfig | None = None,
-                 max_num_seqs: int = 1, model: LlamaModel | None = None):
+class HeteroBackend(Backend):
+    """The model worker and one CPU attention worker in this process, stepped in turn, layer by layer."""
+
+    def __init__(self, model_dir: Path | None, config: BackendConfig, model: LlamaModel | None = None):
         """The model comes from `model_dir`, or is `model` already built (benchmarks on random
-        weights: then model_dir is None and Oaken needs `oaken_thresholds_path`)."""
-        device = pick_device(device)
+        weights: then model_dir is None and Oaken needs `config.oaken_thresholds_path`)."""
+        c = self.config = config
+        device = pick_device(c.device)
         self.model_dir = model_dir
-        self.model = model if model is not None else load_model(model_dir, device, pick_dtype(dtype, device),
-                                                                       gguf_blocks_max_tokens, cpu_linear_dtype)
+        self.model = model if model is not None else load_model(model_dir, device, pick_dtype(c.dtype, device),
+                                                                c.gguf_blocks_max_tokens, c.cpu_linear_dtype)
         cfg = self.model_cfg = self.model.cfg
-        self.kv_spec = kv_spec(cfg, kv_format, kv_capacity_bytes, block_size, oaken_sparse_fraction,
-                               oaken_recent_blocks, lsh, max_num_seqs)
+        self.kv_spec = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes, c.block_size, c.oaken_sparse_fraction,
+                               c.oaken_recent_blocks, c.lsh, c.max_num_seqs)
         num_blocks, per_block = self.kv_spec.num_blocks, self.kv_spec.bytes_per_block
-        cal = oaken_thresholds(self.model, model_dir, oaken_thresholds_path) if kv_format == "oaken" else None
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.model_worker = model_worker(self.model, lsh, device)
-        self.attn_worker = attention_worker(cfg, kv_format, num_blocks, block_size, cal, oaken_sparse_fraction,
-                                            oaken_recent_blocks, lsh)
-        log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s%s", num_blocks, block_size,
-                 num_blocks * per_block / 2**20, kv_format, device, reserve_note(self.kv_spec))
+        cal = oaken_thresholds(self.model, model_dir, c.oaken_thresholds_path) if c.kv_format == "oaken" else None
+        self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.model_worker = model_worker(self.model, c.lsh, device)
+        self.attn_worker = attention_worker(cfg, c.kv_format, num_blocks, c.block_size, cal, c.oaken_sparse_fraction,
+                                            c.oaken_recent_blocks, c.lsh)
+        log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s%s", num_blocks, c.block_size,
+                 num_blocks * per_block / 2**20, c.kv_format, device, reserve_note(self.kv_spec))
 
     def step(self, inp: StepInput) -> StepOutput:
         t0 = time.perf_counter()
@@ -243,8 +242,10 @@ class HeteroBackend:
         t1 = time.perf_counter()
         out = sample_batches([logits], [b])
         accel_s += time.perf_counter() - t1
-        return replace(out, timings_s={"accelerator": accel_s, **self.attn_worker.take_timings(),
-                                       "step": time.perf_counter() - t0})
+        attn = self.attn_worker.take_timings()  # {"cpu_attn": s, "cpu_attn_dense": s with a sparse part}
+        return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=attn["cpu_attn"],
+                                                step_s=time.perf_counter() - t0,
+                                                cpu_attn_dense_s=attn.get("cpu_attn_dense")))
 
     def close(self) -> None:
         pass

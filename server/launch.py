@@ -16,26 +16,20 @@ def build_engine(cfg: ServeConfig):
     """Load the model and KV store; returns (engine, served model name, max model length)."""
     from gpu_model.loader import default_model_path, resolve_model_dir
     from gpu_model.tokenizer import Tokenizer
+    from hetcore.backend import Backend
+    from server.backend_config import BackendConfig, RayConfig
     from server.engine import Engine
     from server.hetero import HeteroBackend
     from server.scheduler import SchedulerConfig
 
     model_dir = resolve_model_dir(cfg.model, Path(cfg.model_cache_dir).expanduser())
-    common = dict(device=cfg.device, dtype=cfg.dtype, kv_format=cfg.kv_format,
-                  kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
-                  max_model_len=cfg.max_model_len, gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens,
-                  cpu_linear_dtype=cfg.cpu_linear_dtype,
-                  oaken_thresholds_path=cfg.oaken_thresholds, oaken_sparse_fraction=cfg.oaken_sparse_fraction,
-                  oaken_recent_blocks=cfg.max_num_seqs if cfg.oaken_recent_blocks is None else cfg.oaken_recent_blocks,
-                  lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs)
+    config = BackendConfig.from_serve_config(cfg)
     if cfg.executor == "ray":
         from server.ray_executor import RayBackend
 
-        backend = RayBackend(model_dir, **common, ray_address=cfg.ray_address, cpu_actors=cfg.ray_cpu_actors,
-                             actor_cpus=cfg.ray_actor_cpus, kv_resource=cfg.ray_kv_resource,
-                             microbatches=cfg.ray_microbatches)
+        backend: Backend = RayBackend(model_dir, config, RayConfig.from_serve_config(cfg))
     else:
-        backend = HeteroBackend(model_dir, **common)
+        backend = HeteroBackend(model_dir, config)
     if cfg.backend == "sim":
         from accel_sim.backend import SimBackend
 
@@ -73,7 +67,7 @@ def warm_up(engine, lsh=None) -> None:
     so that its sampled kernel is compiled too: otherwise the first long request after an install
     waited ~60-75 s for it (2 Zen 3 cores)."""
     from hetcore.backend import SamplingParams
-    from server.engine import EngineRequest
+    from server.request import EngineRequest
 
     tokens = 128  # long enough to take the prefill path's larger kernels
     if lsh is not None:  # past min_context, with a first merge's worth of keys before the window

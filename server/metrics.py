@@ -9,6 +9,8 @@ import math
 import threading
 from dataclasses import dataclass, field
 
+from hetcore.backend import StepTimings
+
 PREFIX = "hetserve:"
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                      10.0, 20.0, 40.0, 80.0)
@@ -127,12 +129,11 @@ class ServingMetrics:
         with self._lock:
             self.ttft.observe(ttft_s)
 
-    def on_step(self, timings_s: dict[str, float], num_generated: int) -> None:
+    def on_step(self, timings: StepTimings | None, num_generated: int) -> None:
         with self._lock:
             self.generation_tokens.inc(num_generated)
-            for part, seconds in timings_s.items():
-                if not part.startswith("sim_"):  # the simulator's virtual clock has its own series
-                    self.step.observe(seconds, part)
+            for part, seconds in (timings.parts() if timings is not None else {}).items():
+                self.step.observe(seconds, part)
 
     def on_finish(self, reason: str, e2e_s: float, tpot_s: float | None) -> None:
         with self._lock:

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hetcore.backend import StepInput, StepOutput, StepTimings, WorkerLost
 from server import channel
-from hetcore.backend import StepInput, StepOutput, WorkerLost
+from server.backend_config import BackendConfig
 from server.memory import Trimmer
 
 log = logging.getLogger(__name__)
@@ -34,15 +35,16 @@ def _set_threads(n: int) -> None:
 class AttentionActor:
     """One shard of the KV cache: an AttentionWorker behind a TCP listener (one model actor at a time)."""
 
-    def __init__(self, cfg, kv_format: str, num_blocks: int, first_block: int, block_size: int, cal,
-                 sparse_fraction: float, recent_blocks: int, lsh, threads: int):
+    def __init__(self, cfg, config: BackendConfig, num_blocks: int, first_block: int, cal, threads: int):
+        """cfg: the model's ModelConfig; blocks [first_block, first_block + num_blocks) of the engine's ids are here."""
         import ray
 
         from cpu_attn.worker import AttentionWorker
         from server.hetero import attention_worker
 
         self.threads = threads  # set by the channel thread, which runs the kernels (_serve)
-        self.worker = attention_worker(cfg, kv_format, num_blocks, block_size, cal, sparse_fraction, recent_blocks, lsh)
+        self.worker = attention_worker(cfg, config.kv_format, num_blocks, config.block_size, cal,
+                                       config.oaken_sparse_fraction, config.oaken_recent_blocks, config.lsh)
         # micro-batch 1 has its own step plan over the same store and tables
         self.workers = [self.worker, AttentionWorker(self.worker.store, cfg.head_dim, self.worker.sparse)]
         self.trimmer = Trimmer()
@@ -109,18 +111,17 @@ def split(chunks, n: int) -> list[list]:
 class ModelActor:
     """The accelerator side: the model worker, and one channel per attention shard."""
 
-    def __init__(self, model_dir: str, device: str, dtype: str, gguf_blocks_max_tokens: int | None, cpu_linear_dtype: str,
-                 lsh, threads: int, microbatches: int):
+    def __init__(self, model_dir: str, config: BackendConfig, threads: int, microbatches: int):
         from gpu_model.loader import load_model
         from server.hetero import model_worker, pick_device, pick_dtype
 
         if threads:
             _set_threads(threads)
-        device = pick_device(device)
+        device = pick_device(config.device)
         self.model_dir = Path(model_dir)
-        self.model = load_model(self.model_dir, device, pick_dtype(dtype, device), gguf_blocks_max_tokens,
-                                cpu_linear_dtype)
-        self.worker = model_worker(self.model, lsh, device)
+        self.model = load_model(self.model_dir, device, pick_dtype(config.dtype, device), config.gguf_blocks_max_tokens,
+                                config.cpu_linear_dtype)
+        self.worker = model_worker(self.model, config.lsh, device)
         self.addresses: list[tuple[str, int] | None] = []
         self.first_blocks: list[int] = []
         self.socks: list[socket.socket | None] = []
@@ -224,9 +225,8 @@ class ModelActor:
         out = sample_batches(logits, [b for b, _ in mbs])
         step_s = time.perf_counter() - t0
         accel_s += time.perf_counter() - t1
-        return replace(out, timings_s={
-            "accelerator": accel_s, "cpu_attn": sum(busy.values()), "cpu_attn_max": max(busy.values()),
-            **({"cpu_attn_dense": dense} if dense is not None else {}), "step": step_s})
+        return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=sum(busy.values()), step_s=step_s,
+                                                cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values())))
 
     def _micro_batch(self, chunks) -> tuple:
         """The flat batch of `chunks` and, per shard, (its rows and its rows among the decode rows

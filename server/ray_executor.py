@@ -26,65 +26,62 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from cpu_attn.calibrate import SPARSE_FRACTION
-from hetcore.backend import StepInput, StepOutput, WorkerLost
+from hetcore.backend import Backend, StepInput, StepOutput, WorkerLost
+from server.backend_config import BackendConfig, RayConfig
 from server.ray_actors import STEP_TIMEOUT_S, AttentionActor, ModelActor
 
 log = logging.getLogger(__name__)
 
 
-class RayBackend:
-    """Backend protocol over the actors; lives in the server process (the Ray driver)."""
+def _restartable(**env_vars) -> dict:
+    """Ray actor options: restarted whenever it dies, with these environment variables."""
+    return {"runtime_env": {"env_vars": env_vars}, "max_restarts": -1}
 
-    def __init__(self, model_dir: Path, *, device: str, dtype: str, kv_format: str, kv_capacity_bytes: int,
-                 block_size: int, max_model_len: int | None, gguf_blocks_max_tokens: int | None = None,
-                 cpu_linear_dtype: str = "auto", oaken_thresholds_path: str | None = None,
-                 oaken_sparse_fraction: float = SPARSE_FRACTION,
-                 oaken_recent_blocks: int = 0, lsh=None, max_num_seqs: int = 1, ray_address: str | None = None,
-                 cpu_actors: int = 2, actor_cpus: int = 0, kv_resource: str = "kv_node", microbatches: int = 0):
+
+class RayBackend(Backend):
+    """The backend over the actors; lives in the server process (the Ray driver)."""
+
+    def __init__(self, model_dir: Path, config: BackendConfig, placement: RayConfig = RayConfig()):
         import ray
 
         from server.hetero import kv_spec, reserve_note
 
-        actor_cpus = actor_cpus or max(1, (os.cpu_count() or 1) // cpu_actors)
+        self.config, c, num_actors = config, config, placement.cpu_actors
+        actor_cpus = placement.actor_cpus or max(1, (os.cpu_count() or 1) // num_actors)
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            if ray_address:
-                ray.init(address=ray_address, log_to_driver=True)
+            if placement.address:
+                ray.init(address=placement.address, log_to_driver=True)
             else:  # a local cluster sized for our actors (logical CPUs may exceed the cores)
-                ray.init(num_cpus=max(os.cpu_count() or 1, cpu_actors * actor_cpus + 1), include_dashboard=False,
-                         resources={kv_resource: cpu_actors} if kv_resource else None)
+                ray.init(num_cpus=max(os.cpu_count() or 1, num_actors * actor_cpus + 1), include_dashboard=False,
+                         resources={placement.kv_resource: num_actors} if placement.kv_resource else None)
         self.ray = ray
-        use_gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        use_gpu = c.device == "cuda" or (c.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         # OpenMP threads that spin-wait after each op would steal the cores the other actors compute on
         # (measured on 2 cores at concurrency 8: an ACTIVE model actor made decode steps 4x slower than local).
         # The CPU actors' threads sleep at once; the model actor's spin ~2,000 turns first, enough to bridge
         # the gaps between one layer's ops but not the wait for attention (2 cores, side by side: 1.15x local
         # against 1.35x fully PASSIVE at concurrency 1, 1.15x against 1.21x at 8, even at 32)
-        def restartable(**env_vars) -> dict:
-            return {"runtime_env": {"env_vars": env_vars}, "max_restarts": -1}
-
-        model_opts = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu else {}), **restartable(GOMP_SPINCOUNT="2000")}
-        threads = 0 if ray_address else os.cpu_count() or 1
-        microbatches = microbatches or (2 if use_gpu else 1)
-        self.model_actor = ray.remote(ModelActor).options(**model_opts).remote(
-            str(model_dir), device, dtype, gguf_blocks_max_tokens, cpu_linear_dtype, lsh, threads, microbatches)
+        model_opts = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu else {}), **_restartable(GOMP_SPINCOUNT="2000")}
+        threads = 0 if placement.address else os.cpu_count() or 1
+        microbatches = placement.microbatches or (2 if use_gpu else 1)
+        self.model_actor = ray.remote(ModelActor).options(**model_opts).remote(str(model_dir), c, threads, microbatches)
         cfg = ray.get(self.model_actor.config.remote())
-        cal = ray.get(self.model_actor.thresholds.remote(oaken_thresholds_path)) if kv_format == "oaken" else None
-        shard = kv_spec(cfg, kv_format, kv_capacity_bytes // cpu_actors, block_size, oaken_sparse_fraction,
-                        oaken_recent_blocks, lsh, max_num_seqs)
+        cal = ray.get(self.model_actor.thresholds.remote(c.oaken_thresholds_path)) if c.kv_format == "oaken" else None
+        shard = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes // num_actors, c.block_size, c.oaken_sparse_fraction,
+                        c.oaken_recent_blocks, c.lsh, c.max_num_seqs)
         num_blocks, per_block = shard.num_blocks, shard.bytes_per_block
-        self.first_blocks = [i * num_blocks for i in range(cpu_actors)]
-        actor_opts = {"num_cpus": actor_cpus, **restartable(OMP_WAIT_POLICY="PASSIVE")}
-        if kv_resource:
-            actor_opts["resources"] = {kv_resource: 1}
-        self.cpu_actors = [ray.remote(AttentionActor).options(**actor_opts).remote(
-            cfg, kv_format, num_blocks, first, block_size, cal, oaken_sparse_fraction, oaken_recent_blocks, lsh,
-            actor_cpus) for first in self.first_blocks]
-        self.kv_spec = replace(shard, num_blocks=num_blocks * cpu_actors, shards=(num_blocks,) * cpu_actors)
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.first_blocks = [i * num_blocks for i in range(num_actors)]
+        actor_opts = {"num_cpus": actor_cpus, **_restartable(OMP_WAIT_POLICY="PASSIVE")}
+        if placement.kv_resource:
+            actor_opts["resources"] = {placement.kv_resource: 1}
+        self.cpu_actors = [ray.remote(AttentionActor).options(**actor_opts).remote(cfg, c, num_blocks, first, cal,
+                                                                                   actor_cpus)
+                           for first in self.first_blocks]
+        self.kv_spec = replace(shard, num_blocks=num_blocks * num_actors, shards=(num_blocks,) * num_actors)
+        self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_cfg = cfg
-        self.down: set[int] = set(range(cpu_actors))
+        self.down: set[int] = set(range(num_actors))
         self.model_down = False
         self._unsent_frees: tuple[int, ...] = ()
         """Sequences freed while the model actor could not be told (it forwards frees to the CPU actors)."""
@@ -93,7 +90,7 @@ class RayBackend:
         if self.down:
             raise RuntimeError(f"CPU attention actors {sorted(self.down)} did not start")
         log.info("Ray executor: %d CPU attention actors x %d CPUs, %d KV blocks each (%.1f MiB), %s%s",
-                 cpu_actors, actor_cpus, num_blocks, num_blocks * per_block / 2**20, kv_format, reserve_note(shard))
+                 num_actors, actor_cpus, num_blocks, num_blocks * per_block / 2**20, c.kv_format, reserve_note(shard))
 
     def _connect_all(self, timeout_s: float = 300.0) -> None:
         addresses = self.ray.get([a.address.remote() for a in self.cpu_actors], timeout=timeout_s)
@@ -140,7 +137,7 @@ class RayBackend:
         return "degraded" if self.down else "ok"
 
     def step(self, inp: StepInput) -> StepOutput:
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         # frees the model actor has not taken are kept for its next step (freeing twice is harmless)
         inp = replace(inp, freed_seq_ids=self._unsent_frees + tuple(inp.freed_seq_ids))
@@ -151,7 +148,7 @@ class RayBackend:
         try:
             out = self.ray.get(self.model_actor.step.remote(inp), timeout=STEP_TIMEOUT_S)
         except WorkerLost as exc:  # raised in the model actor, after it took the frees; Ray hands it back wrapped
-            lost = getattr(exc, "cause", exc)
+            lost = exc.cause if isinstance(exc, RayTaskError) else exc
             self.down.add(lost.shard)
             raise WorkerLost(str(lost), lost.shard) from None
         except (RayActorError, GetTimeoutError) as exc:

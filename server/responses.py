@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
 
-from server.engine import Engine, RequestEvent
+from server.engine import Engine
+from server.request import RequestEvent
 from server.protocol import APIError
 
 

@@ -28,10 +28,11 @@ def tiny_model_dir(tmp_path, **overrides):
 def greedy_through_backend(model_dir, prompts, num_new, chunk=5, device="cpu", dtype="float32", linears="float32",
                            **backend_args):
     """Prefill in chunks of `chunk` tokens, then decode all sequences in one batch per step."""
+    from server.backend_config import BackendConfig
     from server.hetero import HeteroBackend
 
-    backend = HeteroBackend(model_dir, device=device, dtype=dtype, kv_capacity_bytes=2**22, block_size=4,
-                            max_model_len=None, cpu_linear_dtype=linears, **{"kv_format": "fp32", **backend_args})
+    backend = HeteroBackend(model_dir, BackendConfig(device=device, dtype=dtype, kv_capacity_bytes=2**22, block_size=4,
+                                                     cpu_linear_dtype=linears, **{"kv_format": "fp32", **backend_args}))
     blocks = BlockManager(backend.kv_spec)
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)

@@ -107,7 +107,7 @@ def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, wa
             last.update(out.sampled)
             if i >= warmup_steps:
                 step_s.append(dt)
-                for k, v in out.timings_s.items():
+                for k, v in (out.timings.parts() if out.timings else {}).items():
                     parts.setdefault(k, []).append(v)
         backend.step(StepInput((), freed_seq_ids=tuple(seqs)))
         mean_step = float(np.mean(step_s))

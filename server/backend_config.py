@@ -1,0 +1,79 @@
+"""What a hetero backend is built from: one record for the model and KV cache (BackendConfig), one
+for the Ray executor's placement (RayConfig). `hetserve serve` fills both from its ServeConfig
+here; benchmarks and tests build them directly. Pure Python: no torch, no numba."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from server.config import SPARSE_FRACTION, ServeConfig
+
+if TYPE_CHECKING:
+    from cpu_attn.magicpig import LshConfig
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    device: str = "auto"
+    """Where the linear layers run: auto (cuda if present), cuda or cpu."""
+    dtype: str = "auto"
+    """Model dtype: auto (float32 on cpu, bfloat16 on cuda), float32, float16 or bfloat16."""
+    cpu_linear_dtype: str = "auto"
+    """On the CPU with dtype float32, the linear layers' weights and matmuls: auto, float32 or bfloat16."""
+    gguf_blocks_max_tokens: int | None = None
+    """On the CPU, steps of at most this many tokens multiply by the GGUF's own quantized blocks (None: the default)."""
+    kv_format: str = "fp16"
+    """KV cache format of the CPU store (server.config.KV_FORMATS)."""
+    kv_capacity_bytes: int = 2**30
+    """KV cache capacity in bytes, MagicPIG's state included; the Ray executor splits it among its CPU actors."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_model_len: int | None = None
+    """Longest prompt plus output in tokens (None: the model's context)."""
+    oaken_thresholds_path: str | None = None
+    """Oaken thresholds JSON (None: the model cache's, calibrated on first use when missing)."""
+    oaken_sparse_fraction: float = SPARSE_FRACTION
+    """Oaken sparse entries a KV block has room for, as a share of its values."""
+    oaken_recent_blocks: int = 0
+    """Oaken: blocks per layer kept in full precision while they fill (0: none)."""
+    lsh: LshConfig | None = None
+    """MagicPIG's settings for sampled decode attention (None: exact attention)."""
+    max_num_seqs: int = 1
+    """Most sequences running at once: MagicPIG sets aside room for that many sequences' key centers."""
+
+    def __post_init__(self) -> None:
+        if self.kv_capacity_bytes <= 0 or self.block_size <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("kv_capacity_bytes, block_size and max_num_seqs must be positive")
+
+    @classmethod
+    def from_serve_config(cls, cfg: ServeConfig) -> BackendConfig:
+        recent = cfg.max_num_seqs if cfg.oaken_recent_blocks is None else cfg.oaken_recent_blocks
+        return cls(device=cfg.device, dtype=cfg.dtype, cpu_linear_dtype=cfg.cpu_linear_dtype,
+                   gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens, kv_format=cfg.kv_format,
+                   kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
+                   max_model_len=cfg.max_model_len, oaken_thresholds_path=cfg.oaken_thresholds,
+                   oaken_sparse_fraction=cfg.oaken_sparse_fraction, oaken_recent_blocks=recent,
+                   lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None
+    """An existing Ray cluster to join, e.g. auto or HEAD_IP:6379 (None: start a local one)."""
+    cpu_actors: int = 1
+    """CPU attention actors, one KV shard each."""
+    actor_cpus: int = 0
+    """CPUs (and kernel threads) per CPU attention actor (0: the machine's cores divided by cpu_actors)."""
+    kv_resource: str = "kv_node"
+    """Custom resource every CPU attention actor needs one of (empty: any node)."""
+    microbatches: int = 0
+    """Micro-batches per step, so the model actor computes one while the CPU actors attend another (0: auto)."""
+
+    def __post_init__(self) -> None:
+        if self.cpu_actors < 1 or self.actor_cpus < 0 or self.microbatches not in (0, 1, 2):
+            raise ValueError("cpu_actors must be >= 1, actor_cpus >= 0, microbatches 0, 1 or 2")
+
+    @classmethod
+    def from_serve_config(cls, cfg: ServeConfig) -> RayConfig:
+        return cls(address=cfg.ray_address, cpu_actors=cfg.ray_cpu_actors, actor_cpus=cfg.ray_actor_cpus,
+                   kv_resource=cfg.ray_kv_resource, microbatches=cfg.ray_microbatches)
