@@ -53,8 +53,11 @@ class RayBackend(Backend):
             if placement.address:
                 ray.init(address=placement.address, log_to_driver=True)
             else:  # a local cluster sized for our actors (logical CPUs may exceed the cores)
+                # Ray starts its workers at nice 15 by default: on a few cores the API process and the
+                # engine thread would then preempt the actors that compute every step
                 ray.init(num_cpus=max(os.cpu_count() or 1, num_actors * actor_cpus + 1), include_dashboard=False,
-                         resources={placement.kv_resource: num_actors} if placement.kv_resource else None)
+                         resources={placement.kv_resource: num_actors} if placement.kv_resource else None,
+                         _system_config={"worker_niceness": 0})
         self.ray = ray
         use_gpu = c.device == "cuda" or (c.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         # OpenMP threads that spin-wait after each op would steal the cores the other actors compute on
@@ -161,4 +164,36 @@ class RayBackend(Backend):
         for a in [self.model_actor, *self.cpu_actors]:
             self.ray.kill(a, no_restart=True)
         if self._owns_ray:
-            self.ray.shutdown()
+            stop_local_ray(self.ray)
+
+
+def stop_local_ray(ray, grace_s: float = 5.0) -> None:
+    """ray.shutdown(), then end every process the local cluster started that outlived it.
+
+    Ray's agents (dashboard agent, runtime-env agent) are the raylet's children and exit on their own
+    only some tens of seconds after it; the daemon must leave nothing behind when it stops."""
+    import psutil
+
+    def is_ray(p: psutil.Process) -> bool:
+        try:
+            return "ray" in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+
+    # before shutdown, while the agents are still our descendants (a test may have other children: keep them)
+    started = [p for p in psutil.Process().children(recursive=True) if is_ray(p)]
+    ray.shutdown()
+    alive = [p for p in started if p.is_running()]
+    for p in alive:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if alive:
+        log.warning("killed %d Ray processes that did not stop within %.0f s", len(alive), grace_s)

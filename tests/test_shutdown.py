@@ -78,3 +78,48 @@ def test_sigterm_drains_then_cancels_and_exits_zero(tmp_path):
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
     assert any(rec["msg"].startswith("shutting down") for rec in lines)
     assert any(rec.get("request_id") and rec.get("path") == "/v1/completions" for rec in lines)
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
+def test_ray_executor_runs_at_normal_priority_and_ctrl_c_leaves_no_process(tmp_path):
+    """`hetserve serve --executor ray`: the actors run at the server's own nice level (Ray's default 15 let
+    the API process preempt them), and Ctrl-C (SIGINT to the whole process group, as a terminal sends it)
+    stops every process the daemon started, Ray's agents included."""
+    import os
+
+    import psutil
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "hetserve", "serve", "--executor", "ray", "--port", str(port), "--kv-format", "fp32",
+           "--kv-cache-bytes", "64MiB", "--max-num-seqs", "4", "--shutdown-grace-s", "2"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(proc, url, log_path)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        started = psutil.Process(proc.pid).children(recursive=True)
+        actors = [p for p in started if p.name().startswith("ray::") or "ModelActor" in " ".join(p.cmdline())
+                  or "AttentionActor" in " ".join(p.cmdline())]
+        assert actors, [p.cmdline() for p in started]
+        assert {p.nice() for p in actors} == {psutil.Process(proc.pid).nice()}
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+        gone, alive = psutil.wait_procs(started, timeout=10)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive if p.is_running()]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
