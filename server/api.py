@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hetcore.backend import SamplingParams
@@ -25,7 +26,7 @@ from server.config import ServeConfig
 from server.engine import Engine
 from server.request import EngineRequest, RequestEvent
 from server.guard import Guard, GuardConfig
-from server.metrics import PREFIX, gauge
+from server.metrics import metrics_registry
 from server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -84,35 +85,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(err.status_code, message, headers=dict(err.headers or {})))
 
 
-def metrics_text(engine: Engine) -> str:
-    """Prometheus text: gauges read now, then the engine's histograms and counters."""
-    blocks = engine.blocks
-    sizes = blocks.spec.shards or (blocks.spec.num_blocks,)
-    kv = {(str(i),): used / max(1, n * blocks.spec.bytes_per_block) for i, (used, n) in
-          enumerate(zip(blocks.shard_used_bytes(), sizes))}
-    lines = gauge(PREFIX + "num_requests_running", "Requests in the running batch.", {(): engine.num_running})
-    lines += gauge(PREFIX + "num_requests_waiting", "Requests queued for the running batch.", {(): engine.num_waiting})
-    lines += gauge(PREFIX + "kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1), per CPU attention "
-                   "worker's shard.", kv, ("shard",))
-    lines += ["# HELP hetserve:num_preemptions_total Sequences preempted for KV space (recomputed later).",
-              "# TYPE hetserve:num_preemptions_total counter",
-              f"hetserve:num_preemptions_total {engine.scheduler.num_preemptions}",
-              "# HELP hetserve:prefix_cache_queries_total Tokens of admitted sequences looked up in the prefix cache.",
-              "# TYPE hetserve:prefix_cache_queries_total counter",
-              f"hetserve:prefix_cache_queries_total {blocks.queried_tokens}",
-              "# HELP hetserve:prefix_cache_hits_total Of those, tokens whose KV was found there (not computed).",
-              "# TYPE hetserve:prefix_cache_hits_total counter",
-              f"hetserve:prefix_cache_hits_total {blocks.hit_tokens}"]
-    lines += engine.metrics.render()
-    # the names the first /metrics had (deploy/README.md), and the simulator's series
-    lines += [f"hetserve_requests_running {engine.num_running}", f"hetserve_requests_waiting {engine.num_waiting}"]
-    clock = engine.clock
-    if clock.is_running:
-        lines += [f"hetserve_sim_clock_seconds {clock.now_s:.6f}", f"hetserve_sim_steps_total {clock.num_steps}",
-                  f"hetserve_sim_output_tokens_total {clock.num_output_tokens}"]
-    return "\n".join(lines) + "\n"
-
-
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="hetserve", version="0.1.0")
     engine, tok, cfg = state.engine, state.engine.tokenizer, state.cfg
@@ -129,9 +101,11 @@ def create_app(state: ServerState) -> FastAPI:
         status = "draining" if state.is_draining else engine.health()
         return JSONResponse({"status": status}, status_code=503 if status in ("down", "draining") else 200)
 
+    registry = metrics_registry(engine)
+
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

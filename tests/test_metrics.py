@@ -10,7 +10,9 @@ import sys
 import httpx
 
 from server.logs import JsonFormatter, StderrHandler, request_id_var
-from server.metrics import Histogram
+from prometheus_client import generate_latest
+
+from server.metrics import ServingMetrics
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|\+Inf|NaN)$')
 NAMES = ["hetserve:num_requests_running", "hetserve:num_requests_waiting", "hetserve:kv_cache_usage_perc",
@@ -61,12 +63,13 @@ def test_metrics_names_format_and_exact_counters(server):
 
 
 def test_histogram_buckets_are_cumulative():
-    h = Histogram("x_seconds", "help", (0.1, 1.0))
+    metrics = ServingMetrics()
     for v in (0.05, 0.5, 0.7, 3.0):
-        h.observe(v)
-    lines = h.render()
-    assert 'x_seconds_bucket{le="0.1"} 1' in lines and 'x_seconds_bucket{le="1.0"} 3' in lines
-    assert 'x_seconds_bucket{le="+Inf"} 4' in lines and "x_seconds_count 4" in lines and "x_seconds_sum 4.25" in lines
+        metrics.on_first_token(v)
+    lines = generate_latest(metrics.registry).decode().splitlines()
+    name = "hetserve:time_to_first_token_seconds"
+    assert f'{name}_bucket{{le="0.1"}} 1.0' in lines and f'{name}_bucket{{le="1.0"}} 3.0' in lines
+    assert f'{name}_bucket{{le="+Inf"}} 4.0' in lines and f"{name}_count 4.0" in lines and f"{name}_sum 4.25" in lines
 
 
 def test_request_id_is_echoed_and_json_logs_carry_it(server):

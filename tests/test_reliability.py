@@ -20,6 +20,11 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 MAX_NUM_SEQS, MAX_WAITING, TIMEOUT_S = 4, 4, 2.0
 
 
+def finished(engine, reason: str) -> float:
+    """Requests the engine has finished with `reason`, from its metrics."""
+    return engine.metrics.value("hetserve:request_success_total", finished_reason=reason)
+
+
 @pytest.fixture(scope="module")
 def guarded():
     """A small server with an API key, a short queue, CORS for one origin."""
@@ -106,7 +111,7 @@ def test_burst_beyond_the_queue_gets_429_and_health_stays_fast(guarded):
 
 def test_request_timeout_ends_request_with_408_and_frees_kv(guarded):
     body = {"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True}
-    cfg, timeouts_before = guarded.state.cfg, guarded.engine.metrics.finished.values[("timeout",)]
+    cfg, timeouts_before = guarded.state.cfg, finished(guarded.engine, "timeout")
     guarded.state.cfg = dataclasses.replace(cfg, request_timeout_s=TIMEOUT_S)  # read per request
     try:
         t0 = time.monotonic()
@@ -120,7 +125,7 @@ def test_request_timeout_ends_request_with_408_and_frees_kv(guarded):
         guarded.state.cfg = cfg
     assert chunks[-1]["error"]["type"] == "timeout_error" and len(chunks) > 1
     wait_kv_free(guarded, 2)
-    assert guarded.engine.metrics.finished.values[("timeout",)] == timeouts_before + 2
+    assert finished(guarded.engine, "timeout") == timeouts_before + 2
 
 
 def test_non_streaming_client_that_leaves_aborts_its_request(server):
@@ -162,14 +167,14 @@ def test_hundred_streams_half_disconnect_rest_complete_and_kv_is_freed(server):
         r = httpx.post(server.url + "/v1/completions", timeout=60, json={
             "prompt": f"Item {k}: a short note on", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         alone[k] = r.json()["choices"][0]["text"]
-    aborted_before = server.engine.metrics.finished.values.get(("abort",), 0)
+    aborted_before = finished(server.engine, "abort")
     results = asyncio.run(_hundred_streams(server.url))
     stayed = [r for r in results if not r["left"]]
     assert len(stayed) == 50
     for r in stayed:
         assert r["finish"] == "length" and r["text"] == alone[r["i"] % 5], r
     wait_kv_free(server, 10)
-    assert server.engine.metrics.finished.values.get(("abort",), 0) > aborted_before
+    assert finished(server.engine, "abort") > aborted_before
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 

@@ -316,8 +316,8 @@ def test_prefix_cache_reuses_a_prompts_blocks(server):
 
     def hits() -> int:
         text = httpx.get(server.url + "/metrics").text
-        return int(next(line.split()[1] for line in text.splitlines()
-                        if line.startswith("hetserve:prefix_cache_hits_total ")))
+        return int(float(next(line.split()[1] for line in text.splitlines()  # prometheus_client writes 688.0
+                              if line.startswith("hetserve:prefix_cache_hits_total "))))
 
     before = hits()
     cold, warm = complete(ids), complete(ids)
