@@ -43,8 +43,17 @@ def timeline(records: tuple[RequestRecord, ...], bin_s: float | None = None) -> 
             "waiting": waiting}
 
 
-def _cdf(ax, values_ms, label: str) -> None:
-    v = np.sort(np.asarray(values_ms, dtype=np.float64))
+def time_unit(values_ms) -> tuple[str, float]:
+    """The unit an axis of these latencies reads best in, from the largest: ms below 2 s, s below 2 min,
+    min above; returns (unit, milliseconds per unit)."""
+    top = max((float(v) for v in values_ms), default=0.0)
+    if top < 2e3:
+        return "ms", 1.0
+    return ("s", 1e3) if top < 120e3 else ("min", 60e3)
+
+
+def _cdf(ax, values_ms, label: str, ms_per_unit: float = 1.0) -> None:
+    v = np.sort(np.asarray(values_ms, dtype=np.float64)) / ms_per_unit
     if len(v):
         ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=label)
 
@@ -55,23 +64,36 @@ def _latencies_ms(rows: list[dict]) -> dict[str, list[float]]:
             "E2E": [r["e2e_ms"] for r in ok]}
 
 
-def plot_cdfs(runs: dict[str, dict[str, list[float]]], path: Path,
-              itl_ms: dict[str, list[float]] | None = None) -> Path:
-    """One panel per metric, one line per run. runs: name -> {"TTFT": [...ms], "TPOT": [...], "E2E": [...]}."""
+def cdf_figure(runs: dict[str, dict[str, list[float]]], itl_ms: dict[str, list[float]] | None = None):
+    """One panel per metric, one line per run, each panel's axis in the unit its values read best in (time_unit)
+    with at most six ticks. runs: name -> {"TTFT": [...ms], "TPOT": [...], "E2E": [...]}."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
     names = ["TTFT", "TPOT", "E2E"] + (["ITL"] if itl_ms else [])
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4))
     for ax, metric in zip(axes, names):
-        for run, lat in runs.items():
-            _cdf(ax, (itl_ms or {}).get(run, []) if metric == "ITL" else lat[metric], run)
-        ax.set_xlabel(f"{metric} (ms)")
+        series = {run: (itl_ms or {}).get(run, []) if metric == "ITL" else lat[metric] for run, lat in runs.items()}
+        unit, ms_per_unit = time_unit(v for values in series.values() for v in values)
+        for run, values in series.items():
+            _cdf(ax, values, run, ms_per_unit)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5, min_n_ticks=2))
+        ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+        ax.set_xlabel(f"{metric} ({unit})")
         ax.set_ylabel("fraction of requests" if metric != "ITL" else "fraction of gaps")
         ax.grid(alpha=0.3)
     if len(runs) > 1:
         axes[0].legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_cdfs(runs: dict[str, dict[str, list[float]]], path: Path,
+              itl_ms: dict[str, list[float]] | None = None) -> Path:
+    """cdf_figure's panels as a PNG at `path`."""
+    fig = cdf_figure(runs, itl_ms)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
