@@ -1,4 +1,4 @@
-"""The simulator against the Oaken paper's published numbers (issue 6's validation table).
+"""The simulator against the Oaken paper's published numbers: the validation table of `hetserve sim validate`.
 
 Readings (stated, not tuned):
 - 1.79x / 1.58x: Oaken-LPDDR over A100 vLLM fp16 / QServe KV4 at batch 256, 1K in / 1K out,

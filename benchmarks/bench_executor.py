@@ -9,7 +9,7 @@ attention actor holding all the KV with the machine's cores as its threads. Each
 sends c requests at once (prompts of --prompt-tokens, exactly --output-tokens out, fp32 KV) to
 each engine in turn, in --repeats rounds; the decode step time is the median over steps in which
 every chunk is one token, and `vs_local` the median over rounds of the ratio to the local engine
-in the same round, because this VM's speed drifts by up to 3x over minutes. `hidden` is the share of the CPU
+in the same round, because a shared machine's speed can drift by up to 3x over minutes. `hidden` is the share of the CPU
 attention time (slowest shard) during which the model actor did not wait for it.
 
 Exchange: one layer of a 32-sequence decode (q [32, 9, 64], k and v [32, 3, 64] out to each of 2

@@ -1,6 +1,6 @@
 """Long-context decode with the linears on a GPU and Oaken KV + MagicPIG on the host CPUs
 (hetserve's split) against GPU-only attention: bf16 KV on the GPU, torch SDPA, at the largest
-batch that fits (issue #10's GPU benchmark; needs a CUDA device, never runs in CI).
+batch that fits (needs a CUDA device, never runs in CI).
 
     python -m benchmarks.bench_gpu_offload --context 32768 65536 98304 --batch 4 8 16 --steps 16
 

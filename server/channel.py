@@ -6,7 +6,7 @@ and a small JSON header over one TCP connection, no pickle.
 
 One frame per layer and direction; a loopback round trip costs tens of microseconds, where a
 Ray task or a Ray Compiled Graph hop costs about a millisecond on a 2-core machine
-(benchmarks/bench_channel.py).
+(benchmarks/bench_executor.py, its `exchange` part).
 """
 from __future__ import annotations
 

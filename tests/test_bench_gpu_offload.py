@@ -1,4 +1,4 @@
-"""The GPU benchmark of issue #10 (benchmarks/bench_gpu_offload.py), run end to end on the CPU at
+"""The GPU offload benchmark (benchmarks/bench_gpu_offload.py), run end to end on the CPU at
 a tiny shape: the same code a CUDA machine runs, with real Oaken + MagicPIG decoding on the
 hetserve side and the device-resident KV loop on the other."""
 from __future__ import annotations

@@ -22,7 +22,7 @@ def _invocation(row: dict) -> str:
 
 def plot(rows: list[dict], path: Path) -> Path:
     """Per (workload, concurrency) cell: output and decode throughput and median TPOT of each config (bars:
-    mean over the repeats of the newest invocation, dots: every run, older sessions and machines included)."""
+    mean over the repeats of the newest invocation, dots: every run, older runs and machines included)."""
     import matplotlib
 
     matplotlib.use("Agg")
