@@ -1,1 +1,2 @@
-"""Offline accuracy measurements of KV formats and sparse attention through the serving path, and Oaken calibration: `hetserve eval` and `hetserve calibrate`."""
+"""Offline measurements through the serving path: accuracy of KV formats and sparse attention
+(`hetserve eval`) and Oaken calibration (`hetserve calibrate`)."""

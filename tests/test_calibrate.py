@@ -103,7 +103,7 @@ def test_calibrate_cli_on_wikitext(tmp_path, capsys):
     assert "thresholds written to" in capsys.readouterr().out
 
 
-def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monkeypatch):
+def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monkeypatch, caplog):
     """The model cache's thresholds are used when current; an older file (no key centering) is
     recalibrated when the default text is there, and used with a warning when it is not."""
     import types
@@ -131,6 +131,8 @@ def test_server_recalibrates_a_cached_file_from_an_older_version(tmp_path, monke
     assert (hetero.oaken_thresholds(model, tmp_path, None).values == 1).all() and calls == []
     monkeypatch.setattr(hetero, "DEFAULT_TEXT", text)
     assert (hetero.oaken_thresholds(model, tmp_path, None).values == 0).all() and calls == [CALIBRATION_WINDOWS]
+    warning = next(r.getMessage() for r in caplog.records if "calibrating Oaken thresholds now" in r.getMessage())
+    assert "takes minutes" in warning and "hetserve calibrate" in warning  # the cost, and how to avoid it
     assert OakenThresholds.load(cached).version == CALIBRATION_VERSION
     # bf16 linears (a bf16 model, or cast_linears on a CPU) get their own calibration, beside the fp32 one
     bf16 = types.SimpleNamespace(cfg=model.cfg, linear_dtype=torch.bfloat16)
