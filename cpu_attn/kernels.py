@@ -193,7 +193,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     q: [B, Hq, D] float32; k_cache, v_cache: [num_blocks, Hkv, block_size, D]
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (tokens incl. the current one)
     out: [B, Hq, D] float32 (written); lse: [B, Hq] float32 (written, natural log)
-    scratch: AttentionScratch (attention_scratch), one slice per unit
+    scratch: AttentionScratch (attention_scratch) as a plain tuple, one slice per unit
 
     A (sequence, kv-head) item widens a block's K/V rows once (widen_block: an fp16 cache's into kb,
     vb; a float32 cache's are read where they lie) and uses them for all `group` query heads that
@@ -201,13 +201,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     context is cut into U / (B * Hkv) parts of consecutive blocks, one unit of work each, whose
     states attend_merge joins (split_parts says how many).
     """
-    # one field a statement: a parallel kernel loses writes to arrays unpacked from a tuple (oaken/records.py)
-    scores = scratch.scores
-    kb = scratch.kb
-    vb = scratch.vb
-    m = scratch.m
-    l = scratch.l
-    parts = scratch.parts
+    scores = scratch[0]  # written: by index, one statement each (oaken/records.py)
+    kb = scratch[1]
+    vb = scratch[2]
+    m = scratch[3]
+    l = scratch[4]
+    parts = scratch[5]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -98,10 +98,9 @@ class PagedKVStore:
         work = num_seqs * self.num_kv_heads
         out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
-        paged_decode_attention(
-            np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables, seq_lens,
-            np.float32(scale), out, lse,
-            attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size)))
+        scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size))
+        paged_decode_attention(np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables, seq_lens,
+                               np.float32(scale), out, lse, tuple(scratch))  # a plain tuple: see oaken/records.py
         return out, lse
 
 

@@ -1,4 +1,4 @@
-"""MagicPIG per-sequence state for the attention worker (issue #4): key centers, hash tables per
+"""MagicPIG per-sequence state for the attention worker: key centers, hash tables per
 (sequence, layer, kv-head), codes of keys not yet indexed, and the per-layer decision between
 exact and sampled attention.
 

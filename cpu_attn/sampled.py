@@ -81,11 +81,11 @@ def _attend_range(q, q_turned, k_parts, v_parts, k_center, kvh, table, lo, hi, s
     kv-head: the keys as stored (q_turned) plus their centers (q), see sampled_decode_attention. The
     item's scratch and states come as arrays, not a record: written through a record built in the
     parallel loop, they would lose writes (oaken/records.py)."""
-    bs = k_parts.dense.shape[1]
+    bs = k_parts[0].shape[1]
     first_seg = kvh * q.shape[1] // SEGMENT
     if hi <= lo:
         return
-    centered = k_center.block_cos.shape[0] > 0
+    centered = k_center[1].shape[0] > 0
     for j in range(lo // bs, (hi + bs - 1) // bs):
         block = table[j]
         start, end = max(lo - j * bs, 0), min(hi - j * bs, bs)
@@ -111,8 +111,8 @@ def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg, entr
     one in turn): first each row's nibbles, scales and counts and its key's cos and sin rows, then,
     its block's counts having arrived meanwhile, where its sparse entries start (kept in
     entries [n, 2] for K and V) and their line."""
-    bs = k_parts.dense.shape[1]
-    cos, sin = k_center.block_cos, k_center.block_sin
+    bs = k_parts[0].shape[1]
+    cos, sin = k_center[1], k_center[2]
     for pos in positions:
         j, offset = pos // bs, pos % bs
         block = table[j]
@@ -121,15 +121,15 @@ def _prefetch_rows(k_parts, v_parts, k_center, table, positions, first_seg, entr
                 prefetch(cos, (j, d))
                 prefetch(sin, (j, d))
         for parts in (k_parts, v_parts):
-            prefetch(parts.dense, (block, offset, first_seg * (SEGMENT // 2)))
-            prefetch(parts.scales, (block, offset, 0))
-            prefetch(parts.counts, (block, offset, 0))
+            prefetch(parts[0], (block, offset, first_seg * (SEGMENT // 2)))
+            prefetch(parts[1], (block, offset, 0))
+            prefetch(parts[2], (block, offset, 0))
     for i in range(positions.shape[0]):
         block, offset = table[positions[i] // bs], positions[i] % bs
-        entries[i, 0] = row_entries(k_parts.counts[block], offset)
-        entries[i, 1] = row_entries(v_parts.counts[block], offset)
-        prefetch(k_parts.sparse, (block, entries[i, 0]))
-        prefetch(v_parts.sparse, (block, entries[i, 1]))
+        entries[i, 0] = row_entries(k_parts[2][block], offset)
+        entries[i, 1] = row_entries(v_parts[2][block], offset)
+        prefetch(k_parts[3], (block, entries[i, 0]))
+        prefetch(v_parts[3], (block, entries[i, 1]))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
@@ -141,10 +141,10 @@ def sampled_decode_attention(queries, k_parts, v_parts, k_center, block_tables, 
     precision, and sampled rows are read by load_row, which only decodes quantized blocks.
 
     queries: SampledQueries; k_parts, v_parts: one layer's K and V (oaken.OakenParts); k_center:
-    oaken.KeyCenter (oaken.add_key_center); block_tables, seq_lens, scale as in
-    paged_decode_attention; tables: LshTables; sampling:
-    Sampling; outputs: SampledOutputs (written); scratch: SampledScratch, cap >= the keys an item
-    indexes, count and marks zeros (and left so).
+    oaken.KeyCenter (oaken.add_key_center); tables: LshTables; sampling: Sampling; outputs:
+    SampledOutputs (written); scratch: SampledScratch, cap >= the keys an item indexes, count and
+    marks zeros (and left so); records as plain tuples (oaken/records.py). block_tables,
+    seq_lens, scale as in paged_decode_attention.
 
     Each hashed query retrieves its keys; the union of the group's keys is walked in position
     order, block_size rows at a time: rows decoded into kb/vb (the lines of ROWS_AHEAD rows are
@@ -156,27 +156,27 @@ def sampled_decode_attention(queries, k_parts, v_parts, k_center, block_tables, 
     q, q_turned, r, r_turned, r_norm, r_mu, r_codes = queries  # read only: unpacked (oaken/records.py)
     set_of, indexed, offsets, ids, norms = tables
     log_u, num_sinks, window, min_hits = sampling
-    out = outputs.out  # written: one field a statement
-    lse = outputs.lse
-    touched = outputs.touched
-    s = scratch.s
-    sc = scratch.sc
-    kb = scratch.kb
-    cb = scratch.cb
-    vb = scratch.vb
-    m = scratch.m
-    l = scratch.l
-    count = scratch.count
-    marks = scratch.marks
-    cand = scratch.cand
-    entries = scratch.entries
+    out = outputs[0]  # written: by index, one statement each
+    lse = outputs[1]
+    touched = outputs[2]
+    s = scratch[0]
+    sc = scratch[1]
+    kb = scratch[2]
+    cb = scratch[3]
+    vb = scratch[4]
+    m = scratch[5]
+    l = scratch[6]
+    count = scratch[7]
+    marks = scratch[8]
+    cand = scratch[9]
+    entries = scratch[10]
     num_seqs, num_heads, head_dim = q.shape
-    bs = k_parts.dense.shape[1]
+    bs = k_parts[0].shape[1]
     num_kv_heads = set_of.shape[1]
     group = num_heads // num_kv_heads
     per_head = r.shape[1] == num_heads  # else one shared query per kv-head
     num_r = group if per_head else 1
-    centered = k_center.block_cos.shape[0] > 0
+    centered = k_center[1].shape[0] > 0
     cap = count.shape[1]
     for item in prange(num_seqs * num_kv_heads):
         b, kvh = item // num_kv_heads, item % num_kv_heads

@@ -33,30 +33,32 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
     splits + part) * Hkv + kvh), so its scores, kacc and outputs are [Hq, ...] arrays.
 
     queries: DecodeQueries; k_parts, v_parts: one layer's K and V (OakenParts); center:
-    ScoreCenter (all records.py); block_tables, seq_lens, scale, out, lse as in
-    paged_decode_attention; scratch: OakenScratch. With query codes, every full quantized block
+    ScoreCenter; scratch: OakenScratch (records as plain tuples, records.py); block_tables,
+    seq_lens, scale, out, lse as in paged_decode_attention. With query codes, every full quantized block
     is not decoded: its keys are scored by vnni_block_scores (or avx2_block_scores), their
     centers by vnni_center_scores (see center_codes) and its values summed by
     vnni_add_weighted_rows; without (codes [0, 0, 0]) every block is decoded. Without center
     terms (queries.center [0, 0, 0]) the keys are not centered; else their centers are added in
     the score domain (add_center_scores)."""
     q, q_center, qi, qscale = queries  # read only: unpacked (records.py)
-    thr_k, thr_v = k_parts.thr, v_parts.thr
-    scores = scratch.scores  # written: one field a statement
-    kb = scratch.kb
-    vb = scratch.vb
-    m = scratch.m
-    l = scratch.l
-    parts = scratch.parts
-    qcb = scratch.qcb
-    sc = scratch.sc
-    kacc = scratch.kacc
-    abq_all = scratch.abq
-    factor_all = scratch.factor
-    inv_all = scratch.inv
+    k_dense, k_scales, k_counts, k_sparse, _, k_tail_of, thr_k = k_parts
+    v_dense, v_scales, v_counts, v_sparse, _, _, thr_v = v_parts
+    offset_pairs = center[3]
+    scores = scratch[0]  # written: by index, one statement each
+    kb = scratch[1]
+    vb = scratch[2]
+    m = scratch[3]
+    l = scratch[4]
+    parts = scratch[5]
+    qcb = scratch[6]
+    sc = scratch[7]
+    kacc = scratch[8]
+    abq_all = scratch[9]
+    factor_all = scratch[10]
+    inv_all = scratch[11]
     num_seqs, num_heads, head_dim = q.shape
-    block_size = k_parts.dense.shape[1]
-    num_kv_heads = k_parts.dense.shape[2] * 2 // head_dim
+    block_size = k_dense.shape[1]
+    num_kv_heads = k_dense.shape[2] * 2 // head_dim
     group = num_heads // num_kv_heads
     splits = parts.shape[0] // (num_seqs * num_kv_heads)
     int_dots = qi.shape[0] > 0
@@ -82,16 +84,16 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
             if j + 1 < end:
                 prefetch_block(k_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
                 prefetch_block(v_parts, block_tables[b, j + 1], 0, num_kv_heads * head_dim)
-            if int_dots and width == block_size and k_parts.tail_of[block] < 0:  # full and quantized, K and V alike
+            if int_dots and width == block_size and k_tail_of[block] < 0:  # full and quantized, K and V alike
                 # the block's lines, loaded once, serve every kv-head; each step one call for all query heads
-                int16_block_scores(task_scores, qi[b], qscale[b], k_parts.dense[block], k_parts.scales[block],
-                                   k_parts.counts[block], k_parts.sparse[block], thr_k, scale, task_kacc)
+                int16_block_scores(task_scores, qi[b], qscale[b], k_dense[block], k_scales[block], k_counts[block],
+                                   k_sparse[block], thr_k, scale, task_kacc)
                 if centered:
                     center_codes(q_center[b], center, j, inv, abq)
-                    vnni_center_scores(task_scores, abq, factor, center.offset_pairs)
+                    vnni_center_scores(task_scores, abq, factor, offset_pairs)
                 softmax_rows16(task_scores, task_acc, task_m, task_l)
-                int16_add_weighted_rows(task_acc, task_scores, v_parts.dense[block], v_parts.scales[block],
-                                        v_parts.counts[block], v_parts.sparse[block], thr_v)
+                int16_add_weighted_rows(task_acc, task_scores, v_dense[block], v_scales[block], v_counts[block],
+                                        v_sparse[block], thr_v)
                 continue
             for kvh in range(num_kv_heads):
                 unit = task * num_kv_heads + kvh

@@ -227,20 +227,20 @@ def _fp16_bits(x):
 
 @njit(cache=True, nogil=True, parallel=True)
 def write_tokens(x, slot_mapping, runs, parts, scratch):
-    """Quantize rows x [T, C] by parts.thr into their slots of one layer's K or V (parts:
+    """Quantize rows x [T, C] by its thresholds into their slots of one layer's K or V (parts:
     records.OakenParts, its dense, scales, counts and sparse written); `runs` [R + 1] splits the
     rows into runs that share a block (rows of a run are in position order), runs go in parallel.
     Returns the number of non-finite rows (nothing of those rows is written). scratch:
     records.TokenScratch."""
-    dense = parts.dense  # one field a statement: a parallel kernel loses writes to unpacked arrays (records.py)
-    scales = parts.scales
-    counts = parts.counts
-    sparse = parts.sparse
-    shifted = scratch.shifted
-    group = scratch.group
-    peak = scratch.peak
-    scale32 = scratch.scale32
-    thr = parts.thr
+    dense = parts[0]  # written: by index, one statement each (records.py)
+    scales = parts[1]
+    counts = parts[2]
+    sparse = parts[3]
+    thr = parts[6]
+    shifted = scratch[0]
+    group = scratch[1]
+    peak = scratch[2]
+    scale32 = scratch[3]
     block_size, budget = dense.shape[1], sparse.shape[1]
     bad = 0
     for r in prange(runs.shape[0] - 1):

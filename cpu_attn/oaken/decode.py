@@ -221,17 +221,17 @@ def row_entries(counts, offset):
 
 @njit(cache=True, nogil=True, inline="always")
 def load_block(parts, block, first_seg, width, out):
-    """Rows 0..width-1 of `block` for one kv-head -> out [bs, D] float32. parts: records.OakenParts;
-    a block still filling lives in full precision in tail[tail_of[block]] ([bs, C] float32); any
-    other block is decoded (dequantize_block)."""
-    slot = parts.tail_of[block]
+    """Rows 0..width-1 of `block` for one kv-head -> out [bs, D] float32. parts: records.OakenParts
+    (or its plain tuple); a block still filling lives in full precision in tail[tail_of[block]]
+    ([bs, C] float32); any other block is decoded (dequantize_block)."""
+    dense, scales, counts, sparse, tail, tail_of, thr = parts
+    slot = tail_of[block]
     if slot >= 0:
         first = first_seg * SEGMENT
         for t in range(width):
-            out[t, :] = parts.tail[slot, t, first:first + out.shape[1]]
+            out[t, :] = tail[slot, t, first:first + out.shape[1]]
     else:
-        dequantize_block(parts.dense[block], parts.scales[block], parts.counts[block], parts.sparse[block], parts.thr,
-                         first_seg, width, out)
+        dequantize_block(dense[block], scales[block], counts[block], sparse[block], thr, first_seg, width, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -259,8 +259,9 @@ def load_row(parts, block, first_seg, offset, e, out):
     filling (its rows are quantized; see load_block); e = row_entries(counts[block], offset). No tail
     check here: with it (a branch around the decoder) LLVM compiles the decoder ~2.5x slower, 100 vs
     40 ns per sampled row."""
-    decode_token(parts.dense[block, offset], parts.scales[block, offset], parts.counts[block, offset],
-                 parts.sparse[block], e, parts.thr, first_seg, out)
+    dense, scales, counts, sparse, _, _, thr = parts
+    decode_token(dense[block, offset], scales[block, offset], counts[block, offset], sparse[block], e, thr, first_seg,
+                 out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -268,7 +269,7 @@ def dequantize_blocks(parts, blocks, num_tokens, out):
     """First num_tokens positions of a sequence's blocks -> out [len(blocks), Hkv, block_size, D]
     float32 (the context of a later prefill chunk); rows past num_tokens are left unset.
     parts as in load_block."""
-    num_kv_heads, head_dim, block_size = out.shape[1], out.shape[3], parts.dense.shape[1]
+    num_kv_heads, head_dim, block_size = out.shape[1], out.shape[3], parts[0].shape[1]
     for item in prange(blocks.shape[0] * num_kv_heads):
         j, kvh = item // num_kv_heads, item % num_kv_heads
         load_block(parts, blocks[j], kvh * head_dim // SEGMENT, min(block_size, num_tokens - j * block_size),

@@ -175,7 +175,7 @@ class OakenKVStore:
             return
         runs = _block_runs(slot_mapping, self.block_size)
         for kv, x in enumerate(rows):
-            bad = oaken.write_tokens(x, slot_mapping, runs, self._parts(layer, kv), self._scratch)
+            bad = oaken.write_tokens(x, slot_mapping, runs, tuple(self._parts(layer, kv)), tuple(self._scratch))
             if bad:
                 raise _not_finite('KV'[kv], layer, bad)
 
@@ -220,7 +220,7 @@ class OakenKVStore:
         tails = oaken.TailSlots(self.tail[layer], self.tail_of[layer], self.tail_len[layer], self.tail_stamp[layer])
         result = oaken.write_tail_rows(
             *rows, positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
-            self.block_size, transform, tails, self._writes)
+            self.block_size, tuple(transform), tuple(tails), self._writes)
         if result > 0:
             raise _not_finite("K or V", layer, result)
         if result < 0:
@@ -283,7 +283,7 @@ class OakenKVStore:
         out = []
         for kv in (0, 1):
             x = np.empty(shape, np.float32)
-            oaken.dequantize_blocks(self._parts(layer, kv), blocks, seq_len, x)
+            oaken.dequantize_blocks(tuple(self._parts(layer, kv)), blocks, seq_len, x)
             x = self._unrotate(x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len])
             if kv == 0 and self.key_bias is not None:
                 x = x + self._centers(layer, np.arange(seq_len))
@@ -302,15 +302,17 @@ class OakenKVStore:
         int_dots = self.int_dots and num_heads <= oaken.MAX_HEADS  # else no int16 scratch, empty query codes
         # the queries in store space, turned, their center terms and int16 codes, in one call
         centered = self.key_bias is not None
-        queries = oaken.DecodeQueries(np.empty(q.shape, np.float32),
-                                      np.empty(q.shape if centered else (0, 0, 0), np.float32),
-                                      np.empty(q.shape if int_dots else (0, 0, 0), np.int16),
-                                      np.empty(q.shape[:2] if int_dots else (0, 0), np.float32))
+        # records go to the kernels as plain tuples: Numba types a NamedTuple by its names at every call
+        queries = tuple(oaken.DecodeQueries(np.empty(q.shape, np.float32),
+                                            np.empty(q.shape if centered else (0, 0, 0), np.float32),
+                                            np.empty(q.shape if int_dots else (0, 0, 0), np.int16),
+                                            np.empty(q.shape[:2] if int_dots else (0, 0), np.float32)))
         oaken.decode_queries(np.ascontiguousarray(q, np.float32), self.key_scales[layer], self.rotation,
                              self.key_center[layer], queries)
-        center = oaken.ScoreCenter(self._block_cos, self._block_sin, self._offset_table, self._offset_pairs)
-        oaken.oaken_decode_attention(queries, self._parts(layer, 0), self._parts(layer, 1), center, block_tables,
-                                     seq_lens, np.float32(scale), out, lse, oaken.oaken_scratch(scratch, int_dots))
+        center = tuple(oaken.ScoreCenter(self._block_cos, self._block_sin, self._offset_table, self._offset_pairs))
+        oaken.oaken_decode_attention(queries, tuple(self._parts(layer, 0)), tuple(self._parts(layer, 1)), center,
+                                     block_tables, seq_lens, np.float32(scale), out, lse,
+                                     tuple(oaken.oaken_scratch(scratch, int_dots)))
         oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
         return out, lse
 
@@ -354,10 +356,11 @@ class OakenKVStore:
                                          np.ascontiguousarray(q_codes, np.int32))
         outputs = sampled.SampledOutputs(np.empty(q.shape, np.float32), np.empty((num_seqs, num_heads), np.float32),
                                          np.empty((num_seqs, num_heads), np.int64))
-        sampled.sampled_decode_attention(
-            queries, self._parts(layer, 0), self._parts(layer, 1), self._key_center(layer), block_tables, seq_lens,
-            np.float32(scale), sampled.LshTables(*tables), sampled.Sampling(log_u, num_sinks, window, min_hits),
-            outputs, self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
+        sampling = sampled.Sampling(log_u, num_sinks, window, min_hits)
+        sampled.sampled_decode_attention(  # records as plain tuples (see decode_attention)
+            tuple(queries), tuple(self._parts(layer, 0)), tuple(self._parts(layer, 1)), tuple(self._key_center(layer)),
+            block_tables, seq_lens, np.float32(scale), tuple(tables), tuple(sampling), tuple(outputs),
+            tuple(self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity)))
         oaken.decode_outputs(outputs.out, self._unrotation, self.value_scales[layer])
         return outputs
 
