@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -57,8 +58,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantizing %s into %s (first start only)", gguf, out)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a folder of this process's own: two processes converting the same model at once must not share one
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok.save_pretrained(tmp)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -76,7 +78,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     if bundled is not None:  # the Oaken KV format starts with the shipped calibration (~5 minutes on 2 cores)
         log.info("Oaken thresholds for %s: the bundled calibration %s", gguf.name, bundled.name)
         shutil.copyfile(bundled, tmp / THRESHOLDS_FILE)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished the same conversion first: use its copy
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _save_gguf_blocks(gguf: Path, model_dir: Path) -> None:
