@@ -53,6 +53,7 @@ class RayBackend(Backend):
             if placement.address:
                 ray.init(address=placement.address, log_to_driver=True)
             else:  # a local cluster sized for our actors (logical CPUs may exceed the cores)
+                adopt_orphans()
                 # Ray starts its workers at nice 15 by default: on a few cores the API process and the
                 # engine thread would then preempt the actors that compute every step
                 ray.init(num_cpus=max(os.cpu_count() or 1, num_actors * actor_cpus + 1), include_dashboard=False,
@@ -167,6 +168,18 @@ class RayBackend(Backend):
             stop_local_ray(self.ray)
 
 
+def adopt_orphans() -> None:
+    """Make this process the child subreaper of its descendants (Linux), so that processes whose parent
+    dies are re-parented to it instead of to init: Ctrl-C reaches the whole process group, the raylet
+    can exit first, and its agents must still be found (and stopped) as our descendants."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        PR_SET_CHILD_SUBREAPER = 36
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
 def stop_local_ray(ray, grace_s: float = 5.0) -> None:
     """ray.shutdown(), then end every process the local cluster started that outlived it.
 
@@ -180,7 +193,7 @@ def stop_local_ray(ray, grace_s: float = 5.0) -> None:
         except psutil.Error:
             return False
 
-    # before shutdown, while the agents are still our descendants (a test may have other children: keep them)
+    # before shutdown, while they are still our descendants (a test may have other children: keep them)
     started = [p for p in psutil.Process().children(recursive=True) if is_ray(p)]
     ray.shutdown()
     alive = [p for p in started if p.is_running()]
@@ -195,5 +208,6 @@ def stop_local_ray(ray, grace_s: float = 5.0) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+    psutil.wait_procs(alive, timeout=grace_s)  # reap them: they may be our children now
     if alive:
         log.warning("killed %d Ray processes that did not stop within %.0f s", len(alive), grace_s)
