@@ -103,11 +103,20 @@ class OakenKVStore:
         self.tail_len = np.zeros((num_layers, recent_blocks), np.int64)
         self.tail_stamp = np.zeros((num_layers, recent_blocks), np.int64)
         self._writes = 0
+        # each layer's K and V and its tails as the kernels take them (oaken.OakenParts and oaken.TailSlots as
+        # plain tuples of views into the arrays above, which are never replaced), made once
+        self._layer_parts = [[tuple(oaken.OakenParts(self.dense[i, kv], self.scales[i, kv], self.counts[i, kv],
+                                                     self.sparse[i, kv], self.tail[i, kv], self.tail_of[i],
+                                                     self.thresholds[i, kv]))
+                              for kv in (0, 1)] for i in range(num_layers)]
+        self._tail_slots = [tuple(oaken.TailSlots(self.tail[i], self.tail_of[i], self.tail_len[i], self.tail_stamp[i]))
+                            for i in range(num_layers)]
         # get_thread_id() in a kernel is below the pool's size, whatever thread count the calling thread
         # set (Numba's count is per calling thread: the store may be built in one thread, used in another)
         threads = numba.config.NUMBA_NUM_THREADS
-        self._scratch = oaken.TokenScratch(np.empty((threads, c), np.float32), np.empty((threads, c), np.int8),
-                                           np.empty((threads, 3), np.float32), np.empty((threads, 3), np.float32))
+        f32 = np.float32
+        self._scratch = tuple(oaken.TokenScratch(np.empty((threads, c), f32), np.empty((threads, c), np.int8),
+                                                 np.empty((threads, 3), f32), np.empty((threads, 3), f32)))
         self._sampled: dict[int, sampled.SampledScratch] = {}  # sampled attention's scratch per calling thread
 
     @staticmethod
@@ -164,18 +173,16 @@ class OakenKVStore:
     def _unrotate(self, x: np.ndarray) -> np.ndarray:
         return self._rotate(x, self._unrotation)
 
-    def _parts(self, layer: int, kv: int) -> oaken.OakenParts:
-        """One layer's K (kv 0) or V (kv 1) as the kernels take it."""
-        return oaken.OakenParts(self.dense[layer, kv], self.scales[layer, kv], self.counts[layer, kv],
-                                self.sparse[layer, kv], self.tail[layer, kv], self.tail_of[layer],
-                                self.thresholds[layer, kv])
+    def _parts(self, layer: int, kv: int) -> tuple[np.ndarray, ...]:
+        """One layer's K (kv 0) or V (kv 1) as the kernels take it: oaken.OakenParts as a plain tuple."""
+        return self._layer_parts[layer][kv]
 
     def _quantize(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray]) -> None:
         if len(slot_mapping) == 0:
             return
         runs = _block_runs(slot_mapping, self.block_size)
         for kv, x in enumerate(rows):
-            bad = oaken.write_tokens(x, slot_mapping, runs, tuple(self._parts(layer, kv)), tuple(self._scratch))
+            bad = oaken.write_tokens(x, slot_mapping, runs, self._parts(layer, kv), self._scratch)
             if bad:
                 raise _not_finite('KV'[kv], layer, bad)
 
@@ -217,10 +224,9 @@ class OakenKVStore:
             self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
             self.key_bias[layer].reshape(1, c) if centered else np.zeros((0, c), np.float32), self.rotation,
             self._cos, self._sin)
-        tails = oaken.TailSlots(self.tail[layer], self.tail_of[layer], self.tail_len[layer], self.tail_stamp[layer])
         result = oaken.write_tail_rows(
             *rows, positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
-            self.block_size, tuple(transform), tuple(tails), self._writes)
+            self.block_size, tuple(transform), self._tail_slots[layer], self._writes)
         if result > 0:
             raise _not_finite("K or V", layer, result)
         if result < 0:
@@ -283,7 +289,7 @@ class OakenKVStore:
         out = []
         for kv in (0, 1):
             x = np.empty(shape, np.float32)
-            oaken.dequantize_blocks(tuple(self._parts(layer, kv)), blocks, seq_len, x)
+            oaken.dequantize_blocks(self._parts(layer, kv), blocks, seq_len, x)
             x = self._unrotate(x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len])
             if kv == 0 and self.key_bias is not None:
                 x = x + self._centers(layer, np.arange(seq_len))
@@ -310,8 +316,8 @@ class OakenKVStore:
         oaken.decode_queries(np.ascontiguousarray(q, np.float32), self.key_scales[layer], self.rotation,
                              self.key_center[layer], queries)
         center = tuple(oaken.ScoreCenter(self._block_cos, self._block_sin, self._offset_table, self._offset_pairs))
-        oaken.oaken_decode_attention(queries, tuple(self._parts(layer, 0)), tuple(self._parts(layer, 1)), center,
-                                     block_tables, seq_lens, np.float32(scale), out, lse,
+        oaken.oaken_decode_attention(queries, self._parts(layer, 0), self._parts(layer, 1), center, block_tables,
+                                     seq_lens, np.float32(scale), out, lse,
                                      tuple(oaken.oaken_scratch(scratch, int_dots)))
         oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
         return out, lse
@@ -358,13 +364,13 @@ class OakenKVStore:
                                          np.empty((num_seqs, num_heads), np.int64))
         sampling = sampled.Sampling(log_u, num_sinks, window, min_hits)
         sampled.sampled_decode_attention(  # records as plain tuples (see decode_attention)
-            tuple(queries), tuple(self._parts(layer, 0)), tuple(self._parts(layer, 1)), tuple(self._key_center(layer)),
-            block_tables, seq_lens, np.float32(scale), tuple(tables), tuple(sampling), tuple(outputs),
-            tuple(self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity)))
+            tuple(queries), self._parts(layer, 0), self._parts(layer, 1), tuple(self._key_center(layer)), block_tables,
+            seq_lens, np.float32(scale), tuple(tables), tuple(sampling), tuple(outputs),
+            self._sampled_scratch(num_seqs * self.num_kv_heads, group, capacity))
         oaken.decode_outputs(outputs.out, self._unrotation, self.value_scales[layer])
         return outputs
 
-    def _sampled_scratch(self, work: int, group: int, capacity: int) -> sampled.SampledScratch:
+    def _sampled_scratch(self, work: int, group: int, capacity: int) -> tuple[np.ndarray, ...]:
         """sampled.sampled_scratch for `work` items, kept between calls (the kernel leaves its count and marks
         zeroed, as it needs them) and grown by a quarter past what a call needs. Fresh arrays on every
         call cost ~0.25 ms a sampled layer at 16 x 8k, and ~10 ms after the server's malloc_trim gave
@@ -375,7 +381,7 @@ class OakenKVStore:
             have = sampled.sampled_scratch(max(items, work), group, self.block_size, self.head_dim,
                                        max(cap, capacity + capacity // 4))
             self._sampled[threading.get_ident()] = have
-        return sampled.SampledScratch(*(a[:work] for a in have))
+        return tuple(a[:work] for a in have)  # a plain tuple, as the kernel takes it
 
     def group_counts(self, block_table, seq_len: int) -> dict[str, int]:
         """What one sequence's stored values are, over every layer, K and V: counts of values,
