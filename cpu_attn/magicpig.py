@@ -2,7 +2,7 @@
 (sequence, layer, kv-head), codes of keys not yet indexed, and the per-layer decision between
 exact and sampled attention.
 
-The codes come from the model worker (gpu_model.lsh.LshCoder, made by `MagicPig.coder`), which
+The codes come from the model worker (cpu_attn.simhash.LshCoder, made by `MagicPig.coder`), which
 hashes q and k next to the projection, keys centered the same way as here.
 
 Per sequence and layer:
@@ -159,7 +159,7 @@ class MagicPig:
     def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes: np.ndarray | None,
                earlier: Callable[[], torch.Tensor] | None = None) -> None:
         """k [n, Hkv, D] (CPU float32): the keys of positions start_pos .. start_pos + n - 1;
-        k_codes [n, Hkv, L] int32: their centered codes (gpu_model.lsh.LshCoder). `earlier()` gives
+        k_codes [n, Hkv, L] int32: their centered codes (cpu_attn.simhash.LshCoder). `earlier()` gives
         the keys of positions 0 .. start_pos - 1 as stored, [start_pos, Hkv, D].
 
         A sequence's keys are centered on the mean of its first chunk. Two cases choose a center here

@@ -25,7 +25,7 @@ from cpu_attn.topk import TopK
 
 @dataclass(frozen=True)
 class ChunkLayout:
-    """What the worker needs to know of one sequence's chunk (mirrors server.backend.SeqChunk)."""
+    """What the worker needs to know of one sequence's chunk (mirrors hetcore.backend.SeqChunk)."""
 
     num_tokens: int
     start_pos: int

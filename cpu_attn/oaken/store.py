@@ -333,7 +333,7 @@ class OakenKVStore:
                                  log_u: np.ndarray, num_sinks: int, window: int, min_hits: int = 2
                                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """MagicPIG attention (cpu_attn/lsh.py, cpu_attn/sampled.py): q [B, Hq, D], q_codes int32 [B, Hq, L] (each head
-        hashed) or [B, Hkv, L] (each GQA group's mean query hashed, gpu_model.lsh); tables =
+        hashed) or [B, Hkv, L] (each GQA group's mean query hashed, cpu_attn.simhash); tables =
         (set_of [B, Hkv, 2] each item's range of sets, indexed [S], offsets [S, L, 2^K + 1],
         ids [S, L, cap], norms [S, cap] each key's |k - mu|, or typed Lists of the per-set arrays);
         mu [B, Hkv, D] the keys' centers; log_u from lsh.log_u_table (same min_hits); window >= 1 (the
