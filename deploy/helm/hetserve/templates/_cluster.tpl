@@ -62,6 +62,7 @@ headGroupSpec:
                   key: {{ $v.apiKey.key }}
             {{- end }}
             - {name: NUMBA_CACHE_DIR, value: {{ printf "%s/numba" $v.modelCache.mountPath | quote }}}
+            - {name: RAY_worker_niceness, value: "0"}  # actors at normal priority (Ray's default is 15)
             {{- with $v.hetserve.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -155,6 +156,7 @@ spec:
           eval "exec $KUBERAY_GEN_RAY_START_CMD"
       env:
         - {name: NUMBA_CACHE_DIR, value: {{ printf "%s/numba" $v.modelCache.mountPath | quote }}}
+        - {name: RAY_worker_niceness, value: "0"}  # actors at normal priority (Ray's default is 15)
       resources:
         {{- toYaml .resources | nindent 8 }}
       securityContext:
