@@ -21,10 +21,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# the Ray executor on a local Ray cluster: a model actor and one CPU attention actor (README: Ray executor);
-# ARGS="--executor local" serves from one process
+# one process (the local executor: the fastest on one machine); ARGS="--executor ray" serves from a local
+# Ray cluster (a model actor and a CPU attention actor), the executor for several nodes
 serve: install
-	$(VENV)/bin/hetserve serve --executor ray $(ARGS)
+	$(VENV)/bin/hetserve serve $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
