@@ -13,6 +13,21 @@ from server.config import ServeConfig
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
+def wait_healthy(proc, url: str, log_path: Path, timeout_s: float) -> None:
+    """Until GET /health answers 200; fails with the log's tail if `proc` exits or `timeout_s` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_healthy
 
 GRACE_S = 4.0
 
@@ -41,15 +41,7 @@ def test_sigterm_drains_then_cancels_and_exits_zero(tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, url, log_path, timeout_s=180)
         short, long, whole = {}, {}, {}
         started = [threading.Event(), threading.Event()]
         threads = [threading.Thread(target=_stream, args=(url, 6, short, started[0])),
@@ -80,18 +72,6 @@ def test_sigterm_drains_then_cancels_and_exits_zero(tmp_path):
     assert any(rec.get("request_id") and rec.get("path") == "/v1/completions" for rec in lines)
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-
-
 def test_ray_executor_runs_at_normal_priority_and_ctrl_c_leaves_no_process(tmp_path):
     """`hetserve serve --executor ray`: the actors run at the server's own nice level (Ray's default 15 let
     the API process preempt them), and Ctrl-C (SIGINT to the whole process group, as a terminal sends it)
@@ -108,7 +88,7 @@ def test_ray_executor_runs_at_normal_priority_and_ctrl_c_leaves_no_process(tmp_p
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_healthy(proc, url, log_path)
+        wait_healthy(proc, url, log_path, timeout_s=300)
         r = httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
         started = psutil.Process(proc.pid).children(recursive=True)

@@ -15,14 +15,12 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 _NOT_IN_WHEEL = {".git", ".venv", ".ci", ".pytest_cache", "build", "benchmarks", "tests", "docs", "deploy"}
@@ -113,18 +111,6 @@ def test_sim_validate_and_replay_defaults(wheel_venv, tmp_path):
     assert "AzureLLMInferenceTrace_conv.csv" in (tmp_path / "replay.json").read_text() + out
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-
-
 def test_serve_loadgen_synth_and_sigterm(wheel_venv, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -136,7 +122,7 @@ def test_serve_loadgen_synth_and_sigterm(wheel_venv, tmp_path):
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=wheel_venv.cwd, env=wheel_venv.env, stdout=f, stderr=subprocess.STDOUT)
     try:
-        _wait_healthy(proc, url, log, timeout_s=240)
+        wait_healthy(proc, url, log, timeout_s=240)
         out = tmp_path / "synth"
         _ok(wheel_venv.run("loadgen", "synth", "--endpoint", url, "--num-requests", "4", "--prompt-tokens", "16", "48",
                            "--output-tokens", "4", "8", "--no-progress", "--timeout-s", "60", "--out", str(out),
