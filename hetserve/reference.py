@@ -49,10 +49,8 @@ def _default_and_help(action: argparse.Action) -> tuple[str, str]:
     has_value = not (value is None or value is argparse.SUPPRESS or
                      isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)))
     default = _shown(value) if has_value else ""
-    while m := _TRAILING_DEFAULT.search(help):  # serve's flags say theirs in the help, one or two times
-        help = help[:m.start()]
-        if m.group(1) != "None" or not default:
-            default = m.group(1) if m.group(1) != "None" else ""
+    if m := _TRAILING_DEFAULT.search(help):  # serve's flags say theirs in the help
+        help, default = help[:m.start()], ("" if m.group(1) == "None" else m.group(1))
     literal = default and " " not in default  # a value, not a description such as "the model's context"
     return (f"`{default}`" if literal else default), help
 

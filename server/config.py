@@ -250,8 +250,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(ServeConfig):
         parse = f.metadata.get("parse")
         kind = flag_type(parse) if parse else {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        help = f.metadata["help"]  # a help that describes its default says it already
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
-                            help=f"{f.metadata['help']} (default: {f.default})")
+                            help=help if "(default:" in help else f"{help} (default: {f.default})")
 
 
 def from_args(args: argparse.Namespace) -> ServeConfig:
