@@ -1,0 +1,132 @@
+"""LLVM IR of the MX kernels (gpu_model/mx_kernels.py): a block of 32 codes decoded in registers
+into two <16 x float>, and the two intrinsics built on it.
+
+A block decodes to integers I (exact in float32) with element = I x 2^-k, so weight = I x
+2^(scale - 127 - k), one float32 product per weight, the same rounding as mx.decode's element x
+2^(scale - 127) (the scale table passed in holds 2^(s - 127 - k), NaN at 255):
+
+    mxfp4   k = 1  16-entry byte table (pshufb) of 2 x element, per nibble
+    mxfp6   k = 3  8 x element: two 16-entry tables (pshufb) for the 5-bit magnitude, then the sign
+    mxfp8   k = 9  512 x element = m (e = 0) or (8 + m) << (e - 1), in 32-bit lanes; codes S.1111.111: NaN
+    mxint8  k = 6  the code itself
+
+Negative zero decodes to +0 (integers have no -0); a dot product's sum does not change.
+pshufb is SSSE3, so every x86-64 CPU with AVX2 runs these; LLVM picks AVX-512 where the CPU has it.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils
+
+from cpu_attn.llvm_ir import _llvm_fn, splat
+from gpu_model import mx
+
+KINDS = ("mxfp8", "mxfp6", "mxfp4", "mxint8")
+SCALE_SHIFT = {"mxfp8": 9, "mxfp6": 3, "mxfp4": 1, "mxint8": 6}
+"""k: element = I x 2^-k."""
+
+_F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_VF, _VB, _VI = ir.VectorType(_F32, 16), ir.VectorType(_I8, 16), ir.VectorType(_I32, 16)
+
+
+def scale_table(fmt: str) -> np.ndarray:
+    """[256] float32: 2^(s - 127 - k) for E8M0 code s, NaN at 255."""
+    s = np.arange(256)
+    return np.where(s == mx.SCALE_NAN, np.nan, np.ldexp(1.0, s - 127 - SCALE_SHIFT[fmt])).astype(np.float32)
+
+
+def _int_table(fmt: str, first: int) -> list[int]:
+    """16 entries of I (= element x 2^k) for the codes first .. first + 15."""
+    values = mx.element_values(mx.get_format(fmt))[first:first + 16] * 2 ** SCALE_SHIFT[fmt]
+    return [int(v) for v in values]
+
+
+def _bytes(values) -> ir.Constant:
+    return ir.Constant(_VB, [v & 0xFF for v in values])
+
+
+def load(builder, base, kind, i):
+    """LLVM IR: the `kind` value at element i of the pointer base (unaligned)."""
+    value = builder.load(builder.bitcast(builder.gep(base, [i]), kind.as_pointer()))
+    value.align = 1
+    return value
+
+
+def _pshufb(builder, table: ir.Constant, index):
+    return builder.call(_llvm_fn(builder, "llvm.x86.ssse3.pshuf.b.128", _VB, [_VB, _VB]), [table, index])
+
+
+def _fp4_ints(builder, block):
+    p = load(builder, block, _VB, _I64(0))
+    table = _bytes(_int_table("mxfp4", 0))
+    return [_pshufb(builder, table, builder.and_(p, _bytes([15] * 16))),
+            _pshufb(builder, table, builder.lshr(p, _bytes([4] * 16)))]
+
+
+def _fp6_ints(builder, block):
+    low = load(builder, block, _VB, _I64(0))
+    high = load(builder, block, ir.VectorType(_I8, 8), _I64(16))
+    pairs = [builder.lshr(high, ir.Constant(high.type, [2 * q] * 8)) for q in range(4)]
+    halves = []
+    for h, nibble in enumerate((builder.and_(low, _bytes([15] * 16)), builder.lshr(low, _bytes([4] * 16)))):
+        lanes = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+        top = builder.shuffle_vector(pairs[2 * h], pairs[2 * h + 1], lanes)
+        code = builder.or_(nibble, builder.shl(builder.and_(top, _bytes([3] * 16)), _bytes([4] * 16)))
+        index = builder.and_(code, _bytes([15] * 16))
+        small, large = (_pshufb(builder, _bytes(_int_table("mxfp6", first)), index) for first in (0, 16))
+        zero = ir.Constant(_VB, [0] * 16)
+        mag = builder.select(builder.icmp_unsigned("!=", builder.and_(code, _bytes([16] * 16)), zero), large, small)
+        is_neg = builder.icmp_unsigned("!=", builder.and_(code, _bytes([32] * 16)), zero)
+        halves.append(builder.select(is_neg, builder.sub(zero, mag), mag))
+    return halves
+
+
+def _fp8_floats(builder, block):
+    out = []
+    for h in (0, 1):
+        z = builder.zext(load(builder, block, _VB, _I64(16 * h)), _VI)
+        c = lambda v: ir.Constant(_VI, [v] * 16)  # noqa: E731
+        mag = builder.and_(z, c(127))
+        e, m = builder.lshr(mag, c(3)), builder.and_(mag, c(7))
+        is_normal = builder.zext(builder.icmp_unsigned("!=", e, c(0)), _VI)
+        ints = builder.shl(builder.or_(m, builder.shl(is_normal, c(3))), builder.sub(e, is_normal))
+        is_neg = builder.icmp_unsigned("!=", builder.and_(z, c(128)), c(0))
+        f = builder.sitofp(builder.select(is_neg, builder.sub(c(0), ints), ints), _VF)
+        nan = ir.Constant(_VF, [float("nan")] * 16)
+        out.append(builder.select(builder.icmp_unsigned("==", mag, c(127)), nan, f))
+    return out
+
+
+class Blocks:
+    """LLVM IR: the blocks of a weight (codes [N, K/32, B] uint8, scales [N, K/32] uint8; the arrays'
+    structs) in format `fmt`, a block at a time in two <16 x float> (exact weights)."""
+
+    def __init__(self, builder, fmt: str, codes, scales, table):
+        self.builder, self.fmt, self.codes, self.scales, self.table = builder, fmt, codes, scales, table
+        self.num_blocks = cgutils.unpack_tuple(builder, scales.shape, 2)[1]
+        self.block_bytes = _I64(mx.get_format(fmt).block_bytes)
+
+    def weights(self, n, b):
+        """Row n's block b -> [elements 0..15, 16..31] as <16 x float>."""
+        builder = self.builder
+        at = builder.add(builder.mul(n, self.num_blocks), b)
+        block = builder.gep(self.codes.data, [builder.mul(at, self.block_bytes)])
+        code = builder.zext(builder.load(builder.gep(self.scales.data, [at])), _I64)
+        scale = splat(builder, builder.load(builder.gep(self.table.data, [code])), 16)
+        if self.fmt == "mxfp8":
+            halves = _fp8_floats(builder, block)
+        else:
+            ints = {"mxfp4": _fp4_ints, "mxfp6": _fp6_ints}[self.fmt](builder, block) if self.fmt != "mxint8" else \
+                [load(builder, block, _VB, _I64(16 * h)) for h in (0, 1)]
+            halves = [builder.sitofp(v, _VF) for v in ints]
+        return [builder.fmul(h, scale) for h in halves]
+
+
+def hsum(builder, v):
+    """LLVM IR: the sum of a <16 x float>'s lanes, as a tree of adds."""
+    for lanes in (8, 4, 2, 1):
+        kind = ir.VectorType(_I32, lanes)
+        v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes)))),
+                         builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes, 2 * lanes)))))
+    return builder.extract_element(v, _I32(0))
