@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gpu_model.config import ModelConfig
+from gpu_model.mx_weight import MXWeight
 from gpu_model.quant import QuantWeight, quant_matmul
 
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -94,8 +95,9 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.quant: dict[str, QuantWeight] = {}
-        """Block-quantized copies of linears ("layers.3.qkv", "head"), used for small batches."""
+        self.quant: dict[str, QuantWeight | MXWeight] = {}
+        """Block-quantized copies of linears ("layers.3.qkv", "head"), used for small batches: GGUF
+        blocks or MX (gpu_model/mx_weight.py)."""
         self.quant_max_tokens = 0
         """Steps with at most this many tokens use `quant` (set by the loader; 0 = never)."""
         self.head_weight: torch.Tensor | None = None
@@ -106,7 +108,7 @@ class LlamaModel(nn.Module):
     def _linear(self, key: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q = self.quant.get(key)
         if q is not None and x.shape[0] <= self.quant_max_tokens:
-            return quant_matmul(x, q)
+            return q.matmul(x) if isinstance(q, MXWeight) else quant_matmul(x, q)
         if weight.dtype != x.dtype:  # bf16 linears in an fp32 model (cast_linears)
             packed = self.packed.get(key)
             if packed is not None:
