@@ -1,5 +1,8 @@
 """Token sampler: greedy, temperature, top-k, top-p, reproducible per-request seeds.
 
+A grammar's mask (structured outputs) is applied first, before penalties, temperature, top-k and
+top-p, row by row: a row with a mask can only sample the tokens it allows.
+
 Randomness for the n-th output token of a request comes from a generator seeded with
 (seed, n) alone, so the same request samples the same text whatever else shares its batch,
 and a preempted request that is recomputed continues exactly where it left off.
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 
@@ -41,6 +45,21 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def unpack_mask(words: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """words: int32 [ceil(V / 32)], token t allowed when bit t % 32 of words[t // 32] is set -> bool [vocab_size]
+    (tokens past the mask's 32 * len(words) are not allowed)."""
+    bits = np.unpackbits(np.ascontiguousarray(words, dtype="<i4").view(np.uint8), bitorder="little")
+    allowed = torch.zeros(vocab_size, dtype=torch.bool)
+    n = min(vocab_size, bits.shape[0])
+    allowed[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
+    return allowed
+
+
+def apply_mask(logits: torch.Tensor, words: np.ndarray) -> torch.Tensor:
+    """logits: [V] -> a copy with the tokens the packed mask `words` does not allow set to -inf."""
+    return logits.masked_fill(~unpack_mask(words, logits.shape[-1]), float("-inf"))
+
+
 def penalize(logits: torch.Tensor, p: SamplingLike, history: Sequence[int]) -> torch.Tensor:
     """logits: [V] -> a copy plus the request's logit_bias, less OpenAI's presence and frequency penalties
     of the tokens in `history`."""
@@ -54,16 +73,19 @@ def penalize(logits: torch.Tensor, p: SamplingLike, history: Sequence[int]) -> t
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingLike], output_indices: Sequence[int],
-           histories: Sequence[Sequence[int]] = ()) -> list[int]:
+           histories: Sequence[Sequence[int]] = (), masks: Sequence[np.ndarray | None] = ()) -> list[int]:
     """logits: [N, V] -> one token id per row. histories: each row's request's outputs so far, for
-    its penalties (may be empty)."""
+    its penalties (may be empty). masks: each row's packed mask of allowed tokens (unpack_mask), or None
+    for any token (may be empty)."""
     logits = logits.float().cpu()
     tokens = logits.argmax(-1).tolist()
     for row, (p, index) in enumerate(zip(params, output_indices)):
         history = histories[row] if histories else ()
-        if p.temperature == 0.0 and not history and not p.logit_bias:
+        mask = masks[row] if masks else None
+        if p.temperature == 0.0 and not history and not p.logit_bias and mask is None:
             continue
-        row_logits = penalize(logits[row], p, history) if history or p.logit_bias else logits[row]
+        row_logits = logits[row] if mask is None else apply_mask(logits[row], mask)
+        row_logits = penalize(row_logits, p, history) if history or p.logit_bias else row_logits
         if p.temperature == 0.0:
             tokens[row] = int(row_logits.argmax())
             continue

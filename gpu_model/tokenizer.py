@@ -48,7 +48,18 @@ class Tokenizer:
             return bytes([int(m[1], 16)])
         return piece.replace("\u2581", " ").encode()
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """messages: [{"role", "content"}] -> prompt token ids ending with the assistant turn's opening."""
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    @property
+    def hf(self):
+        """The Hugging Face tokenizer itself (for a grammar engine's view of the vocabulary)."""
+        return self._tok
+
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template lays out a request's tools itself (it reads its `tools` variable)."""
+        return "tools" in (self._tok.chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """messages: [{"role", "content"}] -> prompt token ids ending with the assistant turn's opening.
+        tools: OpenAI's function definitions, for a template that renders them."""
+        text = self._tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return self._tok.encode(text, add_special_tokens=False)

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import abc
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class KVCapacityError(ValueError):
@@ -46,6 +50,42 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty)
 
 
+class TokenMask:
+    """The tokens a sequence may sample next (a grammar's mask), packed as llguidance and xgrammar pack it:
+
+        words: int32 [ceil(vocab / 32)]     token t allowed  <=>  bit (t % 32) of words[t // 32] is set
+
+    The engine fills it on a helper thread while the backend's step runs; `words()` waits until it is
+    filled. It pickles as its filled words, so it crosses the Ray executor like any array. (This module
+    imports neither NumPy nor torch: the words are whatever array the engine fills in.)"""
+
+    def __init__(self, words: np.ndarray | None = None):
+        self._words = words
+        self._error: str | None = None
+        self._ready = threading.Event()
+        if words is not None:
+            self._ready.set()
+
+    def fill(self, words: np.ndarray) -> None:
+        self._words = words
+        self._ready.set()
+
+    def fail(self, error: str) -> None:
+        """The mask could not be computed: words() raises instead of waiting for ever."""
+        self._error = error
+        self._ready.set()
+
+    def words(self) -> np.ndarray:
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"token mask not computed: {self._error}")
+        assert self._words is not None
+        return self._words
+
+    def __reduce__(self):
+        return TokenMask, (self.words(),)
+
+
 @dataclass(frozen=True)
 class SeqChunk:
     """One sequence's share of a step."""
@@ -69,6 +109,9 @@ class SeqChunk:
     predicts the token at start_pos + i + 1)."""
     prompt_top: int = 0
     """With prompt_targets: most likely tokens to list beside each (the request's prompt_logprobs)."""
+    allowed_tokens: TokenMask | None = None
+    """With sampling, for a request with a grammar (structured outputs): the tokens it may sample; the sampler
+    masks the others out before penalties, temperature, top-k and top-p. None: any token."""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from hetcore.backend import SamplingParams
 from server.config import ServeConfig
 from server.engine import Engine
 from server.request import EngineRequest, RequestEvent
+from server.grammar import Grammar, GrammarCompiler, GrammarError, GrammarSpec
 from server.guard import Guard, GuardConfig
 from server.metrics import metrics_registry
 from server.protocol import (
@@ -40,6 +41,8 @@ from server.protocol import (
     stop_list,
 )
 from server.responses import EngineStream, Logprobs, Shape, abort_unfinished, event_error
+from server.structured import Tools, prompt_messages, request_grammar, tool_setup
+from server.tokenizer_routes import install_tokenizer_routes
 
 log = logging.getLogger("hetserve.api")
 
@@ -102,6 +105,18 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": status}, status_code=503 if status in ("down", "draining") else 200)
 
     registry = metrics_registry(engine)
+    grammars = GrammarCompiler(tok.hf, tok.eos_token_ids,
+                               on_compile=lambda s, cached: engine.metrics.on_grammar_compile(s, cached))
+    install_tokenizer_routes(app, state)
+
+    async def compile_grammar(spec: GrammarSpec | None) -> Grammar | None:
+        """The request's grammar, compiled off the event loop (cached); 400 with the reason when it does not compile."""
+        if spec is None:
+            return None
+        try:
+            return await asyncio.to_thread(grammars.compile, spec)
+        except GrammarError as exc:
+            raise APIError(400, f"{spec.param}: {exc}", param=spec.param, code="invalid_grammar") from None
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -123,18 +138,24 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
         max_tokens = _limits(state, body, ids, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
         echo = (prompt if isinstance(prompt, str) else await asyncio.to_thread(tok.decode, ids)) if body.echo else None
-        return await _run(body, ids, max_tokens, request, chat=False, echo=echo)
+        grammar = await compile_grammar(request_grammar(body))
+        return await _run(body, ids, max_tokens, request, chat=False, echo=echo, grammar=grammar)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        messages = chat_messages(body)
-        ids = await asyncio.to_thread(tok.apply_chat_template, messages)
+        tools = tool_setup(body)
+        spec = request_grammar(body, tools)
+        messages = prompt_messages(chat_messages(body), tools, tok.renders_tools)
+        defs = list(tools.definitions) if tools is not None and tok.renders_tools else None
+        ids = await asyncio.to_thread(tok.apply_chat_template, messages, defs)
         max_tokens = _limits(state, body, ids, body.max_completion_tokens or body.max_tokens)
-        return await _run(body, ids, max_tokens, request, chat=True)
+        grammar = await compile_grammar(spec)
+        return await _run(body, ids, max_tokens, request, chat=True, grammar=grammar, tools=tools)
 
     async def _run(body: CommonParams, ids: list[int], max_tokens: int, request: Request, chat: bool,
-                   echo: str | None = None):
-        """echo: the prompt's text, when a completion request echoes it (and its logprobs, with logprobs)."""
+                   echo: str | None = None, grammar: Grammar | None = None, tools: Tools | None = None):
+        """echo: the prompt's text, when a completion request echoes it (and its logprobs, with logprobs).
+        grammar: what every choice's output must match; tools: chat's, when the model may call them."""
         logprobs, bias = num_logprobs(body), logit_bias(body, tok.vocab_size)
         total = getattr(body, "best_of", None) or body.n  # completions' best_of: candidates, of which n are returned
         _admit(state, total)
@@ -143,7 +164,7 @@ def create_app(state: ServerState) -> FastAPI:
         prompt_ids = tuple(ids) if echo is not None else ()
         shape = Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, state.model_name, chat, total,
                       tuple(Logprobs(tok.token_bytes, chat, prompt_ids) for _ in range(total))
-                      if logprobs is not None else (), echo)
+                      if logprobs is not None else (), echo, tools=tools)
         seed = body.seed if body.seed is not None else random.getrandbits(63)
         arrival, timeout_s = time.monotonic(), state.cfg.request_timeout_s
         ranked = 0 if logprobs is None and total > body.n else logprobs  # best_of ranks by the tokens' logprobs
@@ -155,7 +176,8 @@ def create_app(state: ServerState) -> FastAPI:
                                       logit_bias=bias)
             engine.submit(EngineRequest(request_id, ids, sampling, max_tokens,
                                         on_event=lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)),
-                                        stop=tuple(stop_list(body)), ignore_eos=body.ignore_eos, arrival_s=arrival,
+                                        stop=tuple(stop_list(body)), ignore_eos=body.ignore_eos, grammar=grammar,
+                                        arrival_s=arrival,
                                         deadline_s=arrival + timeout_s if timeout_s else None))
         log.debug("submitted %s: %d prompt tokens, max_tokens %d, n %d", shape.request_id, len(ids), max_tokens,
                   body.n, extra={"completion_id": shape.request_id, "num_prompt_tokens": len(ids)})

@@ -19,6 +19,7 @@ from typing import Callable
 from hetcore.backend import Backend, StepInput, StepOutput, StepTimings, TokenLogprobs, WorkerLost
 from server.block_manager import BlockManager
 from server.detokenizer import IncrementalDetokenizer
+from server.grammar import GrammarMasks
 from server.memory import Trimmer
 from server.metrics import ServingMetrics
 from server.request import EngineRequest, RequestEvent
@@ -58,6 +59,8 @@ class Engine:
         self.clock = VirtualClock()
         """A simulated backend's clock (idle for real-time backends)."""
         self.metrics = ServingMetrics()
+        self.grammars = GrammarMasks(on_mask=lambda s: self.metrics.on_grammar_mask(s))
+        """Constrained sequences' matchers; their token masks are filled while the backend steps."""
         self._num_unread_adds = 0
         """Submitted requests still in the inbox: they count as waiting (admission control reads it)."""
         self._adds_lock = threading.Lock()
@@ -95,6 +98,7 @@ class Engine:
         self._inbox.put(("stop", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.grammars.close()
         self.backend.close()
 
     def health(self) -> str:
@@ -162,6 +166,8 @@ class Engine:
         self._live[seq.seq_id] = _Live(req, seq, detok)
         self.clock.on_arrival(seq.seq_id)
         self._by_request_id[req.request_id] = seq.seq_id
+        if req.grammar is not None:
+            self.grammars.add(seq.seq_id, req.grammar)
         self.scheduler.add(seq)
         self.metrics.on_arrival(len(req.prompt_token_ids))
 
@@ -181,7 +187,7 @@ class Engine:
         if not inp.chunks:
             self._idle(inp)
             return
-        out = self._run(inp)
+        out = self._run(self.grammars.attach(inp))
         if out is not None:
             self._postprocess(out)
 
@@ -252,12 +258,18 @@ class Engine:
             self._finish(live, "length")
             return
         reason, lps = None, () if logprobs is None else (logprobs,)
+        grammar = self.grammars.consume(seq.seq_id, token)  # None, "stop" (complete) or why it broke
+        if grammar not in (None, "stop"):
+            self._finish(live, "error", error=grammar)
+            return
         if not req.ignore_eos and token in self.tokenizer.eos_token_ids:
             reason, text, lps = "stop", "", ()
         else:
             text = live.detok.add(token)
             if live.detok.is_stopped:
                 reason = "stop"
+        if reason is None and grammar == "stop":
+            reason = "stop"
         if reason is None and (len(seq.output_token_ids) >= req.max_tokens or seq.num_tokens >= self.backend.max_model_len):
             reason = "length"
         if reason is None:
@@ -280,6 +292,7 @@ class Engine:
         self.scheduler.finish(live.seq)
         del self._live[live.seq.seq_id]
         del self._by_request_id[live.req.request_id]
+        self.grammars.remove(live.seq.seq_id)
         if reason != "error":
             text += live.detok.flush()
         now, n = time.monotonic(), len(live.seq.output_token_ids)

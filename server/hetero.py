@@ -87,6 +87,8 @@ class FlatBatch:
     sampled_ids: list[int]
     layouts: list[ChunkLayout]
     chunks: list[tuple[int, int, int]]  # (seq_id, start_pos, num_tokens)
+    masks: list = field(default_factory=list)
+    """Each sampled row's SeqChunk.allowed_tokens (a TokenMask, or None)."""
     scored: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     """Prompt rows to score (SeqChunk.prompt_targets): (row, seq_id, position of the target, target, number of
     most likely tokens to list)."""
@@ -110,6 +112,7 @@ def flatten(inp: StepInput) -> FlatBatch:
             b.output_indices.append(c.output_index)
             b.histories.append(c.output_token_ids)
             b.sampled_ids.append(c.seq_id)
+            b.masks.append(c.allowed_tokens)
         b.layouts.append(ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id))
         b.chunks.append((c.seq_id, c.start_pos, len(c.token_ids)))
     return b
@@ -122,8 +125,9 @@ def sample_batches(logits: list[torch.Tensor], batches: list[FlatBatch]) -> Step
     if sum(num):
         rows = torch.cat([x[:n] for x, n in zip(logits, num)])
         params = [p for b in batches for p in b.params]
+        masks = [None if m is None else m.words() for b in batches for m in b.masks]  # waits for the mask thread
         tokens = sample(rows, params, [i for b in batches for i in b.output_indices],
-                        [h for b in batches for h in b.histories])
+                        [h for b in batches for h in b.histories], masks if any(m is not None for m in masks) else ())
         ids = [i for b in batches for i in b.sampled_ids]
         out.sampled.update(zip(ids, tokens))
         lps = logprobs(rows, tokens, [p.logprobs for p in params])

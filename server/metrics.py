@@ -27,6 +27,8 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 
 E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                  480.0, 960.0)
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+GRAMMAR_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1.0)
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 
 
@@ -53,6 +55,11 @@ class ServingMetrics:
         self.generation_tokens = Counter(p + "generation_tokens_total", "Generated tokens.", registry=r)
         self.finished = Counter(p + "request_success_total", "Finished requests by finish reason "
                                 "(stop, length, abort, timeout, error).", ("finished_reason",), registry=r)
+        self.grammar_compile = Histogram(p + "grammar_compile_seconds", "Compiling a request's grammar "
+                                         "(structured outputs), by whether it was cached.", ("cached",),
+                                         buckets=GRAMMAR_BUCKETS_S, registry=r)
+        self.grammar_mask = Histogram(p + "grammar_mask_seconds", "Filling the token masks of a step's constrained "
+                                      "sequences (overlapping the step).", buckets=GRAMMAR_BUCKETS_S, registry=r)
         self.rejected = Counter(p + "requests_rejected_total", "Requests refused with 429 because the queue was "
                                 "full.", ("reason",), registry=r)
         for reason in FINISH_REASONS:  # every series from the start, at 0
@@ -79,6 +86,12 @@ class ServingMetrics:
             self.e2e.observe(e2e_s)
             if tpot_s is not None:
                 self.tpot.observe(tpot_s)
+
+    def on_grammar_compile(self, seconds: float, is_cached: bool) -> None:
+        self.grammar_compile.labels(str(is_cached).lower()).observe(seconds)
+
+    def on_grammar_mask(self, seconds: float) -> None:
+        self.grammar_mask.observe(seconds)
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()

@@ -80,6 +80,14 @@ class CommonParams(BaseModel):
     frequency_penalty: float = 0.0
     n: int = 1
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    """Structured outputs (server.structured): {"type": "text" | "json_object" | "json_schema", ...}."""
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's: a JSON schema (or its text) the output must match."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """vLLM's: a grammar in Lark or GBNF (llama.cpp's) syntax."""
 
 
 class CompletionRequest(CommonParams):
@@ -93,6 +101,11 @@ class CompletionRequest(CommonParams):
 class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant message's earlier tool calls."""
+    tool_call_id: str | None = None
+    """A tool message's: the call it answers."""
+    name: str | None = None
 
 
 class ChatCompletionRequest(CommonParams):
@@ -100,6 +113,9 @@ class ChatCompletionRequest(CommonParams):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 MAX_STOP_STRINGS = 8
@@ -108,7 +124,7 @@ MAX_CHOICES = 16
 MAX_LOGIT_BIAS = 300
 MAX_STOP_CHARS = 256
 _NEUTRAL = {"suffix": None}
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 def check_common(req: CommonParams) -> None:
@@ -198,7 +214,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
                 raise APIError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
             content = "".join(part["text"] for part in content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from hetcore.backend import SamplingParams, TokenLogprobs
 
@@ -42,5 +42,7 @@ class EngineRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     arrival_s: float = field(default_factory=time.monotonic)
+    grammar: Any = None
+    """A compiled grammar (server.grammar.Grammar) its output must match (structured outputs); None: free text."""
     deadline_s: float | None = None
     """time.monotonic() by which the request must finish; past it the engine ends it with finish_reason timeout."""

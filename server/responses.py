@@ -12,6 +12,7 @@ from starlette.responses import StreamingResponse
 from server.engine import Engine
 from server.request import RequestEvent
 from server.protocol import APIError
+from server.structured import ToolCallStream, Tools, tool_message
 
 
 def event_error(ev: RequestEvent) -> APIError | None:
@@ -75,6 +76,13 @@ class Shape:
     """Completions' echo: the prompt's text, put before each choice's text."""
     _echoed: set[int] = field(default_factory=set, compare=False)
     """Choices whose stream has sent `echo`."""
+    tools: Tools | None = None
+    """Chat's tools, when the model may call them: its output becomes `tool_calls`."""
+    _tool_streams: dict[int, ToolCallStream] = field(default_factory=dict, compare=False)
+
+    def call_ids(self, i: int) -> str:
+        """The prefix of choice i's tool call ids."""
+        return f"call_{self.request_id[-16:]}_{i}_"
 
     @property
     def engine_ids(self) -> list[str]:
@@ -97,11 +105,14 @@ class Shape:
         """events: each choice's events, its last with its finish_reason."""
         choices = []
         for i, evs in enumerate(events):
-            text = (self.echo or "") + "".join(e.text for e in evs)
-            choice = {"index": i, "message": {"role": "assistant", "content": text}} if self.chat else \
-                {"index": i, "text": text}
-            choice.update(logprobs=self.logprobs[i](evs) if self.logprobs else None,
-                          finish_reason=evs[-1].finish_reason)
+            text, reason = (self.echo or "") + "".join(e.text for e in evs), evs[-1].finish_reason
+            if self.tools is not None:
+                message, reason = tool_message(self.tools, text, reason, self.call_ids(i))
+                choice = {"index": i, "message": message}
+            else:
+                choice = {"index": i, "message": {"role": "assistant", "content": text}} if self.chat else \
+                    {"index": i, "text": text}
+            choice.update(logprobs=self.logprobs[i](evs) if self.logprobs else None, finish_reason=reason)
             choices.append(choice)
         last = [evs[-1] for evs in events]
         sim = {"x_sim": last[0].sim} if last[0].sim else {}
@@ -116,15 +127,20 @@ class Shape:
         if ev is None:
             return {**self._base(True), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]}
-        if self.chat:
+        reason = ev.finish_reason
+        if self.tools is not None:
+            calls = self._tool_streams.setdefault(i, ToolCallStream(self.tools, self.call_ids(i)))
+            delta = calls.delta(ev.text)
+            last, reason = calls.finish(reason)
+            choice = {"index": i, "delta": {**delta, **last}}
+        elif self.chat:
             choice = {"index": i, "delta": {"content": ev.text} if ev.text else {}}
         elif self.echo is not None and i not in self._echoed:
             self._echoed.add(i)
             choice = {"index": i, "text": self.echo + ev.text}
         else:
             choice = {"index": i, "text": ev.text}
-        choice.update(logprobs=self.logprobs[i]([ev]) if self.shows_logprobs(ev) else None,
-                      finish_reason=ev.finish_reason)
+        choice.update(logprobs=self.logprobs[i]([ev]) if self.shows_logprobs(ev) else None, finish_reason=reason)
         return {**self._base(True), "choices": [choice]}
 
 
