@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from server import logs
-from server.config import CPU_LINEAR_DTYPES, KV_FORMATS, flag_type, parse_layers, parse_switch
+from server.config import (CPU_LINEAR_DTYPES, KV_FORMATS, WEIGHT_FORMATS, WEIGHT_ROTATIONS, flag_type, parse_layers,
+                           parse_switch)
 
 
 def register(sub) -> None:
@@ -104,6 +105,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the linear layers' dtype, for every variant and the reference (default: float32)")
     add_cpu_linear_dtype(p)
+    add_weight_format_arguments(p)
     p.add_argument("--reference-linears", choices=CPU_LINEAR_DTYPES,
                    help="the exact fp32-KV reference's --cpu-linear-dtype (default: the same as the variants'); "
                         "`--kv-format fp32 --reference-linears float32` scores bf16 linears themselves")
@@ -157,6 +159,41 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the results here as JSON")
 
 
+def add_weight_format_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weight-format", default="auto",
+                   help=f"the linear layers' weights, one of {', '.join(WEIGHT_FORMATS)} (default: auto, as `hetserve "
+                        "serve`). Another scores the weights alone: the reference runs dense fp32 weights with the "
+                        "same KV format and exact attention, and the linears' dense path runs float32 unless "
+                        "--cpu-linear-dtype says otherwise")
+    p.add_argument("--weight-rotation", default="none",
+                   help=f"MX weight formats: {' or '.join(WEIGHT_ROTATIONS)} (block Hadamard rotation of the input "
+                        "dimension; default: none)")
+    p.add_argument("--weight-format-head", default="same",
+                   help="MX weight formats: same (the LM head takes the format too) or dense (default: same)")
+
+
+def _load_models(args, model_dir: Path, formats: list[str]):
+    """(model, reference model or None): with --weight-format, the reference holds dense fp32 weights."""
+    import torch
+
+    from gpu_model.loader import load_model
+    from gpu_model.weight_format import WeightFormat, WeightFormatError
+
+    try:
+        wf = WeightFormat(args.weight_format, args.weight_rotation, args.weight_format_head)
+    except WeightFormatError as exc:
+        raise SystemExit(f"hetserve eval: {exc}")
+    dtype = getattr(torch, args.dtype)
+    if wf.name == "auto":
+        return load_model(model_dir, dtype=dtype, cpu_linear_dtype=args.cpu_linear_dtype), None
+    if len(formats) != 1 or args.attention != "exact" or args.task:
+        raise SystemExit("hetserve eval: --weight-format scores perplexity with one --kv-format and exact attention")
+    linear = "float32" if args.cpu_linear_dtype == "auto" else args.cpu_linear_dtype
+    model = load_model(model_dir, dtype=dtype, cpu_linear_dtype=linear, weight_format=wf,
+                       cache_dir=Path(args.model_cache_dir).expanduser())
+    return model, load_model(model_dir, dtype=dtype, weight_format=WeightFormat("fp32"))
+
+
 def _task_command(args, model, tok, formats, cal, lsh) -> list[dict]:
     from evaluation.tasks import evaluate_task, sentences
 
@@ -202,7 +239,7 @@ def eval_command(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(f"hetserve eval: {exc}")
     model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
-    model = load_model(model_dir, dtype=getattr(torch, args.dtype), cpu_linear_dtype=args.cpu_linear_dtype)
+    model, weights_ref = _load_models(args, model_dir, formats)
     cal = oaken_thresholds(model, model_dir, args.oaken_thresholds) if "oaken" in formats else None
     tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:
@@ -217,21 +254,29 @@ def eval_command(args: argparse.Namespace) -> None:
                 print(f"wrote {args.json}")
             return
         windows = text_windows(tok.encode(text.read_text()), args.num_windows, args.window_tokens)
-        ref_model = None
-        if args.reference_linears not in (None, args.cpu_linear_dtype):
+        ref_model = weights_ref
+        if weights_ref is None and args.reference_linears not in (None, args.cpu_linear_dtype):
             ref_model = load_model(model_dir, dtype=getattr(torch, args.dtype), cpu_linear_dtype=args.reference_linears)
         results = evaluate(model, windows, formats, prefill_tokens=args.prefill_tokens, batch_windows=args.batch_windows,
                            block_size=args.block_size, oaken_cal=cal, sparse_fraction=args.oaken_sparse_fraction,
                            exact_recent=args.oaken_recent == "exact", lsh=lsh,
                            topk_frac=args.topk_frac if args.attention == "topk" else None, ref_model=ref_model,
                            cached_prefix_tokens=args.cached_prefix_tokens,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens)
+                           prefill_chunk_tokens=args.prefill_chunk_tokens,
+                           ref_kv_format="fp32" if weights_ref is None else formats[0])
     except ValueError as exc:
         raise SystemExit(f"hetserve eval: {exc}")
+    from gpu_model.weight_format import weight_bits
+
+    for r in results:
+        r["weight_format"], r["weight_bits"] = args.weight_format, weight_bits(model)
+        r["weight_rotation"], r["weight_format_head"] = args.weight_rotation, args.weight_format_head
+        r["reference"] = "fp32 KV" if weights_ref is None else f"dense fp32 weights, {formats[0]} KV"
     print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt"
           f"{f' ({args.cached_prefix_tokens} from the cache)' if args.cached_prefix_tokens else ''}"
           f"{f' in chunks of {args.prefill_chunk_tokens}' if args.prefill_chunk_tokens else ''}; "
-          f"fp32-KV perplexity {results[0]['ppl_ref']:.4f}")
+          f"{results[0]['reference']} perplexity {results[0]['ppl_ref']:.4f}; weights {args.weight_format} "
+          f"({results[0]['weight_bits']:.2f} bits)")
     print(f"{'kv_format':10} {'attention':9} {'bits':>6} {'ppl':>9} {'change':>8} {'KL mean':>9} {'top-1':>7} "
           f"{'keys':>6}  groups outer/middle/inner")
     for r in results:

@@ -100,7 +100,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
              batch_windows: int = 16, block_size: int = 16, oaken_cal: OakenThresholds | None = None,
              sparse_fraction: float = SPARSE_FRACTION, progress: bool = True, exact_recent: bool = True,
              lsh: LshConfig | None = None, topk_frac: float | None = None, ref_model=None,
-             cached_prefix_tokens: int = 0, prefill_chunk_tokens: int = 0) -> list[dict]:
+             cached_prefix_tokens: int = 0, prefill_chunk_tokens: int = 0, ref_kv_format: str = "fp32") -> list[dict]:
     """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length),
     the reference run on `ref_model` when given (the same weights in other linears, to score those).
     With `lsh`, every (Oaken) format is also scored with MagicPIG attention, as "<format>+magicpig";
@@ -111,7 +111,8 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     server's prefix cache gives them, and prefills the rest: it reads that start through the store,
     and MagicPIG codes those keys on the CPU, centered on their mean. With `prefill_chunk_tokens` C, the
     prompt (past its cached prefix) is prefilled C tokens a step, as the server splits a prompt longer than
-    its step budget (max_num_batched_tokens); 0: in one step."""
+    its step budget (max_num_batched_tokens); 0: in one step. `ref_kv_format` is the reference's KV
+    format (fp32; another to score weights alone, the reference on `ref_model` with the variants' KV)."""
     from tqdm import tqdm
 
     cfg = model.cfg
@@ -134,7 +135,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     for first in range(0, len(windows), batch_windows):
         batch = torch.tensor(windows[first:first + batch_windows])
         num = len(batch)
-        stores = {name: make_store("fp32" if name == "fp32-exact" else name.split("+")[0], cfg.num_layers, cfg.num_kv_heads,
+        stores = {name: make_store(ref_kv_format if name == "fp32-exact" else name.split("+")[0], cfg.num_layers, cfg.num_kv_heads,
                                    cfg.head_dim, block_size, num * blocks_per_window, oaken_cal, sparse_fraction,
                                    num if exact_recent else 0)
                   for name in names}

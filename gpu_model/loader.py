@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from gpu_model.config import ModelConfig
 from gpu_model.model import LlamaModel, rope_inv_freq
 from gpu_model.quant import load_quant, read_gguf_quant, save_quant
+from gpu_model.weight_format import (MX_FILE, WeightFormat, WeightFormatError, attach, cache_path, dense_with_mx,
+                                     tied_head_values)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ QUANT_FILE = "gguf_blocks.safetensors"
 GGUF_BLOCKS_MAX_TOKENS = 64
 """Steps of at most this many tokens (decode batches) multiply by the GGUF's own blocks, decoded
 once per step (gpu_model/quant.py); prefill chunks use the fp32 copy with BLAS (README: Usage)."""
+MX_MAX_TOKENS = 64
+"""Steps of at most this many tokens multiply by MX weights (gpu_model/mx_kernels.py) by default."""
 
 
 class ModelLoadError(Exception):
@@ -126,20 +130,40 @@ def resolve_linear_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def read_dense(model_dir: Path) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        if f.name not in (QUANT_FILE, MX_FILE):  # block and MX copies load separately
+            sd.update(load_file(f))
+    return sd
+
+
 def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               gguf_blocks_max_tokens: int | None = None, cpu_linear_dtype: str = "auto") -> LlamaModel:
+               gguf_blocks_max_tokens: int | None = None, cpu_linear_dtype: str = "auto",
+               weight_format: WeightFormat | None = None, cache_dir: str | Path | None = None) -> LlamaModel:
     """Load weights. On the CPU in float32 the linear layers run in `cpu_linear_dtype`, and a
     GGUF's own blocks serve steps of at most `gguf_blocks_max_tokens` tokens (bandwidth-bound
     decode, gpu_model/quant.py; default GGUF_BLOCKS_MAX_TOKENS with float32 linears, whose exact
     values the blocks hold, and 1 with bf16 linears, which they beat only where a step reads
     each weight for a single token). With fp32 linears a sequence's greedy tokens
-    do not depend on what it is batched with; with bf16 ones they may, as on GPUs."""
+    do not depend on what it is batched with; with bf16 ones they may, as on GPUs.
+
+    `weight_format` (gpu_model/weight_format.py) picks the linears' format: auto keeps the above;
+    gguf, bf16 and fp32 force one; an MX format converts the dense weights (cached under
+    `cache_dir`) and serves steps of at most `gguf_blocks_max_tokens` (default MX_MAX_TOKENS) tokens
+    with the MX kernels, the dense copy holding the same values. A directory written by `hetserve
+    quantize` loads its own MX weights."""
+    wf = weight_format or WeightFormat()
     cfg = ModelConfig.from_dir(model_dir)
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        if f.name == QUANT_FILE:  # the block copies load separately, below
-            continue
-        sd.update(load_file(f))
+    sd = read_dense(model_dir)
+    cache = cache_path(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser(), model_dir, wf) if wf.is_mx else None
+    try:
+        wf, mx_weights = dense_with_mx(sd, model_dir, wf, cfg.num_layers, cfg.tie_word_embeddings, cache)
+    except WeightFormatError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if wf.name == "gguf" and not (model_dir / QUANT_FILE).exists():
+        raise ModelLoadError(f"weight format gguf needs a GGUF model's blocks; {model_dir} has none")
+    cpu_linear_dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(wf.name, cpu_linear_dtype)
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model.to_empty(device=device)
@@ -147,13 +171,21 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     model.load_hf_state_dict(sd)
     model = model.to(dtype).eval().requires_grad_(False)
     if device != "cpu" or dtype != torch.float32:
+        if mx_weights is not None:
+            log.warning("%s weights on %s/%s: no MX kernel there; the dense weights hold the MX values",
+                        wf.name, device, dtype)
+            tied_head_values(model, mx_weights)
         return model
     bf16 = resolve_linear_dtype(cpu_linear_dtype) == torch.bfloat16
     if bf16:
         model.cast_linears(torch.bfloat16, pack=cpu_has_native_bf16())
+    if mx_weights is not None:
+        attach(model, mx_weights, MX_MAX_TOKENS if gguf_blocks_max_tokens is None else gguf_blocks_max_tokens)
+        return model
+    if wf.name in ("fp32", "bf16"):
+        return model
     if gguf_blocks_max_tokens is None:
-        gguf_blocks_max_tokens = 1 if bf16 else GGUF_BLOCKS_MAX_TOKENS
+        gguf_blocks_max_tokens = 1 if bf16 and wf.name == "auto" else GGUF_BLOCKS_MAX_TOKENS
     if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:
         model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens)
     return model
-

@@ -5,6 +5,7 @@
     eval       evaluation/cli.py   accuracy of KV formats through the serving path
     sim        accel_sim/cli.py    simulated accelerators and GPU baselines
     loadgen    loadgen/cli.py      drive an endpoint with a trace and report
+    quantize   hetserve/quantize.py  a packed copy of a model in an MX weight format
 
 A subcommand sets `func` (it handles its own errors) or `run` (it loads a model: a wrong model path
 or too small a KV cache ends it with one line and exit status 1, not a traceback).
@@ -18,13 +19,14 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from accel_sim.cli import register as register_sim
     from evaluation.cli import register as register_eval
+    from hetserve.quantize import register as register_quantize
     from loadgen.cli import register as register_loadgen
     from server.cli import register as register_serve
 
     parser = argparse.ArgumentParser(prog="hetserve", description="Heterogeneous LLM serving daemon")
     parser.set_defaults(func=None, run=None)
     sub = parser.add_subparsers(dest="command", required=True)
-    for register in (register_serve, register_eval, register_sim, register_loadgen):
+    for register in (register_serve, register_eval, register_sim, register_loadgen, register_quantize):
         register(sub)
     return parser
 

@@ -22,6 +22,14 @@ class BackendConfig:
     """On the CPU with dtype float32, the linear layers' weights and matmuls: auto, float32 or bfloat16."""
     gguf_blocks_max_tokens: int | None = None
     """On the CPU, steps of at most this many tokens multiply by the GGUF's own quantized blocks (None: the default)."""
+    weight_format: str = "auto"
+    """The linear layers' weight format (server.config.WEIGHT_FORMATS; gpu_model/weight_format.py)."""
+    weight_rotation: str = "none"
+    """MX weight formats: none or hadamard."""
+    weight_format_head: str = "same"
+    """MX weight formats: same (the LM head takes the format) or dense."""
+    model_cache_dir: str = "~/.cache/hetserve/models"
+    """Where converted weights (MX formats) are cached."""
     kv_format: str = "fp16"
     """KV cache format of the CPU store (server.config.KV_FORMATS)."""
     kv_capacity_bytes: int = 2**30
@@ -45,11 +53,22 @@ class BackendConfig:
         if self.kv_capacity_bytes <= 0 or self.block_size <= 0 or self.max_num_seqs <= 0:
             raise ValueError("kv_capacity_bytes, block_size and max_num_seqs must be positive")
 
+    def load_model(self, model_dir, device: str, dtype):
+        """The model in `model_dir` as this record says (gpu_model.loader.load_model)."""
+        from gpu_model.loader import load_model
+        from gpu_model.weight_format import WeightFormat
+
+        weight_format = WeightFormat(self.weight_format, self.weight_rotation, self.weight_format_head)
+        return load_model(model_dir, device, dtype, self.gguf_blocks_max_tokens, self.cpu_linear_dtype,
+                          weight_format, self.model_cache_dir)
+
     @classmethod
     def from_serve_config(cls, cfg: ServeConfig) -> BackendConfig:
         recent = cfg.max_num_seqs if cfg.oaken_recent_blocks is None else cfg.oaken_recent_blocks
         return cls(device=cfg.device, dtype=cfg.dtype, cpu_linear_dtype=cfg.cpu_linear_dtype,
-                   gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens, kv_format=cfg.kv_format,
+                   gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens, weight_format=cfg.weight_format,
+                   weight_rotation=cfg.weight_rotation, weight_format_head=cfg.weight_format_head,
+                   model_cache_dir=cfg.model_cache_dir, kv_format=cfg.kv_format,
                    kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
                    max_model_len=cfg.max_model_len, oaken_thresholds_path=cfg.oaken_thresholds,
                    oaken_sparse_fraction=cfg.oaken_sparse_fraction, oaken_recent_blocks=recent,

@@ -56,6 +56,8 @@ def parse_layers(text: str | None, name: str) -> tuple[int, ...] | None:
         raise ValueError(f"{name} must be comma-separated layer numbers, not {text!r}") from None
 
 
+WEIGHT_FORMATS = ("auto", "gguf", "mxfp8", "mxfp6", "mxfp4", "mxint8", "bf16", "fp32")  # gpu_model.weight_format's, without torch
+WEIGHT_ROTATIONS = ("none", "hadamard")
 CPU_LINEAR_DTYPES = ("auto", "float32", "bfloat16")
 """Values of `cpu_linear_dtype` (also the CLI choices of calibrate and eval, and benchmarks' HF dtype)."""
 
@@ -77,6 +79,14 @@ class ServeConfig:
     gguf_blocks_max_tokens: int | None = _opt(None, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
                                                     "own Q4_1/Q8_0 blocks (0 = never; default: 64 with float32 linears, 1 "
                                                     "with bfloat16 ones)")
+    weight_format: str = _opt("auto", "the linear layers' weights: auto (gguf blocks where the model has them, "
+                                      "else cpu_linear_dtype), gguf (the GGUF's Q4_1/Q8_0 blocks), mxfp8, mxfp6, "
+                                      "mxfp4, mxint8 (OCP MX, converted at load and cached), bf16 or fp32; see "
+                                      "docs/weight-formats.md")
+    weight_rotation: str = _opt("none", "MX weight formats: none, or hadamard (a block Hadamard rotation of the "
+                                        "input dimension, folded into the weights; for mxfp4)")
+    weight_format_head: str = _opt("same", "MX weight formats: same (the LM head takes the format too) or dense "
+                                           "(it stays in the dense linears' dtype)")
     kv_format: str = _opt("fp16", "KV cache format in the CPU store: oaken (about 5 bits, calibrated), fp16, fp32, "
                                   "or the integer baselines int4, int5, int6 and kivi (simulated on fp32 memory, for comparison)")
     oaken_thresholds: str | None = _opt(None, "Oaken thresholds JSON from `hetserve calibrate` (default: the model "
@@ -168,6 +178,14 @@ class ServeConfig:
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
             (self.gguf_blocks_max_tokens is None or self.gguf_blocks_max_tokens >= 0, "gguf_blocks_max_tokens must be >= 0"),
+            (self.weight_format in WEIGHT_FORMATS,
+             f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, not {self.weight_format!r}"),
+            (self.weight_rotation in WEIGHT_ROTATIONS,
+             f"weight_rotation must be one of {', '.join(WEIGHT_ROTATIONS)}, not {self.weight_rotation!r}"),
+            (self.weight_rotation == "none" or self.weight_format.startswith("mx"),
+             f"weight_rotation {self.weight_rotation} needs an MX weight_format, not {self.weight_format}"),
+            (self.weight_format_head in ("same", "dense"),
+             f"weight_format_head must be same or dense, not {self.weight_format_head!r}"),
             (self.cpu_linear_dtype in CPU_LINEAR_DTYPES,
              f"cpu_linear_dtype must be auto, float32 or bfloat16, not {self.cpu_linear_dtype!r}"),
             (self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1"),

@@ -14,7 +14,6 @@ from cpu_attn.calibrate import (CALIBRATION_VERSION, CALIBRATION_WINDOW_TOKENS, 
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig, host_bytes
 from cpu_attn.worker import AttentionWorker, ChunkLayout
-from gpu_model.loader import load_model
 from gpu_model.model import LlamaModel
 from gpu_model.sampler import logprobs, sample
 from gpu_model.worker import ModelWorker
@@ -218,8 +217,7 @@ class HeteroBackend(Backend):
         c = self.config = config
         device = pick_device(c.device)
         self.model_dir = model_dir
-        self.model = model if model is not None else load_model(model_dir, device, pick_dtype(c.dtype, device),
-                                                                c.gguf_blocks_max_tokens, c.cpu_linear_dtype)
+        self.model = model if model is not None else c.load_model(model_dir, device, pick_dtype(c.dtype, device))
         cfg = self.model_cfg = self.model.cfg
         self.kv_spec = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes, c.block_size, c.oaken_sparse_fraction,
                                c.oaken_recent_blocks, c.lsh, c.max_num_seqs)

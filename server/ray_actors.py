@@ -112,15 +112,13 @@ class ModelActor:
     """The accelerator side: the model worker, and one channel per attention shard."""
 
     def __init__(self, model_dir: str, config: BackendConfig, threads: int, microbatches: int):
-        from gpu_model.loader import load_model
         from server.hetero import model_worker, pick_device, pick_dtype
 
         if threads:
             _set_threads(threads)
         device = pick_device(config.device)
         self.model_dir = Path(model_dir)
-        self.model = load_model(self.model_dir, device, pick_dtype(config.dtype, device), config.gguf_blocks_max_tokens,
-                                config.cpu_linear_dtype)
+        self.model = config.load_model(self.model_dir, device, pick_dtype(config.dtype, device))
         self.worker = model_worker(self.model, config.lsh, device)
         self.addresses: list[tuple[str, int] | None] = []
         self.first_blocks: list[int] = []

@@ -1,0 +1,101 @@
+"""--weight-format: MX conversion at load and its cache, packed directories (`hetserve quantize`),
+the serving path with MX linears, and bad input."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_model.loader import ModelLoadError, load_model
+from gpu_model.mx_weight import MXWeight
+from gpu_model.weight_format import MX_FILE, WeightFormat, WeightFormatError, load_packed, save_packed, weight_bits
+from server.config import ServeConfig
+from tests.test_model import greedy_through_backend, tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))[0]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp6", "mxfp4", "mxint8"])
+def test_load_converts_and_caches(model_dir, tmp_path, fmt):
+    model = load_model(model_dir, cpu_linear_dtype="float32", weight_format=WeightFormat(fmt), cache_dir=tmp_path)
+    assert sorted(model.quant) == sorted([f"layers.{i}.{k}" for i in range(2) for k in ("qkv", "o", "gate_up", "down")]
+                                         + ["head"])
+    qkv = model.quant["layers.1.qkv"]
+    assert isinstance(qkv, MXWeight) and qkv.fmt == fmt
+    # the dense copy (prefill) holds the very values the kernels multiply by
+    assert torch.equal(model.layers[1].qkv.weight, torch.from_numpy(qkv.decode()))
+    assert torch.equal(model.matmul_weights()["head"], torch.from_numpy(model.quant["head"].decode()))
+    x = torch.randn(3, 64)
+    small = model._linear("layers.1.qkv", model.layers[1].qkv.weight, x)
+    assert torch.allclose(small, x @ model.layers[1].qkv.weight.T, rtol=1e-5, atol=1e-5)
+    assert weight_bits(model) == {"mxfp8": 8.25, "mxfp6": 6.25, "mxfp4": 4.25, "mxint8": 8.25}[fmt]
+    cached = list(tmp_path.glob(f"weight-formats/*/{fmt}.safetensors"))
+    assert len(cached) == 1
+    again = load_model(model_dir, cpu_linear_dtype="float32", weight_format=WeightFormat(fmt), cache_dir=tmp_path)
+    assert np.array_equal(again.quant["layers.1.qkv"].codes, qkv.codes)
+
+
+def test_dense_head_and_rotation(model_dir, tmp_path):
+    wf = WeightFormat("mxfp4", "hadamard", "dense")
+    model = load_model(model_dir, cpu_linear_dtype="float32", weight_format=wf, cache_dir=tmp_path)
+    assert "head" not in model.quant and model.quant["layers.0.o"].rotation == "hadamard"
+    x = torch.randn(2, 64)
+    w = model.layers[0].o.weight
+    assert torch.allclose(model._linear("layers.0.o", w, x), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_serving_path_matches_the_dense_copy(model_dir, tmp_path):
+    prompts = [[1, 5, 9, 13, 17, 21, 2], [3, 4, 40, 7]]
+    args = dict(weight_format="mxfp6", model_cache_dir=str(tmp_path))
+    kernels = greedy_through_backend(model_dir, prompts, 6, **args)
+    dense = greedy_through_backend(model_dir, prompts, 6, gguf_blocks_max_tokens=0, **args)
+    assert kernels == dense
+
+
+def test_quantize_writes_a_directory_model_reads_back(model_dir, tmp_path):
+    out = tmp_path / "packed"
+    run = subprocess.run([sys.executable, "-m", "hetserve", "quantize", "--weight-format", "mxfp4", "--out", str(out),
+                          "--model", str(model_dir)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    wf, weights = load_packed(out / MX_FILE)
+    assert wf == WeightFormat("mxfp4") and len(weights) == 2 * 7 + 1
+    model = load_model(out, cpu_linear_dtype="float32")
+    assert model.quant["layers.0.gate_up"].fmt == "mxfp4"
+    converted = load_model(model_dir, cpu_linear_dtype="float32", weight_format=WeightFormat("mxfp4"),
+                           cache_dir=tmp_path / "cache")
+    assert torch.equal(model.layers[0].gate_up.weight, converted.layers[0].gate_up.weight)
+    with pytest.raises(ModelLoadError, match="holds mxfp4 weights"):
+        load_model(out, weight_format=WeightFormat("mxfp8"))
+
+
+def test_packed_file_that_disagrees_with_its_metadata_is_refused(tmp_path):
+    w = MXWeight.encode(np.ones((4, 64), np.float32), "mxfp6")
+    save_packed({"a.weight": w}, tmp_path / "ok.safetensors", WeightFormat("mxfp6"))
+    save_packed({"a.weight": w}, tmp_path / "bad.safetensors", WeightFormat("mxfp4"))
+    assert load_packed(tmp_path / "ok.safetensors")[1]["a.weight"].fmt == "mxfp6"
+    with pytest.raises(WeightFormatError, match="tensor a.weight does not hold mxfp4"):
+        load_packed(tmp_path / "bad.safetensors")
+
+
+def test_bad_input():
+    with pytest.raises(WeightFormatError, match="unknown weight format 'mxfp5'"):
+        WeightFormat("mxfp5")
+    with pytest.raises(WeightFormatError, match="needs an MX weight format"):
+        WeightFormat("bf16", rotation="hadamard")
+    with pytest.raises(ValueError, match="weight_format must be one of"):
+        ServeConfig(weight_format="fp4")
+    for argv in (["quantize", "--weight-format", "mxfp5", "--out", "x"], ["quantize", "--weight-format", "bf16", "--out", "x"],
+                 ["eval", "--weight-format", "q4"]):
+        run = subprocess.run([sys.executable, "-m", "hetserve", *argv], capture_output=True, text=True)
+        assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_tied_head_multiplies_by_its_mx_values(tmp_path):
+    tied = tiny_model_dir(tmp_path / "tied", tie_word_embeddings=True)[0]
+    model = load_model(tied, cpu_linear_dtype="float32", weight_format=WeightFormat("mxfp8"), cache_dir=tmp_path)
+    head = torch.from_numpy(model.quant["head"].decode())
+    assert torch.equal(model.head_weight, head) and not torch.equal(model.embed_tokens.weight, head)
