@@ -109,15 +109,6 @@ def create_app(state: ServerState) -> FastAPI:
                                on_compile=lambda s, cached: engine.metrics.on_grammar_compile(s, cached))
     install_tokenizer_routes(app, state)
 
-    async def compile_grammar(spec: GrammarSpec | None) -> Grammar | None:
-        """The request's grammar, compiled off the event loop (cached); 400 with the reason when it does not compile."""
-        if spec is None:
-            return None
-        try:
-            return await asyncio.to_thread(grammars.compile, spec)
-        except GrammarError as exc:
-            raise APIError(400, f"{spec.param}: {exc}", param=spec.param, code="invalid_grammar") from None
-
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -138,7 +129,7 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
         max_tokens = _limits(state, body, ids, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
         echo = (prompt if isinstance(prompt, str) else await asyncio.to_thread(tok.decode, ids)) if body.echo else None
-        grammar = await compile_grammar(request_grammar(body))
+        grammar = await _compile(grammars, request_grammar(body))
         return await _run(body, ids, max_tokens, request, chat=False, echo=echo, grammar=grammar)
 
     @app.post("/v1/chat/completions")
@@ -149,7 +140,7 @@ def create_app(state: ServerState) -> FastAPI:
         defs = list(tools.definitions) if tools is not None and tok.renders_tools else None
         ids = await asyncio.to_thread(tok.apply_chat_template, messages, defs)
         max_tokens = _limits(state, body, ids, body.max_completion_tokens or body.max_tokens)
-        grammar = await compile_grammar(spec)
+        grammar = await _compile(grammars, spec)
         return await _run(body, ids, max_tokens, request, chat=True, grammar=grammar, tools=tools)
 
     async def _run(body: CommonParams, ids: list[int], max_tokens: int, request: Request, chat: bool,
@@ -195,6 +186,16 @@ def create_app(state: ServerState) -> FastAPI:
         return {**shape.whole(best), "usage": shape.usage([evs[-1] for evs in done])}  # every candidate's tokens
 
     return app
+
+
+async def _compile(grammars: GrammarCompiler, spec: GrammarSpec | None) -> Grammar | None:
+    """The request's grammar, compiled off the event loop (cached); 400 with the reason when it does not compile."""
+    if spec is None:
+        return None
+    try:
+        return await asyncio.to_thread(grammars.compile, spec)
+    except GrammarError as exc:
+        raise APIError(400, f"{spec.param}: {exc}", param=spec.param, code="invalid_grammar") from None
 
 
 def _mean_logprob(events: list[RequestEvent]) -> float:

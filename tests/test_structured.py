@@ -166,3 +166,18 @@ def test_preempted_constrained_requests_recompute_to_the_same_output(server):
         assert texts == reference
     finally:
         small.close()
+
+
+@pytest.mark.slow  # starts a Ray cluster
+def test_ray_executor_gives_the_local_constrained_outputs(server):
+    pytest.importorskip("ray")
+    ray = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, max_num_seqs=16, executor="ray",
+                                    ray_cpu_actors=2, ray_microbatches=2, cpu_linear_dtype="float32"))
+    try:
+        prompts = [f"Person number {i}, as JSON:" for i in range(4)]
+        body = {"guided_json": PERSON, "max_tokens": 60, "temperature": 0.7, "seed": 5}
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: complete(ray.url, prompt=p, **body)["choices"][0]["text"], prompts))
+        assert got == [complete(server.url, prompt=p, **body)["choices"][0]["text"] for p in prompts]
+    finally:
+        ray.close()
