@@ -11,7 +11,10 @@ A block decodes to integers I (exact in float32) with element = I x 2^-k, so wei
     mxint8  k = 6  the code itself
 
 Negative zero decodes to +0 (integers have no -0); a dot product's sum does not change.
-pshufb is SSSE3, so every x86-64 CPU with AVX2 runs these; LLVM picks AVX-512 where the CPU has it.
+pshufb is SSSE3, so every x86-64 CPU with AVX2 runs these. With AVX-512, mxfp4 and mxfp6 look their
+elements up as float32 instead: the block's table of (element x 2^k) x scale, 16 (vpermps) or 32
+(vpermi2ps, the sign bit or-ed in after) entries, one multiply per table rather than one per weight
+(the same exact products), and no integer-to-float conversions.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
-from cpu_attn.llvm_ir import _llvm_fn, splat
+from cpu_attn.llvm_ir import _llvm_fn, host_has, splat
 from gpu_model import mx
 
 KINDS = ("mxfp8", "mxfp6", "mxfp4", "mxint8")
@@ -64,15 +67,22 @@ def _fp4_ints(builder, block):
             _pshufb(builder, table, builder.lshr(p, _bytes([4] * 16)))]
 
 
-def _fp6_ints(builder, block):
+def _fp6_codes(builder, block):
+    """A block's 32 six-bit codes as two <16 x i8> (elements 0..15, 16..31) from its two planes."""
     low = load(builder, block, _VB, _I64(0))
     high = load(builder, block, ir.VectorType(_I8, 8), _I64(16))
     pairs = [builder.lshr(high, ir.Constant(high.type, [2 * q] * 8)) for q in range(4)]
-    halves = []
+    codes = []
     for h, nibble in enumerate((builder.and_(low, _bytes([15] * 16)), builder.lshr(low, _bytes([4] * 16)))):
         lanes = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
         top = builder.shuffle_vector(pairs[2 * h], pairs[2 * h + 1], lanes)
-        code = builder.or_(nibble, builder.shl(builder.and_(top, _bytes([3] * 16)), _bytes([4] * 16)))
+        codes.append(builder.or_(nibble, builder.shl(builder.and_(top, _bytes([3] * 16)), _bytes([4] * 16))))
+    return codes
+
+
+def _fp6_ints(builder, block):
+    halves = []
+    for code in _fp6_codes(builder, block):
         index = builder.and_(code, _bytes([15] * 16))
         small, large = (_pshufb(builder, _bytes(_int_table("mxfp6", first)), index) for first in (0, 16))
         zero = ir.Constant(_VB, [0] * 16)
@@ -80,6 +90,42 @@ def _fp6_ints(builder, block):
         is_neg = builder.icmp_unsigned("!=", builder.and_(code, _bytes([32] * 16)), zero)
         halves.append(builder.select(is_neg, builder.sub(zero, mag), mag))
     return halves
+
+
+def _float_table(builder, fmt: str, first: int, scale):
+    """LLVM IR: (element x 2^k) x scale for the codes first .. first + 15 (-0 kept)."""
+    values = mx.element_values(mx.get_format(fmt))[first:first + 16] * 2 ** SCALE_SHIFT[fmt]
+    return builder.fmul(ir.Constant(_VF, [float(v) for v in values]), scale)
+
+
+def _fp4_avx512(builder, block, scale):
+    codes = builder.zext(load(builder, block, _VB, _I64(0)), _VI)
+    table = _float_table(builder, "mxfp4", 0, scale)
+    permute = _llvm_fn(builder, "llvm.x86.avx512.permvar.sf.512", _VF, [_VF, _VI])  # index bits 0..3
+    return [builder.call(permute, [table, codes]), builder.call(permute, [table, builder.lshr(codes, ir.Constant(_VI, [4] * 16))])]
+
+
+def _fp6_avx512(builder, block, scale):
+    """Elements in 32-bit lanes: lane i of half h takes its low nibble from byte i of the first plane
+    (bits 4h..4h+3) and its top bits from byte i % 8 of the second (bits 2q, 2q + 1 for q = 2h + i // 8),
+    moved into place with per-lane shifts (bit 4: the table's, bit 5: the float's sign)."""
+    tables = [_float_table(builder, "mxfp6", first, scale) for first in (0, 16)]
+    permute = _llvm_fn(builder, "llvm.x86.avx512.vpermi2var.ps.512", _VF, [_VF, _VI, _VF])  # index bits 0..4
+    rotate = _llvm_fn(builder, "llvm.fshl.v16i32", _VI, [_VI] * 3)
+    c = lambda values: ir.Constant(_VI, values)  # noqa: E731
+    low = builder.zext(load(builder, block, _VB, _I64(0)), _VI)
+    high8 = load(builder, block, ir.VectorType(_I8, 8), _I64(16))
+    high = builder.zext(builder.shuffle_vector(high8, high8, ir.Constant(ir.VectorType(_I32, 16), list(range(8)) * 2)), _VI)
+    out = []
+    for h in (0, 1):
+        nibble = low if h == 0 else builder.lshr(low, c([4] * 16))
+        bit4 = builder.call(rotate, [high, high, c([4] * 8 + [2] * 8 if h == 0 else [0] * 8 + [30] * 8)])
+        index = builder.or_(builder.and_(nibble, c([~16] * 16)), builder.and_(bit4, c([16] * 16)))
+        sign = builder.and_(builder.shl(high, c([30] * 8 + [28] * 8 if h == 0 else [26] * 8 + [24] * 8)),
+                            c([-2**31] * 16))
+        mag = builder.bitcast(builder.call(permute, [tables[0], index, tables[1]]), _VI)
+        out.append(builder.bitcast(builder.or_(mag, sign), _VF))
+    return out
 
 
 def _fp8_floats(builder, block):
@@ -106,6 +152,7 @@ class Blocks:
         self.builder, self.fmt, self.codes, self.scales, self.table = builder, fmt, codes, scales, table
         self.num_blocks = cgutils.unpack_tuple(builder, scales.shape, 2)[1]
         self.block_bytes = _I64(mx.get_format(fmt).block_bytes)
+        self.avx512 = host_has("avx512f")
 
     def weights(self, n, b):
         """Row n's block b -> [elements 0..15, 16..31] as <16 x float>."""
@@ -114,6 +161,8 @@ class Blocks:
         block = builder.gep(self.codes.data, [builder.mul(at, self.block_bytes)])
         code = builder.zext(builder.load(builder.gep(self.scales.data, [at])), _I64)
         scale = splat(builder, builder.load(builder.gep(self.table.data, [code])), 16)
+        if self.fmt in ("mxfp4", "mxfp6") and self.avx512:
+            return (_fp4_avx512 if self.fmt == "mxfp4" else _fp6_avx512)(builder, block, scale)
         if self.fmt == "mxfp8":
             halves = _fp8_floats(builder, block)
         else:

@@ -5,24 +5,37 @@ tiles of TILE output rows.
   at a time in registers (mx_ir.Blocks) and multiplies them into 4 x 2 vector sums per pair of rows
   of x: eight independent FMA chains, so the loads and the decoding bind, not an FMA's latency.
 - More rows (mx_matmul): the tile's rows are decoded once into float32 scratch (TILE x K, L1-sized)
-  and dotted with every row of x, two rows of x against the four weight rows at a time.
+  and dotted with every row of x, four rows of x against the four weight rows at a time (_dot_rows).
 
 Weights are decoded exactly (element x 2^(scale - 127) in float32, as mx.decode); only the order of
 the dot products' sums differs from a float32 matmul of the decoded weights.
 """
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.llvm_ir import _FAST, _llvm_fn, c_array
+from cpu_attn.llvm_ir import _llvm_fn, c_array
 from gpu_model.mx_ir import _I64, _VF, Blocks, hsum, load
+
+# Numba revalidates a cached kernel by its own file only: these kernels are cached apart, under a hash
+# of every file whose code they compile in, so a change to the IR (mx_ir.py) recompiles them.
+_SOURCES = [Path(__file__), Path(__file__).with_name("mx_ir.py"), Path(__file__).with_name("mx.py")]
+_DIGEST = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:16]
+_OUTER_CACHE_DIR = numba.config.CACHE_DIR
+_BASE = Path(_OUTER_CACHE_DIR).parent if _OUTER_CACHE_DIR else Path.home() / ".cache" / "hetserve" / "numba"
+numba.config.CACHE_DIR = str(_BASE / f"mx-{_DIGEST}")
 
 TILE = 4
 MATVEC_MAX_ROWS = 2
+ROWS_PER_PASS = 4  # rows of x the tile kernel multiplies at a time: 16 vector sums
 KIND_FP8, KIND_FP6, KIND_FP4, KIND_INT8, KIND_FP6_E3M2 = 0, 1, 2, 3, 4
 KIND_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "mxint8", "mxfp6_e3m2")
 
@@ -56,44 +69,80 @@ def _make_decode_row(fmt: str):
     return decode_row
 
 
+def _dot_rows(builder, xa, oa, num_blocks, weights, n0, width, max_rows: int):
+    """LLVM IR of out[i, n0 + r] = x[i] . W[n0 + r] for every row i of x (at most `max_rows`) and r <
+    width (<= 4); weights(r, b): W[n0 + r]'s block b as two <16 x float>. Each block's four weight
+    rows are multiplied into 4 x rows vector sums: independent FMA chains."""
+    num_x, kx = cgutils.unpack_tuple(builder, xa.shape, 2)
+    out_stride = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+    fma = _llvm_fn(builder, "llvm.fmuladd.v16f32", _VF, [_VF] * 3)
+
+    def body(count):
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * 16)) for _ in range(4 * count)]
+        with cgutils.for_range(builder, num_blocks) as loop:
+            col = builder.mul(loop.index, _I64(32))
+            at = [builder.add(builder.mul(_I64(i), kx), col) for i in range(count)]
+            xs = [[load(builder, xa.data, _VF, builder.add(a, _I64(16 * h))) for h in (0, 1)] for a in at]
+            for r in range(4):
+                w = weights(r, loop.index)
+                for i in range(count):
+                    acc = sums[r * count + i]
+                    v = builder.call(fma, [w[0], xs[i][0], builder.load(acc)])
+                    builder.store(builder.call(fma, [w[1], xs[i][1], v]), acc)
+        for r in range(4):
+            with builder.if_then(builder.icmp_signed("<", _I64(r), width)):
+                for i in range(count):
+                    at = builder.add(builder.mul(_I64(i), out_stride), builder.add(n0, _I64(r)))
+                    builder.store(hsum(builder, builder.load(sums[r * count + i])), builder.gep(oa.data, [at]))
+
+    def rows_from(count):
+        if count == 1:
+            body(1)
+            return
+        with builder.if_else(builder.icmp_signed(">=", num_x, _I64(count))) as (enough, fewer):
+            with enough:
+                body(count)
+            with fewer:
+                rows_from(count - 1)
+
+    rows_from(max_rows)
+
+
 def _dot4_codegen(fmt: str):
-    """LLVM IR of out[i, n0 + r] = x[i] . W[n0 + r] for the one or two rows i of x and r < width."""
+    """LLVM IR of out[i, n0 + r] = x[i] . W[n0 + r] for the one or two rows i of x and r < width, the
+    weights decoded in registers (Blocks)."""
     def codegen(context, builder, signature, args):
         xa, ca, sa, ta, oa = _arrays(context, builder, signature, args, (0, 1, 2, 3, 6))
         n0, width = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (4, 5))
-        num_x, kx = cgutils.unpack_tuple(builder, xa.shape, 2)
         num_rows = cgutils.unpack_tuple(builder, sa.shape, 2)[0]
         blocks = Blocks(builder, fmt, ca, sa, ta)
         last = builder.sub(num_rows, _I64(1))
         rows = [builder.select(builder.icmp_signed("<", builder.add(n0, _I64(r)), num_rows),
                                builder.add(n0, _I64(r)), last) for r in range(4)]
-        fma = _llvm_fn(builder, "llvm.fmuladd.v16f32", _VF, [_VF] * 3)
-
-        def body(count):
-            sums = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * 16)) for _ in range(4 * count)]
-            with cgutils.for_range(builder, blocks.num_blocks) as loop:
-                col = builder.mul(loop.index, _I64(32))
-                at = [builder.add(builder.mul(_I64(i), kx), col) for i in range(count)]
-                xs = [[load(builder, xa.data, _VF, builder.add(a, _I64(16 * h))) for h in (0, 1)] for a in at]
-                for r in range(4):
-                    w = blocks.weights(rows[r], loop.index)
-                    for i in range(count):
-                        acc = sums[r * count + i]
-                        v = builder.call(fma, [w[0], xs[i][0], builder.load(acc)])
-                        builder.store(builder.call(fma, [w[1], xs[i][1], v]), acc)
-            for r in range(4):
-                with builder.if_then(builder.icmp_signed("<", _I64(r), width)):
-                    for i in range(count):
-                        at = builder.add(builder.mul(_I64(i), num_rows), builder.add(n0, _I64(r)))
-                        builder.store(hsum(builder, builder.load(sums[r * count + i])), builder.gep(oa.data, [at]))
-
-        with builder.if_else(builder.icmp_signed(">", num_x, _I64(1))) as (pair, single):
-            with pair:
-                body(2)
-            with single:
-                body(1)
+        _dot_rows(builder, xa, oa, blocks.num_blocks, lambda r, b: blocks.weights(rows[r], b), n0, width, 2)
         return context.get_dummy_value()
     return codegen
+
+
+@intrinsic
+def _dot_tile_ir(typingctx, x, tile, n0, width, out):
+    """out[i, n0 + r] = x[i] . tile[r] for every row i of x (at most ROWS_PER_PASS) and r < width."""
+    if not (c_array(x, 2, types.float32) and c_array(tile, 2, types.float32) and c_array(out, 2, types.float32)
+            and isinstance(n0, types.Integer) and isinstance(width, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        xa, wa, oa = _arrays(context, builder, signature, args, (0, 1, 4))
+        n0, width = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (2, 3))
+        kw = cgutils.unpack_tuple(builder, wa.shape, 2)[1]
+        num_blocks = builder.sdiv(kw, _I64(32))
+
+        def weights(r, b):
+            at = builder.add(builder.mul(_I64(r), kw), builder.mul(b, _I64(32)))
+            return [load(builder, wa.data, _VF, builder.add(at, _I64(16 * h))) for h in (0, 1)]
+        _dot_rows(builder, xa, oa, num_blocks, weights, n0, width, ROWS_PER_PASS)
+        return context.get_dummy_value()
+    return types.none(x, tile, n0, width, out), codegen
 
 
 def _make_dot4(fmt: str):
@@ -163,31 +212,7 @@ def mx_matvec(x, kind, codes, scales, table, out):
             _dot4(kind, x[i:i + 2], codes, scales, table, n0, min(TILE, num_rows - n0), out[i:i + 2])
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
-def _dot_tile(x, w, out, n0, width):
-    """out[i, n0 + r] = x[i] . w[r] for every row i of x, r < width (<= TILE): two rows of x against
-    four weight rows at a time, eight accumulators. An odd last row pairs with itself."""
-    for i in range(0, x.shape[0], 2):
-        i2 = min(i + 1, x.shape[0] - 1)
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-        for c in range(x.shape[1]):
-            xv, yv = x[i, c], x[i2, c]
-            w0, w1, w2, w3 = w[0, c], w[1, c], w[2, c], w[3, c]
-            a0 += xv * w0
-            a1 += xv * w1
-            a2 += xv * w2
-            a3 += xv * w3
-            b0 += yv * w0
-            b1 += yv * w1
-            b2 += yv * w2
-            b3 += yv * w3
-        for r, (a, b) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
-            if r < width:
-                out[i, n0 + r] = a
-                out[i2, n0 + r] = b
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, parallel=True)
 def mx_matmul(x, kind, codes, scales, table, out, tiles):
     """As mx_matvec, any number of rows: each tile decoded once into tiles[thread] ([num_threads, TILE,
     K padded] float32 scratch) and dotted with every row of x."""
@@ -201,4 +226,8 @@ def mx_matmul(x, kind, codes, scales, table, out, tiles):
                 decode_row(kind, codes, scales, table, n0 + r, w[r])
             else:
                 w[r, :] = 0.0
-        _dot_tile(x, w, out, n0, width)
+        for i in range(0, x.shape[0], ROWS_PER_PASS):
+            _dot_tile_ir(x[i:i + ROWS_PER_PASS], w, n0, width, out[i:i + ROWS_PER_PASS])
+
+
+numba.config.CACHE_DIR = _OUTER_CACHE_DIR
