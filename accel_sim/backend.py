@@ -56,8 +56,9 @@ class SimBackend(Backend):
         self.clock_s = 0.0
 
     @classmethod
-    def build(cls, inner, system_name: str, timing_model: str, num_devices: int | None = None) -> "SimBackend":
-        return cls(inner, make_system(system_name, get_model(timing_model), num_devices))
+    def build(cls, inner, system_name: str, timing_model: str, num_devices: int | None = None,
+              weight_format: str = "auto") -> "SimBackend":
+        return cls(inner, make_system(system_name, get_model(timing_model), num_devices, weight_format))
 
     def step(self, inp: StepInput) -> StepOutput:
         out = self.inner.step(inp)

@@ -53,6 +53,9 @@ def register(sub) -> None:
     rp.add_argument("--pool", default=None, help="one mixed pool instead of --systems/--replicas, e.g. "
                                                   "oaken-lpddr:2,a100-vllm:1 (system:replicas)")
     rp.add_argument("--num-devices", type=int, default=None, help="devices per replica (default: fewest that fit)")
+    rp.add_argument("--weight-format", default="auto",
+                    help="the simulated weights' format, which sets the bytes a step reads: auto (fp16), bf16, fp32, "
+                         "gguf, mxfp8, mxfp6, mxfp4, mxint8 (default: auto)")
     rp.add_argument("--routing", default="least-loaded", help="least-loaded, round-robin or random")
     rp.add_argument("--time-scale", type=float, default=1.0, help="speed-up of arrivals (2 = twice the rate)")
     rp.add_argument("--limit", type=int, default=None, help="first N requests only")
@@ -119,10 +122,11 @@ def replay_command(args: argparse.Namespace) -> int:
     limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens)
     model = get_model(args.model)
     if args.pool:
-        pools = [[make_system(name, model, args.num_devices) for name, _, n in
+        pools = [[make_system(name, model, args.num_devices, args.weight_format) for name, _, n in
                   (entry.partition(":") for entry in args.pool.split(",")) for _ in range(int(n or 1))]]
     else:
-        pools = [[make_system(name, model, args.num_devices)] * args.replicas for name in args.systems]
+        pools = [[make_system(name, model, args.num_devices, args.weight_format)] * args.replicas
+                 for name in args.systems]
     base = read_trace(trace, args.limit, args.time_scale)
     results = []
     for pool in pools:

@@ -69,8 +69,9 @@ class CostModel:
         self.matrix = d.peak_tflops * 1e12 * d.eta_compute
         vector_fma = d.vector_tflops * 1e12 / 2 * d.eta_vector  # FMA (or int) instructions per second
         self.is_moe = m.num_experts > 1
-        self.dense_weight_bytes = (m.layer_params + m.head_params) * WEIGHT_BYTES_PER_PARAM / p
-        self.head_bytes = m.head_params * WEIGHT_BYTES_PER_PARAM
+        self.weight_bytes_per_param = sys.weight_bits / 8
+        self.dense_weight_bytes = (m.layer_params + m.head_params) * self.weight_bytes_per_param / p
+        self.head_bytes = m.head_params * self.weight_bytes_per_param
         self.lin_flops_per_token = 2.0 * m.active_layer_params / (p * p)
         self.head_flops = 2.0 * m.head_params / (p * p)
         self.kv_bytes_per_token = sys.kv_bytes_per_token / (p * p)
@@ -92,7 +93,7 @@ class CostModel:
         """(linear_s, attention_s, link_s, bytes, flops) of one stage and one micro-batch."""
         tokens = num_decode + prefill_tokens
         if self.is_moe:
-            weight_bytes = (self.model.layer_params_touched(tokens / self.p) * WEIGHT_BYTES_PER_PARAM
+            weight_bytes = (self.model.layer_params_touched(tokens / self.p) * self.weight_bytes_per_param
                             + self.head_bytes) / self.p
         else:
             weight_bytes = self.dense_weight_bytes

@@ -18,6 +18,9 @@ from accel_sim.models import ModelShape
 
 DATA_DIR = Path(__file__).with_name("data")
 WEIGHT_BYTES_PER_PARAM = 2  # fp16/bf16 weights on every system (the paper's baselines are KV-only quantized)
+WEIGHT_FORMAT_BITS = {"auto": 16.0, "bf16": 16.0, "fp32": 32.0, "gguf": 5.0, "mxfp8": 8.25, "mxfp6": 6.25,
+                      "mxfp4": 4.25, "mxint8": 8.25}
+"""Bits per weight of each --weight-format (auto: the systems' fp16; gguf: Q4_1's 5), scales included."""
 
 
 @dataclass(frozen=True)
@@ -103,10 +106,12 @@ class System:
     model: ModelShape
     num_devices: int
     """Pipeline stages holding one model replica."""
+    weight_bits: float = 16.0
+    """Bits per weight of the model's weights (WEIGHT_FORMAT_BITS)."""
 
     @property
     def weight_bytes(self) -> float:
-        return self.model.total_params * WEIGHT_BYTES_PER_PARAM
+        return self.model.total_params * self.weight_bits / 8
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -139,16 +144,20 @@ class System:
         return self.kv_capacity_bytes >= batch * self.seq_kv_bytes(seq_len)
 
 
-def auto_num_devices(device: DeviceSpec, model: ModelShape, min_kv_fraction: float = 0.1) -> int:
+def auto_num_devices(device: DeviceSpec, model: ModelShape, min_kv_fraction: float = 0.1,
+                     weight_bits: float = 16.0) -> int:
     """Fewest pipeline stages whose memory holds the weights and leaves `min_kv_fraction` for KV."""
     usable = device.mem_bytes * device.usable_mem_fraction
-    return max(1, math.ceil(model.total_params * WEIGHT_BYTES_PER_PARAM / (usable * (1 - min_kv_fraction))))
+    return max(1, math.ceil(model.total_params * weight_bits / 8 / (usable * (1 - min_kv_fraction))))
 
 
-def make_system(name: str, model: ModelShape, num_devices: int | None = None) -> System:
+def make_system(name: str, model: ModelShape, num_devices: int | None = None, weight_format: str = "auto") -> System:
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+    if weight_format not in WEIGHT_FORMAT_BITS:
+        raise ValueError(f"unknown weight format {weight_format!r}; known: {', '.join(WEIGHT_FORMAT_BITS)}")
     device_name, fmt_name, _ = SYSTEMS[name]
     device = load_device(device_name)
-    n = num_devices or auto_num_devices(device, model)
-    return System(name, device, load_formats()[fmt_name], model, n)
+    bits = WEIGHT_FORMAT_BITS[weight_format]
+    n = num_devices or auto_num_devices(device, model, weight_bits=bits)
+    return System(name, device, load_formats()[fmt_name], model, n, bits)
