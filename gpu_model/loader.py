@@ -38,7 +38,10 @@ GGUF_BLOCKS_MAX_TOKENS = 64
 """Steps of at most this many tokens (decode batches) multiply by the GGUF's own blocks, decoded
 once per step (gpu_model/quant.py); prefill chunks use the fp32 copy with BLAS (README: Usage)."""
 MX_MAX_TOKENS = 64
-"""Steps of at most this many tokens multiply by MX weights (gpu_model/mx_kernels.py) by default."""
+"""Steps of at most this many tokens multiply by MX weights (gpu_model/mx_kernels.py) by default with
+float32 dense linears; with bf16 ones (oneDNN, AMX) MX_MAX_TOKENS_BF16, past which the bf16 copy of
+the same values is faster (docs/weight-formats.md)."""
+MX_MAX_TOKENS_BF16 = 2
 
 
 class ModelLoadError(Exception):
@@ -150,8 +153,9 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
 
     `weight_format` (gpu_model/weight_format.py) picks the linears' format: auto keeps the above;
     gguf, bf16 and fp32 force one; an MX format converts the dense weights (cached under
-    `cache_dir`) and serves steps of at most `gguf_blocks_max_tokens` (default MX_MAX_TOKENS) tokens
-    with the MX kernels, the dense copy holding the same values. A directory written by `hetserve
+    `cache_dir`) and serves steps of at most `gguf_blocks_max_tokens` (default MX_MAX_TOKENS, or
+    MX_MAX_TOKENS_BF16 with bf16 linears) tokens with the MX kernels, the dense copy holding the same
+    values. A directory written by `hetserve
     quantize` loads its own MX weights."""
     wf = weight_format or WeightFormat()
     cfg = ModelConfig.from_dir(model_dir)
@@ -180,7 +184,8 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     if bf16:
         model.cast_linears(torch.bfloat16, pack=cpu_has_native_bf16())
     if mx_weights is not None:
-        attach(model, mx_weights, MX_MAX_TOKENS if gguf_blocks_max_tokens is None else gguf_blocks_max_tokens)
+        default = MX_MAX_TOKENS_BF16 if bf16 else MX_MAX_TOKENS
+        attach(model, mx_weights, default if gguf_blocks_max_tokens is None else gguf_blocks_max_tokens)
         return model
     if wf.name in ("fp32", "bf16"):
         return model
