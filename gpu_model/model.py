@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from gpu_model.config import ModelConfig
-from gpu_model.mx_weight import MXWeight
-from gpu_model.quant import QuantWeight, quant_matmul
+from gpu_model.quant import BlockWeight, QuantWeight
+from gpu_model.quant_vnni import VnniWeight, is_available as has_vnni
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 """A layer's linear modules, in the order a step runs them (fused q|k|v and gate|up)."""
@@ -95,7 +95,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.quant: dict[str, QuantWeight | MXWeight] = {}
+        self.quant: dict[str, BlockWeight] = {}
         """Block-quantized copies of linears ("layers.3.qkv", "head"), used for small batches: GGUF
         blocks or MX (gpu_model/mx_weight.py)."""
         self.quant_max_tokens = 0
@@ -108,13 +108,32 @@ class LlamaModel(nn.Module):
     def _linear(self, key: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q = self.quant.get(key)
         if q is not None and x.shape[0] <= self.quant_max_tokens:
-            return q.matmul(x) if isinstance(q, MXWeight) else quant_matmul(x, q)
+            return q.matmul(x)
         if weight.dtype != x.dtype:  # bf16 linears in an fp32 model (cast_linears)
             packed = self.packed.get(key)
             if packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), packed, None, "none", [], "").to(x.dtype)
             return nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
         return nn.functional.linear(x, weight)
+
+    def _vnni(self, key: str, x: torch.Tensor) -> VnniWeight | None:
+        q = self.quant.get(key)
+        return q if isinstance(q, VnniWeight) and x.shape[0] <= self.quant_max_tokens else None
+
+    def _normed_linear(self, key: str, weight: torch.Tensor, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """_linear of rms_norm(x, norm); the VNNI kernels do the norm while they round x."""
+        q = self._vnni(key, x)
+        if q is not None:
+            return q.matmul(x, norm=norm, eps=self.cfg.rms_norm_eps)
+        return self._linear(key, weight, rms_norm(x, norm, self.cfg.rms_norm_eps))
+
+    def _gated_linear(self, key: str, weight: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """_linear of silu(gate) * up, gate_up: [T, 2F] = gate | up; the VNNI kernels do it while they round."""
+        q = self._vnni(key, gate_up)
+        if q is not None:
+            return q.matmul(gate_up, gated=True)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._linear(key, weight, nn.functional.silu(gate) * up)
 
     @property
     def device(self) -> torch.device:
@@ -142,7 +161,7 @@ class LlamaModel(nn.Module):
     def pre_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, hidden] -> q: [T, Hq, D], k: [T, Hkv, D] (post-RoPE), v: [T, Hkv, D]"""
         cfg, layer = self.cfg, self.layers[i]
-        qkv = self._linear(f"layers.{i}.qkv", layer.qkv.weight, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps))
+        qkv = self._normed_linear(f"layers.{i}.qkv", layer.qkv.weight, x, layer.attn_norm)
         T, num_qk = x.shape[0], cfg.num_heads + cfg.num_kv_heads
         # q and k sit side by side in the fused projection: rotate both in one pass
         qk = apply_rope(qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim), cos, sin)
@@ -153,15 +172,13 @@ class LlamaModel(nn.Module):
         """x: [T, hidden] (layer input), attn: [T, Hq * D] -> next layer input [T, hidden]"""
         layer = self.layers[i]
         h = x + self._linear(f"layers.{i}.o", layer.o.weight, attn)
-        normed = rms_norm(h, layer.mlp_norm, self.cfg.rms_norm_eps)
-        gate, up = self._linear(f"layers.{i}.gate_up", layer.gate_up.weight, normed).chunk(2, dim=-1)
-        return h + self._linear(f"layers.{i}.down", layer.down.weight, nn.functional.silu(gate) * up)
+        gate_up = self._normed_linear(f"layers.{i}.gate_up", layer.gate_up.weight, h, layer.mlp_norm)
+        return h + self._gated_linear(f"layers.{i}.down", layer.down.weight, gate_up)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> [N, vocab] in float32."""
-        h = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self._linear("head", w if self.head_weight is None else self.head_weight, h).float()
+        return self._normed_linear("head", w if self.head_weight is None else self.head_weight, x, self.norm).float()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in Hugging Face's LlamaForCausalLM, fusing qkv and gate|up."""
@@ -202,8 +219,16 @@ class LlamaModel(nn.Module):
         out["head"] = head if self.head_weight is None else self.head_weight  # as logits() picks it
         return out
 
-    def attach_quant(self, sd: dict[str, QuantWeight], max_tokens: int) -> None:
-        """Use GGUF blocks (Hugging Face names) for steps of at most `max_tokens` tokens."""
+    def attach_quant(self, sd: dict[str, QuantWeight], max_tokens: int, vnni: bool | None = None) -> None:
+        """Use GGUF blocks (Hugging Face names) for steps of at most `max_tokens` tokens. With `vnni`
+        (default: where the CPU has AVX512-VNNI) they multiply x rounded to int16 per
+        block (gpu_model/quant_vnni.py); else x in float32, which gives the fp32 copy's products exactly."""
+        if vnni is None:
+            vnni = has_vnni()
+
+        def layout(w: QuantWeight) -> BlockWeight:
+            return VnniWeight.from_blocks(w) if vnni and VnniWeight.fits(w) else w
+
         for i in range(self.cfg.num_layers):
             p = f"model.layers.{i}."
             fused = {
@@ -215,8 +240,8 @@ class LlamaModel(nn.Module):
             for key, parts in fused.items():
                 w = QuantWeight.concat(parts)
                 if w is not None:
-                    self.quant[f"layers.{i}.{key}"] = w
+                    self.quant[f"layers.{i}.{key}"] = layout(w)
         head = sd.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
         if head is not None:
-            self.quant["head"] = head
+            self.quant["head"] = layout(head)
         self.quant_max_tokens = max_tokens

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,6 +31,16 @@ BLOCK = 32
 GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
               "ffn_down": "mlp.down_proj"}
+
+
+class BlockWeight(Protocol):
+    """A linear's weights in a block format (GGUF blocks, their int8-dot layout, MX), multiplied in
+    their own kernels where a step has few tokens."""
+
+    @property
+    def shape(self) -> tuple[int, int]: ...  # (out, in)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...  # x: [M, in] float32 on the CPU -> x @ W.T: [M, out]
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,9 @@ class QuantWeight:
         cat = lambda xs: np.ascontiguousarray(np.concatenate(xs))  # noqa: E731
         mins = cat([p.mins for p in parts]) if parts[0].kind == "q4_1" else None
         return QuantWeight(parts[0].kind, cat([p.scales for p in parts]), mins, cat([p.qs for p in parts]))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_matmul(x, self)
 
     def dequantize(self) -> np.ndarray:
         """[N, K] float32, for tests."""
@@ -170,38 +184,43 @@ def _arrays(context, builder, signature, args, which):
     return [context.make_array(signature.args[i])(context, builder, args[i]) for i in which]
 
 
-def _row_dot_codegen(q4_1: bool):
-    """LLVM IR of out[i, n] = x[i] . W[n] for the one or two rows i of x: one pass over row n's blocks, each
-    block's 32 weights decoded in two vectors of 16 (_Blocks) and multiplied into two vector sums per row of x
-    (a block's low and high half), held in registers; a second row shares the decoding. Each row's sums run
-    the same operations whether it is alone or paired."""
+def _row_dot_codegen(q4_1: bool, num_w: int):
+    """LLVM IR of out[i, n0 + r] = x[i] . W[n0 + r] for the one or two rows i of x and the num_w weight rows
+    from n0: one pass over the rows' blocks, each block's 32 weights decoded in two vectors of 16 (_Blocks)
+    and multiplied into two vector sums per (weight row, row of x) pair (a block's low and high half), held in
+    registers. Several weight rows at once share each load of x and give the FMA units independent sums (one
+    row's two sums alone wait on the FMA latency every block); a second row of x shares the decoding. Each
+    sum runs the same operations whatever else is computed beside it."""
     def codegen(context, builder, signature, args):
         xa, sa, ma, qa, oa = _arrays(context, builder, signature, args, (0, 1, 2, 3, 5))
-        n = args[4]
+        n0 = args[4]
         num_x, width = cgutils.unpack_tuple(builder, xa.shape, 2)
         num_rows = cgutils.unpack_tuple(builder, sa.shape, 2)[0]
-        blocks = _Blocks(builder, sa, ma, qa, n, q4_1)
+        blocks = [_Blocks(builder, sa, ma, qa, builder.add(n0, _I64(r)), q4_1) for r in range(num_w)]
 
         def rows(count):
-            sums = [cgutils.alloca_once(builder, _VF) for _ in range(2 * count)]  # registers after mem2reg
-            for acc in sums:
+            pairs = [(r, i) for r in range(num_w) for i in range(count)]
+            sums = {(r, i, k): cgutils.alloca_once(builder, _VF) for r, i in pairs for k in (0, 1)}  # registers
+            for acc in sums.values():
                 builder.store(ir.Constant(_VF, [0.0] * 16), acc)
-            with cgutils.for_range(builder, blocks.num_blocks) as b:
-                w = blocks.weights(b.index)
-                for r in range(count):
-                    for k in (0, 1):
-                        xv = _load(builder, xa.data, _VF, builder.add(builder.mul(_I64(r), width), builder.add(
-                            builder.mul(b.index, _I64(BLOCK)), _I64(16 * k))))
-                        acc = sums[2 * r + k]
-                        builder.store(builder.call(blocks.fma, [w[k], xv, builder.load(acc)]), acc)
-            for r in range(count):
-                v = builder.fadd(builder.load(sums[2 * r]), builder.load(sums[2 * r + 1]))
+            with cgutils.for_range(builder, blocks[0].num_blocks) as b:
+                at = builder.mul(b.index, _I64(BLOCK))
+                xs = [[_load(builder, xa.data, _VF, builder.add(builder.mul(_I64(i), width), builder.add(at, _I64(16 * k))))
+                       for k in (0, 1)] for i in range(count)]
+                for r, rb in enumerate(blocks):
+                    w = rb.weights(b.index)
+                    for i in range(count):
+                        for k in (0, 1):
+                            acc = sums[r, i, k]
+                            builder.store(builder.call(rb.fma, [w[k], xs[i][k], builder.load(acc)]), acc)
+            for r, i in pairs:
+                v = builder.fadd(builder.load(sums[r, i, 0]), builder.load(sums[r, i, 1]))
                 for lanes in (8, 4, 2, 1):  # a tree of adds over the 16 lanes
                     kind = ir.VectorType(ir.IntType(32), lanes)
                     v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes)))),
                                      builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes, 2 * lanes)))))
-                builder.store(builder.extract_element(v, ir.IntType(32)(0)),
-                              builder.gep(oa.data, [builder.add(builder.mul(_I64(r), num_rows), n)]))
+                at = builder.add(builder.mul(_I64(i), num_rows), builder.add(n0, _I64(r)))
+                builder.store(builder.extract_element(v, ir.IntType(32)(0)), builder.gep(oa.data, [at]))
 
         with builder.if_else(builder.icmp_signed(">", num_x, _I64(1))) as (pair, single):
             with pair:
@@ -237,21 +256,32 @@ def _decode_row(typingctx, scales, mins, qs, n, row):
     return types.none(scales, mins, qs, n, row), codegen
 
 
-@intrinsic
-def _row_dot(typingctx, x, scales, mins, qs, n, out):
-    """out[i, n] = x[i] . W[n] for every row i of x (at most 2; _row_dot_codegen)."""
-    q4_1 = _block_args(scales, mins, qs, n)
-    if q4_1 is None or not (c_array(x, 2, types.float32) and c_array(out, 2, types.float32)):
-        return None
-    return types.none(x, scales, mins, qs, n, out), _row_dot_codegen(q4_1)
+def _row_dot_typer(num_w: int):
+    def typer(typingctx, x, scales, mins, qs, n0, out):
+        q4_1 = _block_args(scales, mins, qs, n0)
+        if q4_1 is None or not (c_array(x, 2, types.float32) and c_array(out, 2, types.float32)):
+            return None
+        return types.none(x, scales, mins, qs, n0, out), _row_dot_codegen(q4_1, num_w)
+    return typer
+
+
+ROWS = 4  # weight rows block_matvec dots at once
+_row_dot = intrinsic(_row_dot_typer(1))
+"""_row_dot(x, scales, mins, qs, n, out): out[i, n] = x[i] . W[n] for every row i of x (at most 2)."""
+_row_dot_rows = intrinsic(_row_dot_typer(ROWS))
+"""The same for the ROWS weight rows n .. n + ROWS - 1."""
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def block_matvec(x, scales, mins, qs, out):
     """x: [M, K]; scales, mins, qs as in block_matmul -> out: [M, N]: one pass over the weights per pair of rows
-    of x, decoded in registers (_row_dot)."""
-    for n in prange(scales.shape[0]):
-        for i in range(0, x.shape[0], 2):  # pairs of rows of x, row n's blocks in L1 after the first
+    of x, decoded in registers, ROWS weight rows at a time (_row_dot_codegen)."""
+    num_rows = scales.shape[0]
+    for g in prange(num_rows // ROWS):
+        for i in range(0, x.shape[0], 2):  # pairs of rows of x, the weight rows' blocks in L1 after the first
+            _row_dot_rows(x[i:i + 2], scales, mins, qs, g * ROWS, out[i:i + 2])
+    for n in range(num_rows - num_rows % ROWS, num_rows):
+        for i in range(0, x.shape[0], 2):
             _row_dot(x[i:i + 2], scales, mins, qs, n, out[i:i + 2])
 
 

@@ -1,0 +1,105 @@
+"""GGUF blocks with integer dot products: against a NumPy twin of the kernel's arithmetic (x rounded to
+int16 per block, exact integer dots, float scales), and against the exact product within the rounding's
+stated bound."""
+import numpy as np
+import pytest
+import torch
+
+from gpu_model.model import rms_norm
+from gpu_model.quant import from_gguf_rows
+from gpu_model.quant_vnni import VnniWeight, is_available, vnni_matmul
+from tests.test_quant import random_blocks
+
+pytestmark = pytest.mark.skipif(not is_available(), reason="this CPU has no AVX512-VNNI")
+
+
+def rounded(v: np.ndarray) -> np.ndarray:
+    """x rounded per block of 32 as the kernels do: scale max |v| / 32767 (float32), round half to even."""
+    blocks = v.reshape(v.shape[0], -1, 32)
+    scale = (np.abs(blocks).max(-1, keepdims=True) / np.float32(32767)).astype(np.float32)
+    q = np.where(scale > 0, np.rint(blocks / np.where(scale > 0, scale, 1)), 0)
+    return (q * scale.astype(np.float64)).reshape(v.shape)
+
+
+def weights(kind: str, num_rows: int, num_blocks: int, seed: int):
+    w = from_gguf_rows(random_blocks(kind, num_rows, num_blocks, np.random.default_rng(seed)), kind)
+    return w, VnniWeight.from_blocks(w)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("num_x", [1, 2, 3, 5])  # a row alone, a pair, an odd row after a pair
+def test_matches_numpy_twin_and_bound(kind, num_x):
+    w, packed = weights(kind, num_rows=36, num_blocks=6, seed=num_x)
+    assert packed.shape == w.shape
+    x = np.random.default_rng(7).standard_normal((num_x, w.shape[1])).astype(np.float32)
+    got = vnni_matmul(x, packed)
+    dense = w.dequantize().astype(np.float64)
+    twin = rounded(x) @ dense.T
+    # the twin to float32 rounding of the sum of |terms|
+    np.testing.assert_allclose(got, twin, rtol=0, atol=1e-6 * (np.abs(rounded(x)) @ np.abs(dense).T).max())
+    # the exact product within the rounding of x: half a step (max |x_block| / 32767) per value
+    step = np.abs(x.reshape(num_x, -1, 32)).max(-1).repeat(32, axis=1) / 32767
+    bound = (step / 2) @ np.abs(dense).T
+    assert (np.abs(got - x.astype(np.float64) @ dense.T) <= bound * 1.01 + 1e-6).all()
+
+
+def test_rows_do_not_depend_on_their_partners():
+    _, packed = weights("q4_1", num_rows=8, num_blocks=4, seed=3)
+    x = np.random.default_rng(1).standard_normal((3, 128)).astype(np.float32)
+    together = vnni_matmul(x, packed)
+    for i in range(3):
+        np.testing.assert_array_equal(together[i], vnni_matmul(x[i:i + 1], packed)[0])
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_norm_and_gate_fused_into_the_rounding(kind):
+    """norm: the matmul of rms_norm(x) * norm; gated: of silu(gate) * up; each as the unfused kernel gives it
+    on the same input computed in torch, to float32 rounding."""
+    _, packed = weights(kind, num_rows=12, num_blocks=4, seed=5)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    norm = rng.uniform(0.5, 2, 128).astype(np.float32)
+    normed = rms_norm(torch.from_numpy(x), torch.from_numpy(norm), 1e-5).numpy()
+    np.testing.assert_allclose(vnni_matmul(x, packed, norm, 1e-5), vnni_matmul(normed, packed), rtol=1e-4, atol=1e-4)
+    gate_up = rng.standard_normal((2, 256)).astype(np.float32)
+    g, u = torch.from_numpy(gate_up).chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(g) * u).numpy()
+    np.testing.assert_allclose(vnni_matmul(gate_up, packed, gated=True), vnni_matmul(act, packed), rtol=1e-4, atol=1e-4)
+
+
+def test_zeros_and_non_finite_inputs():
+    _, packed = weights("q4_1", num_rows=8, num_blocks=4, seed=4)
+    assert not vnni_matmul(np.zeros((2, 128), np.float32), packed).any()
+    x = np.ones((2, 128), np.float32)
+    x[0, 40] = np.nan
+    x[1, 3] = np.inf
+    out = vnni_matmul(x, packed)
+    assert np.isnan(out).all()
+
+
+def test_only_whole_groups_of_rows_and_pairs_of_blocks_fit():
+    rng = np.random.default_rng(0)
+    assert not VnniWeight.fits(from_gguf_rows(random_blocks("q8_0", 6, 2, rng), "q8_0"))  # rows: not whole groups of 4
+    assert not VnniWeight.fits(from_gguf_rows(random_blocks("q4_1", 8, 3, rng), "q4_1"))  # 3 blocks: not whole pairs
+    assert VnniWeight.fits(from_gguf_rows(random_blocks("q4_1", 8, 2, rng), "q4_1"))
+
+
+def test_default_model_layer_matches_the_float_kernels():
+    """Every linear of the bundled model, norms and gate fused, against the float32 block kernels (which give
+    the fp32 copy's products): within 1e-4 of the output's scale."""
+    from gpu_model.loader import QUANT_FILE, load_model, resolve_model_dir
+    from gpu_model.quant import load_quant
+
+    model_dir = resolve_model_dir(None)
+    blocks = load_quant(model_dir / QUANT_FILE)
+    vnni, plain = (load_model(model_dir, cpu_linear_dtype="float32", gguf_blocks_max_tokens=0) for _ in range(2))
+    vnni.attach_quant(blocks, 4, vnni=True)
+    plain.attach_quant(blocks, 4, vnni=False)
+    assert all(isinstance(w, VnniWeight) for w in vnni.quant.values())
+    x = torch.randn(2, vnni.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = vnni.rope(torch.tensor([5, 9]))
+    attn = torch.randn(2, vnni.cfg.num_heads * vnni.cfg.head_dim, generator=torch.Generator().manual_seed(1))
+    pairs = [*zip(vnni.pre_attention(3, x, cos, sin), plain.pre_attention(3, x, cos, sin)),
+             (vnni.post_attention(3, x, attn), plain.post_attention(3, x, attn)), (vnni.logits(x), plain.logits(x))]
+    for a, b in pairs:
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
