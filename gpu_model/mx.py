@@ -15,9 +15,11 @@ Packed layout of a weight [N, K] (K padded with zeros to a multiple of 32; c_j =
     codes  [N, K/32, B]   uint8, per block of 32:
       mxfp8, mxint8  B = 32   byte j = c_j
       mxfp6          B = 24   bytes 0..15:  c_j & 15 | (c_{j+16} & 15) << 4        (j < 16)
-                              bytes 16..23: sum over q < 4 of (c_{8q+j} >> 4) << 2q  (j < 8)
-                              (four 6-bit values in three bytes, as two planes: the low nibbles and
-                              the high bit pairs, so a kernel unpacks them with fixed shifts)
+                              bytes 16..23: one little-endian uint64 Q holding c_i >> 4 (two bits)
+                              at bit FP6_HIGH_BITS[i] = 32 (l & 1) + 16 h + 2 (l >> 1), i = 16 h + l
+                              (four 6-bit values in three bytes, as two planes: the low nibbles, and
+                              the high bit pairs placed so that a kernel that broadcasts Q to sixteen
+                              32-bit lanes finds lane l's pair in its own lane: fixed rotations)
       mxfp4          B = 16   byte j = c_j | c_{j+16} << 4                          (j < 16)
 
 Bits per weight: 8 x B / 32 + 8 / 32 = 8.25, 6.25, 4.25, 8.25.
@@ -30,6 +32,8 @@ import numpy as np
 
 BLOCK = 32
 SCALE_NAN = 255
+FP6_HIGH_BITS = np.array([32 * (i % 16 & 1) + 16 * (i // 16) + 2 * (i % 16 >> 1) for i in range(BLOCK)], np.uint64)
+"""Where element i's top two code bits sit in an FP6 block's uint64 (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,9 @@ def pack(codes: np.ndarray, fmt: ElementFormat) -> np.ndarray:
     low = (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)
     if fmt.code_bits == 4:
         return np.ascontiguousarray(low)
-    high = sum(((c[..., 8 * q:8 * q + 8] >> 4) & 3) << (2 * q) for q in range(4)).astype(np.uint8)
-    return np.ascontiguousarray(np.concatenate([low, high], axis=-1))
+    pairs = ((c >> 4) & 3).astype(np.uint64) << FP6_HIGH_BITS
+    high = np.bitwise_or.reduce(pairs, axis=-1).astype("<u8")
+    return np.ascontiguousarray(np.concatenate([low, high[..., None].view(np.uint8)], axis=-1))
 
 
 def unpack(packed: np.ndarray, fmt: ElementFormat) -> np.ndarray:
@@ -143,7 +148,8 @@ def unpack(packed: np.ndarray, fmt: ElementFormat) -> np.ndarray:
     low = np.concatenate([packed[..., :16] & 15, packed[..., :16] >> 4], axis=-1)
     if fmt.code_bits == 4:
         return low
-    high = np.concatenate([(packed[..., 16:24] >> (2 * q)) & 3 for q in range(4)], axis=-1)
+    words = np.ascontiguousarray(packed[..., 16:24]).view("<u8")  # [..., 1]
+    high = ((words >> FP6_HIGH_BITS) & np.uint64(3)).astype(np.uint8)
     return low | (high << 4)
 
 

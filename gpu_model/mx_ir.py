@@ -67,16 +67,28 @@ def _fp4_ints(builder, block):
             _pshufb(builder, table, builder.lshr(p, _bytes([4] * 16)))]
 
 
+def _fp6_high(builder, block):
+    """The block's uint64 of high bit pairs broadcast to sixteen 32-bit lanes: lane l holds its low
+    (l even) or high (l odd) half, where lane l's pairs sit (mx.FP6_HIGH_BITS)."""
+    word = load(builder, block, ir.VectorType(_I32, 2), _I64(16))
+    return builder.shuffle_vector(word, word, ir.Constant(ir.VectorType(_I32, 16), [0, 1] * 8))
+
+
+def _fp6_pair_bit(h: int, l: int) -> int:
+    """Bit of lane l's dword where element 16 h + l's pair starts."""
+    return 16 * h + 2 * (l >> 1)
+
+
 def _fp6_codes(builder, block):
     """A block's 32 six-bit codes as two <16 x i8> (elements 0..15, 16..31) from its two planes."""
-    low = load(builder, block, _VB, _I64(0))
-    high = load(builder, block, ir.VectorType(_I8, 8), _I64(16))
-    pairs = [builder.lshr(high, ir.Constant(high.type, [2 * q] * 8)) for q in range(4)]
+    low = builder.zext(load(builder, block, _VB, _I64(0)), _VI)
+    high = _fp6_high(builder, block)
     codes = []
-    for h, nibble in enumerate((builder.and_(low, _bytes([15] * 16)), builder.lshr(low, _bytes([4] * 16)))):
-        lanes = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
-        top = builder.shuffle_vector(pairs[2 * h], pairs[2 * h + 1], lanes)
-        codes.append(builder.or_(nibble, builder.shl(builder.and_(top, _bytes([3] * 16)), _bytes([4] * 16))))
+    for h in (0, 1):
+        nibble = builder.and_(builder.lshr(low, ir.Constant(_VI, [4 * h] * 16)), ir.Constant(_VI, [15] * 16))
+        pair = builder.and_(builder.lshr(high, ir.Constant(_VI, [_fp6_pair_bit(h, l) for l in range(16)])),
+                            ir.Constant(_VI, [3] * 16))
+        codes.append(builder.trunc(builder.or_(nibble, builder.shl(pair, ir.Constant(_VI, [4] * 16))), _VB))
     return codes
 
 
@@ -106,23 +118,22 @@ def _fp4_avx512(builder, block, scale):
 
 
 def _fp6_avx512(builder, block, scale):
-    """Elements in 32-bit lanes: lane i of half h takes its low nibble from byte i of the first plane
-    (bits 4h..4h+3) and its top bits from byte i % 8 of the second (bits 2q, 2q + 1 for q = 2h + i // 8),
-    moved into place with per-lane shifts (bit 4: the table's, bit 5: the float's sign)."""
+    """Elements in 32-bit lanes: lane l of half h takes its low nibble from byte l of the first plane
+    and its pair from the broadcast uint64 (_fp6_high), turned into place: bit 4 (the table's top
+    index bit) and bit 31 (the float's sign)."""
     tables = [_float_table(builder, "mxfp6", first, scale) for first in (0, 16)]
     permute = _llvm_fn(builder, "llvm.x86.avx512.vpermi2var.ps.512", _VF, [_VF, _VI, _VF])  # index bits 0..4
     rotate = _llvm_fn(builder, "llvm.fshl.v16i32", _VI, [_VI] * 3)
     c = lambda values: ir.Constant(_VI, values)  # noqa: E731
     low = builder.zext(load(builder, block, _VB, _I64(0)), _VI)
-    high8 = load(builder, block, ir.VectorType(_I8, 8), _I64(16))
-    high = builder.zext(builder.shuffle_vector(high8, high8, ir.Constant(ir.VectorType(_I32, 16), list(range(8)) * 2)), _VI)
+    high = _fp6_high(builder, block)
     out = []
     for h in (0, 1):
         nibble = low if h == 0 else builder.lshr(low, c([4] * 16))
-        bit4 = builder.call(rotate, [high, high, c([4] * 8 + [2] * 8 if h == 0 else [0] * 8 + [30] * 8)])
+        bits = [_fp6_pair_bit(h, l) for l in range(16)]
+        bit4 = builder.call(rotate, [high, high, c([(4 - b) % 32 for b in bits])])
         index = builder.or_(builder.and_(nibble, c([~16] * 16)), builder.and_(bit4, c([16] * 16)))
-        sign = builder.and_(builder.shl(high, c([30] * 8 + [28] * 8 if h == 0 else [26] * 8 + [24] * 8)),
-                            c([-2**31] * 16))
+        sign = builder.and_(builder.call(rotate, [high, high, c([(30 - b) % 32 for b in bits])]), c([-2**31] * 16))
         mag = builder.bitcast(builder.call(permute, [tables[0], index, tables[1]]), _VI)
         out.append(builder.bitcast(builder.or_(mag, sign), _VF))
     return out

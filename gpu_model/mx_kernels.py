@@ -166,11 +166,14 @@ def _decode_fp6_table(codes, table, scales, n, w):
     variant; scalar code, for E3M2)."""
     for b in range(codes.shape[1]):
         s = table[64 + scales[n, b]]
-        for q in range(4):
-            for j in range(8):
-                low = (codes[n, b, 8 * (q & 1) + j] >> (4 * (q >> 1))) & 15
-                high = (codes[n, b, 16 + j] >> (2 * q)) & 3
-                w[b * 32 + 8 * q + j] = table[low | (high << 4)] * s
+        high = np.uint64(0)
+        for k in range(8):
+            high |= np.uint64(codes[n, b, 16 + k]) << np.uint64(8 * k)
+        for i in range(32):
+            h, lane = i // 16, i % 16
+            pair = (high >> np.uint64(32 * (lane & 1) + 16 * h + 2 * (lane >> 1))) & np.uint64(3)
+            low = (codes[n, b, lane] >> (4 * h)) & 15
+            w[b * 32 + i] = table[np.int64(low) | (np.int64(pair) << 4)] * s
 
 
 @njit(cache=True, nogil=True)

@@ -1,6 +1,9 @@
 """MX formats (gpu_model/mx.py) against a plain, element-at-a-time reading of the OCP MX v1.0 spec,
 and the Numba kernels (gpu_model/mx_kernels.py) against float64 matmuls of the decoded weights."""
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -194,3 +197,26 @@ def test_concat_and_validation():
         MXWeight("mxfp6", a.codes, a.scales, 64)
     with pytest.raises(ValueError, match="unknown MX format"):
         MXWeight.encode(np.ones((1, 32), np.float32), "mxfp5")
+
+
+AVX2_CHECK = """
+import numpy as np
+from gpu_model import mx
+from gpu_model.mx_weight import MXWeight
+rng = np.random.default_rng(9)
+for fmt in mx.FORMATS:
+    w = MXWeight.encode(rng.standard_normal((9, 96)).astype(np.float32), fmt)
+    for m in (1, 2, 5):
+        x = np.zeros((m, 96), np.float32)
+        x[np.arange(m), rng.integers(0, 96, m)] = 1.0
+        cols = x.argmax(1)
+        assert np.array_equal(w.matmul_numpy(x), w.decode()[:, cols].T), (fmt, m)
+print("ok")
+"""
+
+
+def test_kernels_without_avx512(tmp_path):
+    """The AVX2 code paths (pshufb tables, integer conversions), compiled for a Haswell CPU."""
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
