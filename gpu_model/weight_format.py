@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,10 @@ WEIGHT_FORMATS = ("auto", "gguf", "mxfp8", "mxfp6", "mxfp4", "mxint8", "bf16", "
 MX_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "mxint8")
 HEAD_CHOICES = ("same", "dense")
 MX_FILE = "mx_weights.safetensors"
+MX_LAYOUT = "1"
+"""Version of the packed layout (gpu_model/mx.py) a packed file holds; others are refused."""
 HEAD = "lm_head.weight"
+log = logging.getLogger(__name__)
 _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
@@ -93,7 +97,7 @@ def save_packed(weights: dict[str, MXWeight], path: Path, wf: WeightFormat) -> N
         tensors[name + ".codes"], tensors[name + ".scales"] = w.codes, w.scales
         shapes[name] = w.in_features
     meta = {"weight_format": wf.name, "weight_rotation": wf.rotation, "weight_format_head": wf.head,
-            "in_features": json.dumps(shapes)}
+            "mx_layout": MX_LAYOUT, "in_features": json.dumps(shapes)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{id(weights)}")
     save_file(tensors, tmp, metadata=meta)
@@ -114,6 +118,8 @@ def load_packed(path: Path) -> tuple[WeightFormat, dict[str, MXWeight]]:
             raise WeightFormatError(f"{path}: metadata does not name an MX weight format ({exc})") from None
         if not wf.is_mx:
             raise WeightFormatError(f"{path}: metadata names {wf.name}, not an MX format")
+        if meta.get("mx_layout") != MX_LAYOUT:
+            raise WeightFormatError(f"{path}: packed layout {meta.get('mx_layout')}, this version reads {MX_LAYOUT}")
         keys = set(f.keys())
         extra = sorted(keys - {n + s for n in shapes for s in (".codes", ".scales")})
         if extra:
@@ -135,15 +141,18 @@ def cache_path(cache_dir: Path, model_dir: Path, wf: WeightFormat) -> Path:
     files = sorted(model_dir.glob("*.safetensors"))
     stamp = ";".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     key = hashlib.sha1(stamp.encode()).hexdigest()[:12]
-    return cache_dir / "weight-formats" / f"{model_dir.name}-{key}" / f"{wf.variant}.safetensors"
+    return cache_dir / "weight-formats" / f"{model_dir.name}-{key}" / f"{wf.variant}-layout{MX_LAYOUT}.safetensors"
 
 
 def mx_weights(dense: dict[str, torch.Tensor], names: list[str], wf: WeightFormat, cache: Path | None) -> dict[str, MXWeight]:
     """MX copies of `names`: read from `cache` when it holds this variant, else converted (and cached)."""
     if cache is not None and cache.exists():
-        cached_wf, weights = load_packed(cache)
-        if cached_wf == wf and set(names) <= set(weights):
-            return weights
+        try:
+            cached_wf, weights = load_packed(cache)
+            if cached_wf == wf and set(names) <= set(weights):
+                return weights
+        except WeightFormatError as exc:  # a damaged cache file: convert again
+            log.warning("converting again: %s", exc)
     weights = convert(dense, names, wf)
     if cache is not None:
         save_packed(weights, cache, wf)

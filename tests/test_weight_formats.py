@@ -33,7 +33,7 @@ def test_load_converts_and_caches(model_dir, tmp_path, fmt):
     small = model._linear("layers.1.qkv", model.layers[1].qkv.weight, x)
     assert torch.allclose(small, x @ model.layers[1].qkv.weight.T, rtol=1e-5, atol=1e-5)
     assert weight_bits(model) == {"mxfp8": 8.25, "mxfp6": 6.25, "mxfp4": 4.25, "mxint8": 8.25}[fmt]
-    cached = list(tmp_path.glob(f"weight-formats/*/{fmt}.safetensors"))
+    cached = list(tmp_path.glob(f"weight-formats/*/{fmt}-layout*.safetensors"))
     assert len(cached) == 1
     again = load_model(model_dir, cpu_linear_dtype="float32", weight_format=WeightFormat(fmt), cache_dir=tmp_path)
     assert np.array_equal(again.quant["layers.1.qkv"].codes, qkv.codes)
