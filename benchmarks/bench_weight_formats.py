@@ -1,0 +1,207 @@
+"""Weight formats of the linear layers on the bundled model, in one run: bits per weight, bytes,
+WikiText-2 perplexity and KL against dense fp32 weights, decode step time at 1 / 8 / 32 sequences,
+and the 1-sequence matmuls' bytes/s against the machine's measured read bandwidth.
+
+    python -m benchmarks.bench_weight_formats [--formats gguf mxfp4 ...] [--num-windows 16]
+        [--window-tokens 1024] [--batches 1 8 32] [--repeats 15]
+
+Perplexity: each window is prefilled in one pass (causal attention in torch), so every matmul runs
+the dense copy, which holds the format's own values (gpu_model/weight_format.py); the dense linears
+run float32, so only the weights differ from the reference. A decode step: embeddings, every layer
+(attention over `--context` cached tokens per sequence, in torch) and the LM head, for a batch of
+single tokens; the matmuls take the format's kernel. Prints a table; writes
+benchmarks/results/weight_formats.json and weight_formats.png.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import RESULTS, machine, print_table, write_json
+from gpu_model.loader import load_model, resolve_model_dir
+from gpu_model.mx_weight import MXWeight
+from gpu_model.weight_format import WeightFormat, weight_bits
+from cpu_attn.calibrate import text_windows
+from gpu_model.tokenizer import Tokenizer
+from hetcore.data import WIKITEXT2_TEST
+
+FORMATS = ["fp32", "bf16", "gguf", "mxint8", "mxfp8", "mxfp6", "mxfp4", "mxfp4+hadamard"]
+
+
+def parse_format(label: str) -> WeightFormat:
+    name, _, rotation = label.partition("+")
+    return WeightFormat(name, rotation or "none")
+
+
+def window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """ids: [T] -> log-probabilities of each next token [T, vocab], one causal pass."""
+    cfg, n = model.cfg, len(ids)
+    x = model.embed(ids)
+    cos, sin = model.rope(torch.arange(n))
+    group = cfg.num_heads // cfg.num_kv_heads
+    for i in range(cfg.num_layers):
+        q, k, v = model.pre_attention(i, x, cos, sin)  # [T, H, D], [T, Hkv, D]
+        k, v = (t.repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True)
+        x = model.post_attention(i, x, o.transpose(0, 1).reshape(n, -1))
+    return torch.log_softmax(model.logits(x).float(), -1)
+
+
+def quality(model, ref_logps: list[torch.Tensor], windows: list[torch.Tensor]) -> dict:
+    nll = kl = count = 0.0
+    for ids, ref in zip(windows, ref_logps):
+        logp = window_logprobs(model, ids)[:-1]
+        nll -= logp.gather(1, ids[1:, None]).sum().item()
+        kl += (ref.exp() * (ref - logp)).sum().item()
+        count += len(ids) - 1
+    return {"ppl": float(np.exp(nll / count)), "kl_mean": kl / count}
+
+
+def decode_step_ms(model, batch: int, context: int, repeats: int) -> tuple[float, float]:
+    """(median, min) ms of a decode step of `batch` sequences, each attending to `context` tokens."""
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (batch,))
+    cos, sin = model.rope(torch.full((batch,), context))
+    kv = [torch.randn(batch, cfg.num_heads, context, cfg.head_dim) for _ in range(2)]
+
+    def step():
+        x = model.embed(ids)
+        for i in range(cfg.num_layers):
+            q, _, _ = model.pre_attention(i, x, cos, sin)
+            o = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], *kv)  # [B, H, 1, D]
+            x = model.post_attention(i, x, o.reshape(batch, -1))
+        model.logits(x)
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times)), 1e3 * min(times)
+
+
+def matmul_bytes(model) -> int:
+    """Bytes a 1-token step's matmuls read: the block copies where the model has them, else dense."""
+    total = 0
+    for key, w in model.matmul_weights().items():
+        q = model.quant.get(key) if model.quant_max_tokens > 0 else None
+        if isinstance(q, MXWeight):
+            total += q.nbytes
+        elif q is not None:
+            total += sum(a.nbytes for a in (q.scales, q.qs, q.mins) if a is not None)
+        else:
+            total += w.numel() * w.element_size()
+    return total
+
+
+def matmuls_ms(model, repeats: int) -> float:
+    """Best time of one token through every matmul (linears and head)."""
+    mats = list(model.matmul_weights().items())
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for _, w in mats}
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for key, w in mats:
+            model._linear(key, w, xs[w.shape[1]])
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
+
+
+def numba_read_gb_s(num_bytes: int = 2**30) -> float:
+    """Read bandwidth of a parallel Numba sum over a large float32 array (all threads), best of 3."""
+    from numba import njit, prange
+
+    @njit(parallel=True, fastmath=True)
+    def total(a):
+        s = np.float32(0.0)
+        for i in prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    a = np.ones(num_bytes // 4, np.float32)
+    total(a[:1024])
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total(a)
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best / 1e9
+
+
+def plot(rows: list[dict], batches: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [r["format"] for r in rows]
+    width = 0.8 / len(batches)
+    for j, b in enumerate(batches):
+        left.bar(np.arange(len(rows)) + j * width, [r[f"step_ms_{b}"] for r in rows], width, label=f"{b} seq")
+    left.set_xticks(np.arange(len(rows)) + 0.4 - width / 2, labels, rotation=30)
+    left.set_ylabel("decode step, ms (median)")
+    left.legend()
+    right.bar(labels, [r["ppl_change_pct"] for r in rows])
+    right.set_ylabel("perplexity vs dense fp32 weights, %")
+    right.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", nargs="+", default=FORMATS, help="weight formats; +hadamard for the rotation")
+    p.add_argument("--num-windows", type=int, default=16)
+    p.add_argument("--window-tokens", type=int, default=1024)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=256, help="cached tokens per sequence in a decode step")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--model", help="GGUF file or safetensors directory (default: the bundled model)")
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    model_dir = resolve_model_dir(args.model, Path("~/.cache/hetserve/models").expanduser())
+    mach = {**machine(), "numba_read_gb_s": round(numba_read_gb_s(), 2)}
+    dense = load_model(model_dir, weight_format=WeightFormat("fp32"))
+    tok = Tokenizer(model_dir, dense.cfg.eos_token_ids)
+    windows = [torch.tensor(w) for w in text_windows(tok.encode(WIKITEXT2_TEST.read_text()), args.num_windows,
+                                                     args.window_tokens)]
+    ref = [window_logprobs(dense, ids)[:-1] for ids in windows]
+    rows = []
+    for label in args.formats:
+        wf = parse_format(label)
+        model = load_model(model_dir, cpu_linear_dtype="bfloat16" if wf.name == "bf16" else "float32", weight_format=wf)
+        row = {"format": label, "weight_bits": weight_bits(model), "matmul_mb": matmul_bytes(model) / 1e6,
+               **quality(model, ref, windows)}
+        for b in args.batches:
+            row[f"step_ms_{b}"], row[f"step_min_ms_{b}"] = decode_step_ms(model, b, args.context, args.repeats)
+        row["matmuls_1_ms"] = matmuls_ms(model, args.repeats)
+        row["matmul_gb_s"] = row["matmul_mb"] / row["matmuls_1_ms"]
+        row["of_numba_read"] = row["matmul_gb_s"] / mach["numba_read_gb_s"]
+        rows.append(row)
+        print(f"{label} done", flush=True)
+    base = next((r["ppl"] for r in rows if r["format"] == "fp32"), quality(dense, ref, windows)["ppl"])
+    gguf = next((r for r in rows if r["format"] == "gguf"), None)
+    for r in rows:
+        r["ppl_change_pct"] = 100 * (r["ppl"] / base - 1)
+        if gguf is not None:
+            r["step_1_vs_gguf"] = r["step_ms_1"] / gguf["step_ms_1"]
+    print(f"{len(windows)} x {args.window_tokens} tokens of WikiText-2 test; dense fp32 perplexity {base:.4f}; "
+          f"read bandwidth: numpy {mach['memory_read_gb_s']} GB/s, numba {mach['numba_read_gb_s']} GB/s")
+    steps = [f"step_ms_{b}" for b in args.batches]
+    print_table(rows, ["format", "weight_bits", "matmul_mb", "ppl", "ppl_change_pct", "kl_mean", *steps,
+                       "step_1_vs_gguf", "matmuls_1_ms", "matmul_gb_s", "of_numba_read"])
+    path = write_json("weight_formats.json", {"machine": mach, "num_windows": len(windows),
+                                              "window_tokens": args.window_tokens, "context": args.context,
+                                              "ppl_dense": base, "rows": rows})
+    plot(rows, args.batches, RESULTS / "weight_formats.png")
+    print(f"wrote {path} and weight_formats.png")
+
+
+if __name__ == "__main__":
+    main()
