@@ -3,6 +3,7 @@ same GGUF (the bundled SmolLM2-135M-Instruct Q4_1) and the same prompts, driven 
 
     python -m benchmarks.e2e_peers --configs hetserve-oaken-magicpig llama-f16 --workloads long-8k \
         --concurrency 16 --repeats 2
+    python -m benchmarks.e2e_peers --grid [--workloads chat-256]   # the standard grid (GRID), or a row of it
 
 Per cell (workload x concurrency) and repeat, every config runs back to back: start the server on a free
 port, wait for /health, send the workload, read the metrics, stop it; peak RSS is the server's process
@@ -23,6 +24,10 @@ from benchmarks.e2e import drive, report, servers
 from benchmarks.e2e.llama_build import build_llama_server
 
 DEFAULT_CONFIGS = ("hetserve-fp16", "hetserve-oaken", "hetserve-oaken-magicpig", "llama-f16", "llama-q8_0", "hf")
+GRID = {"configs": ["hetserve-default", "hetserve-ray", "llama-f16", "hf"], "workloads": ["chat-256", "long-4k", "long-8k"],
+        "concurrency": [1, 8, 16], "output_tokens": 128}
+"""What a user meets: `make serve` (and its Ray executor) against llama-server and HF transformers, one chat to
+sixteen streams of 8k prompts."""
 
 
 def run_server_cell(cfg: servers.ServerConfig, w: drive.Workload, c: int, args, llama_server: Path | None,
@@ -71,7 +76,8 @@ def run_hf_cell(w: drive.Workload, c: int, args, run_dir: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=list(servers.CONFIGS))
-    ap.add_argument("--workloads", nargs="+", default=list(drive.WORKLOADS), choices=list(drive.WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", choices=list(drive.WORKLOADS),
+                    help="default: every one (with --grid: the grid's)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
                     help="long workloads: each level; the trace runs at the largest only")
     ap.add_argument("--output-tokens", type=int, default=256)
@@ -79,10 +85,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb and HF torch threads")
     ap.add_argument("--hf-max-batch-tokens", type=int, default=16384,
                     help="skip HF where concurrency x context exceeds this (fp32 KV, hours on 2 cores)")
+    ap.add_argument("--grid", action="store_true",
+                    help="the standard grid (GRID): its configs, concurrencies and output tokens; its workloads "
+                         "unless --workloads names some")
     ap.add_argument("--out", default="e2e_peers.json", help="file under benchmarks/results/ (rows accumulate)")
     ap.add_argument("--fresh", action="store_true", help="drop the rows already in --out")
     ap.add_argument("--run-dir", default=str(Path.home() / ".cache" / "hetserve" / "e2e_runs"))
     args = ap.parse_args()
+    if args.grid:
+        args.configs, args.concurrency, args.output_tokens = GRID["configs"], GRID["concurrency"], GRID["output_tokens"]
+    args.workloads = args.workloads or (GRID["workloads"] if args.grid else list(drive.WORKLOADS))
 
     cfgs = [servers.CONFIGS[n] for n in args.configs]
     llama_server = build_llama_server() if any(c.kind == "llama" for c in cfgs) else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+from numba import njit
 from torch import nn
 
 from gpu_model.config import ModelConfig
@@ -52,6 +53,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+@njit(cache=True, nogil=True)
+def _rope_rows(x, num_heads, head_dim, cos, sin):
+    """apply_rope in place on the first num_heads heads of each row of x [T, W] float32; cos, sin: [T, D].
+    The same operations as apply_rope (a * cos - b * sin, unfused): the same bits, in one call where
+    apply_rope's six tensor operations cost ~40 us a layer at one token."""
+    half = head_dim // 2
+    for t in range(x.shape[0]):
+        for h in range(num_heads):
+            base = h * head_dim
+            for j in range(half):
+                a, b = x[t, base + j], x[t, base + half + j]
+                x[t, base + j] = a * cos[t, j] - b * sin[t, j]
+                x[t, base + half + j] = b * cos[t, half + j] + a * sin[t, half + j]
 
 
 class Layer(nn.Module):
@@ -164,7 +180,11 @@ class LlamaModel(nn.Module):
         qkv = self._normed_linear(f"layers.{i}.qkv", layer.qkv.weight, x, layer.attn_norm)
         T, num_qk = x.shape[0], cfg.num_heads + cfg.num_kv_heads
         # q and k sit side by side in the fused projection: rotate both in one pass
-        qk = apply_rope(qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim), cos, sin)
+        if qkv.device.type == "cpu" and qkv.dtype == torch.float32:
+            _rope_rows(qkv.numpy(), num_qk, cfg.head_dim, cos.numpy().reshape(T, -1), sin.numpy().reshape(T, -1))
+            qk = qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim)
+        else:
+            qk = apply_rope(qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim), cos, sin)
         v = qkv[:, num_qk * cfg.head_dim :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
         return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
 

@@ -32,6 +32,7 @@ class Workload:
 
 
 WORKLOADS = {w.name: w for w in (
+    Workload("chat-256", "long", 384),  # a 256-token prompt and 128 output tokens
     Workload("long-4k", "long", 4096),
     Workload("long-8k", "long", 8192),
     # the trace's own pace (~2 requests/s, 720-token prompts on average) is more than 2 cores can prefill: its

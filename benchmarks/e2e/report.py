@@ -7,8 +7,8 @@ import numpy as np
 
 from benchmarks.common import print_table
 
-COLUMNS = ("workload", "concurrency", "config", "repeat", "output_throughput", "decode_tok_s", "mean_decoding",
-           "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "peak_rss_mb", "failed")
+COLUMNS = ("workload", "concurrency", "config", "repeat", "duration", "output_throughput", "decode_tok_s",
+           "mean_decoding", "median_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "peak_rss_mb", "failed")
 
 
 def table(rows: list[dict]) -> None:

@@ -51,6 +51,8 @@ class ServerConfig:
 
 
 CONFIGS = {c.name: c for c in (
+    ServerConfig("hetserve-default", "hetserve", (), "hetserve as `make serve` starts it (local executor, defaults)"),
+    ServerConfig("hetserve-ray", "hetserve", ("--executor", "ray"), "hetserve, defaults, Ray executor"),
     ServerConfig("hetserve-fp16", "hetserve", ("--kv-format", "fp16"), "hetserve local, fp16 KV, exact attention"),
     ServerConfig("hetserve-oaken", "hetserve", ("--kv-format", "oaken"), "hetserve local, Oaken KV, exact attention"),
     ServerConfig("hetserve-oaken-magicpig", "hetserve",
