@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from gpu_model.config import ModelConfig
 from gpu_model.model import LlamaModel, rope_inv_freq
 from gpu_model.quant import load_quant, read_gguf_quant, save_quant
+from gpu_model.quant_vnni import is_available as has_vnni
 from gpu_model.weight_format import (MX_FILE, WeightFormat, WeightFormatError, attach, cache_path, dense_with_mx,
                                      tied_head_values)
 
@@ -37,6 +38,10 @@ QUANT_FILE = "gguf_blocks.safetensors"
 GGUF_BLOCKS_MAX_TOKENS = 64
 """Steps of at most this many tokens (decode batches) multiply by the GGUF's own blocks, decoded
 once per step (gpu_model/quant.py); prefill chunks use the fp32 copy with BLAS (README: Usage)."""
+GGUF_BLOCKS_MAX_TOKENS_BF16 = 4
+"""The same beside bf16 linears (oneDNN, AMX) on CPUs with AVX512-VNNI (gpu_model/quant_vnni.py): single-
+threaded on a Xeon with AMX, all linears of a step took 15.7 / 18.2 / 24.5 / 42 ms with the blocks and
+27.5 / 27.3 / 26.6 / 27.6 ms in bf16 at 1 / 2 / 4 / 8 tokens. Without VNNI the blocks win at 1 token only."""
 MX_MAX_TOKENS = 64
 """Steps of at most this many tokens multiply by MX weights (gpu_model/mx_kernels.py) by default with
 float32 dense linears; with bf16 ones (oneDNN, AMX) MX_MAX_TOKENS_BF16, past which the bf16 copy of
@@ -190,7 +195,10 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     if wf.name in ("fp32", "bf16"):
         return model
     if gguf_blocks_max_tokens is None:
-        gguf_blocks_max_tokens = 1 if bf16 and wf.name == "auto" else GGUF_BLOCKS_MAX_TOKENS
+        if bf16 and wf.name == "auto":
+            gguf_blocks_max_tokens = GGUF_BLOCKS_MAX_TOKENS_BF16 if has_vnni() else 1
+        else:
+            gguf_blocks_max_tokens = GGUF_BLOCKS_MAX_TOKENS
     if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:
         model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens)
     return model
