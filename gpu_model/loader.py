@@ -39,7 +39,8 @@ GGUF_BLOCKS_MAX_TOKENS = 64
 """Steps of at most this many tokens (decode batches) multiply by the GGUF's own blocks, decoded
 once per step (gpu_model/quant.py); prefill chunks use the fp32 copy with BLAS (README: Usage)."""
 GGUF_BLOCKS_MAX_TOKENS_BF16 = 4
-"""The same beside bf16 linears (oneDNN, AMX) on CPUs with AVX512-VNNI (gpu_model/quant_vnni.py): single-
+"""The same beside bf16 linears (oneDNN, AMX) on CPUs with AVX512-VNNI, where the blocks multiply with
+integer dots (gpu_model/quant_vnni.py): single-
 threaded on a Xeon with AMX, all linears of a step took 15.7 / 18.2 / 24.5 / 42 ms with the blocks and
 27.5 / 27.3 / 26.6 / 27.6 ms in bf16 at 1 / 2 / 4 / 8 tokens. Without VNNI the blocks win at 1 token only."""
 MX_MAX_TOKENS = 64
@@ -152,8 +153,8 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     """Load weights. On the CPU in float32 the linear layers run in `cpu_linear_dtype`, and a
     GGUF's own blocks serve steps of at most `gguf_blocks_max_tokens` tokens (bandwidth-bound
     decode, gpu_model/quant.py; default GGUF_BLOCKS_MAX_TOKENS with float32 linears, whose exact
-    values the blocks hold, and 1 with bf16 linears, which they beat only where a step reads
-    each weight for a single token). With fp32 linears a sequence's greedy tokens
+    values the blocks hold, and with bf16 linears GGUF_BLOCKS_MAX_TOKENS_BF16 on CPUs with AVX512-VNNI,
+    where the blocks multiply with integer dots, else 1). With fp32 linears a sequence's greedy tokens
     do not depend on what it is batched with; with bf16 ones they may, as on GPUs.
 
     `weight_format` (gpu_model/weight_format.py) picks the linears' format: auto keeps the above;
@@ -200,5 +201,6 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
         else:
             gguf_blocks_max_tokens = GGUF_BLOCKS_MAX_TOKENS
     if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:
-        model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens)
+        # beside float32 linears the blocks give their exact products; beside bf16 ones, integer dots
+        model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens, vnni=bf16 and has_vnni())
     return model

@@ -14,7 +14,7 @@ from torch import nn
 
 from gpu_model.config import ModelConfig
 from gpu_model.quant import BlockWeight, QuantWeight
-from gpu_model.quant_vnni import VnniWeight, is_available as has_vnni
+from gpu_model.quant_vnni import VnniWeight
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 """A layer's linear modules, in the order a step runs them (fused q|k|v and gate|up)."""
@@ -239,13 +239,10 @@ class LlamaModel(nn.Module):
         out["head"] = head if self.head_weight is None else self.head_weight  # as logits() picks it
         return out
 
-    def attach_quant(self, sd: dict[str, QuantWeight], max_tokens: int, vnni: bool | None = None) -> None:
-        """Use GGUF blocks (Hugging Face names) for steps of at most `max_tokens` tokens. With `vnni`
-        (default: where the CPU has AVX512-VNNI) they multiply x rounded to int16 per
-        block (gpu_model/quant_vnni.py); else x in float32, which gives the fp32 copy's products exactly."""
-        if vnni is None:
-            vnni = has_vnni()
-
+    def attach_quant(self, sd: dict[str, QuantWeight], max_tokens: int, vnni: bool = False) -> None:
+        """Use GGUF blocks (Hugging Face names) for steps of at most `max_tokens` tokens. With `vnni` (a CPU
+        with AVX512-VNNI) they multiply x rounded to int16 per block (gpu_model/quant_vnni.py, ~2^-16 of
+        each value); else x in float32, which gives the fp32 copy's products exactly."""
         def layout(w: QuantWeight) -> BlockWeight:
             return VnniWeight.from_blocks(w) if vnni and VnniWeight.fits(w) else w
 
