@@ -1,7 +1,8 @@
-"""FastAPI app: OpenAI-compatible completions and chat completions, models, health, metrics.
+"""FastAPI app: OpenAI-compatible completions and chat completions, models, health, metrics; /tokenize and
+/detokenize (server.tokenizer_routes).
 
-Handlers validate, tokenize (off the event loop), admit (bounded queue, else 429) and submit to
-the engine; events come back from the engine thread through an asyncio queue and are returned
+Handlers validate, tokenize (off the event loop), compile a requested grammar (server.structured,
+server.grammar), admit (bounded queue, else 429) and submit to the engine; events come back from the engine thread through an asyncio queue and are returned
 whole or streamed as SSE `data:` chunks (server.responses). server.guard sits in front: request
 ids, API key, body size limit, 503 while draining.
 """
