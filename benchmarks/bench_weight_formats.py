@@ -51,14 +51,18 @@ def window_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(model.logits(x).float(), -1)
 
 
-def quality(model, ref_logps: list[torch.Tensor], windows: list[torch.Tensor]) -> dict:
+def quality(model, ref_logps: list[torch.Tensor] | None, windows: list[torch.Tensor]) -> tuple[dict, list]:
+    """Perplexity and mean KL(ref || model) per position, and the model's log-probabilities."""
     nll = kl = count = 0.0
-    for ids, ref in zip(windows, ref_logps):
+    logps = []
+    for i, ids in enumerate(windows):
         logp = window_logprobs(model, ids)[:-1]
         nll -= logp.gather(1, ids[1:, None]).sum().item()
-        kl += (ref.exp() * (ref - logp)).sum().item()
+        if ref_logps is not None:
+            kl += (ref_logps[i].exp() * (ref_logps[i] - logp)).sum().item()
         count += len(ids) - 1
-    return {"ppl": float(np.exp(nll / count)), "kl_mean": kl / count}
+        logps.append(logp)
+    return {"ppl": float(np.exp(nll / count)), "kl_mean": kl / count}, logps
 
 
 def decode_step_ms(model, batch: int, context: int, repeats: int) -> tuple[float, float]:
@@ -92,8 +96,8 @@ def matmul_bytes(model) -> int:
         q = model.quant.get(key) if model.quant_max_tokens > 0 else None
         if isinstance(q, MXWeight):
             total += q.nbytes
-        elif q is not None:
-            total += sum(a.nbytes for a in (q.scales, q.qs, q.mins) if a is not None)
+        elif q is not None:  # GGUF blocks, in whichever layout the loader keeps them
+            total += sum(a.nbytes for a in vars(q).values() if isinstance(a, np.ndarray))
         else:
             total += w.numel() * w.element_size()
     return total
@@ -171,13 +175,17 @@ def main() -> None:
     tok = Tokenizer(model_dir, dense.cfg.eos_token_ids)
     windows = [torch.tensor(w) for w in text_windows(tok.encode(WIKITEXT2_TEST.read_text()), args.num_windows,
                                                      args.window_tokens)]
-    ref = [window_logprobs(dense, ids)[:-1] for ids in windows]
+    dense_quality, ref = quality(dense, None, windows)
     rows = []
     for label in args.formats:
         wf = parse_format(label)
-        model = load_model(model_dir, cpu_linear_dtype="bfloat16" if wf.name == "bf16" else "float32", weight_format=wf)
+        # gguf as `serve --weight-format gguf` runs it (bf16 linears beside it on AMX CPUs: VNNI blocks)
+        linear = {"bf16": "bfloat16", "gguf": "auto"}.get(wf.name, "float32")
+        model = load_model(model_dir, cpu_linear_dtype=linear, weight_format=wf)
+        # fp32 and gguf hold the dense weights' very values in every matmul: the reference itself
+        same = wf.name in ("fp32", "gguf")
         row = {"format": label, "weight_bits": weight_bits(model), "matmul_mb": matmul_bytes(model) / 1e6,
-               **quality(model, ref, windows)}
+               **(dense_quality if same else quality(model, ref, windows)[0])}
         for b in args.batches:
             row[f"step_ms_{b}"], row[f"step_min_ms_{b}"] = decode_step_ms(model, b, args.context, args.repeats)
         row["matmuls_1_ms"] = matmuls_ms(model, args.repeats)
@@ -185,7 +193,7 @@ def main() -> None:
         row["of_numba_read"] = row["matmul_gb_s"] / mach["numba_read_gb_s"]
         rows.append(row)
         print(f"{label} done", flush=True)
-    base = next((r["ppl"] for r in rows if r["format"] == "fp32"), quality(dense, ref, windows)["ppl"])
+    base = dense_quality["ppl"]
     gguf = next((r for r in rows if r["format"] == "gguf"), None)
     for r in rows:
         r["ppl_change_pct"] = 100 * (r["ppl"] / base - 1)
