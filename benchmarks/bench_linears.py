@@ -1,5 +1,6 @@
-"""The decode step's linear layers on the CPU, three ways in one run, on the bundled model's weights:
-the fp32 copy with BLAS, the GGUF's own Q4_1 blocks (gpu_model/quant.py) and bf16 weights with
+"""The decode step's linear layers on the CPU, four ways in one run, on the bundled model's weights:
+the fp32 copy with BLAS, the GGUF's own Q4_1 blocks (gpu_model/quant.py: float32 products), the
+same blocks with integer dots (gpu_model/quant_vnni.py, CPUs with AVX512-VNNI) and bf16 weights with
 oneDNN (`--cpu-linear-dtype bfloat16`, the default on CPUs with AVX512-BF16 or AMX).
 
     python -m benchmarks.bench_linears [--tokens 1 2 4 16 64 512] [--repeats 20]
@@ -23,8 +24,14 @@ import torch
 from benchmarks.common import machine, print_table, write_json
 from gpu_model.loader import load_model, resolve_model_dir
 from gpu_model.model import LlamaModel
+from gpu_model.quant_vnni import VnniWeight
 
 BLOCKS_MAX_TOKENS = 64
+
+
+def _nbytes(q) -> int:
+    """Bytes of a block weight's arrays (QuantWeight, VnniWeight)."""
+    return sum(a.nbytes for a in vars(q).values() if isinstance(a, np.ndarray))
 
 
 def step_ms(model: LlamaModel, tokens: int, repeats: int) -> float:
@@ -55,28 +62,35 @@ def main() -> None:
     fp32 = load_model(model_dir, gguf_blocks_max_tokens=0, cpu_linear_dtype="float32")
     blocks = load_model(model_dir, gguf_blocks_max_tokens=BLOCKS_MAX_TOKENS, cpu_linear_dtype="float32")
     bf16 = load_model(model_dir, gguf_blocks_max_tokens=0, cpu_linear_dtype="bfloat16")
-    has_blocks = bool(blocks.quant)
+    # the blocks with integer dots (gpu_model/quant_vnni.py), as served beside bf16 linears on CPUs with VNNI
+    vnni = load_model(model_dir, gguf_blocks_max_tokens=BLOCKS_MAX_TOKENS, cpu_linear_dtype="bfloat16")
+    has_blocks, has_vnni = bool(blocks.quant), any(isinstance(q, VnniWeight) for q in vnni.quant.values())
     mach = machine()
     gbs = mach["memory_read_gb_s"]
     nbytes = {"fp32": sum(w.numel() * 4 for w in fp32.matmul_weights().values()),
               "bf16": sum(w.numel() * 2 for w in bf16.matmul_weights().values()),
-              "blocks": sum(q.scales.nbytes + q.qs.nbytes + (0 if q.mins is None else q.mins.nbytes)
-                            for q in blocks.quant.values())}
+              "blocks": sum(_nbytes(q) for q in blocks.quant.values())}
+    if has_vnni:
+        nbytes["vnni"] = sum(_nbytes(q) for q in vnni.quant.values())
     rows = []
     for t in args.tokens:
         row = {"tokens": t, "fp32_ms": step_ms(fp32, t, args.repeats), "bf16_ms": step_ms(bf16, t, args.repeats)}
         if has_blocks and t <= BLOCKS_MAX_TOKENS:
             row["blocks_ms"] = step_ms(blocks, t, args.repeats)
             row["bf16_vs_blocks"] = row["blocks_ms"] / row["bf16_ms"]
+        if has_vnni and t <= BLOCKS_MAX_TOKENS:
+            row["vnni_ms"] = step_ms(vnni, t, args.repeats)
+            row["vnni_vs_blocks"] = row["blocks_ms"] / row["vnni_ms"]
+            row["bf16_vs_vnni"] = row["vnni_ms"] / row["bf16_ms"]
         row["bf16_vs_fp32"] = row["fp32_ms"] / row["bf16_ms"]
         rows.append(row)
         print(f"{t} tokens done", flush=True)
     floors = {k: 1e3 * v / 1e9 / gbs for k, v in nbytes.items()}
-    print(f"weights per step: fp32 {nbytes['fp32'] / 1e6:.0f} MB, bf16 {nbytes['bf16'] / 1e6:.0f} MB, "
-          f"blocks {nbytes['blocks'] / 1e6:.0f} MB; read floors at {gbs} GB/s: fp32 {floors['fp32']:.1f} ms, "
-          f"bf16 {floors['bf16']:.1f} ms, blocks {floors['blocks']:.1f} ms")
-    print("ms per step (speed-ups: > 1 means bf16 is faster)")
-    print_table(rows, ["tokens", "fp32_ms", "blocks_ms", "bf16_ms", "bf16_vs_fp32", "bf16_vs_blocks"])
+    print("weights per step: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in nbytes.items())
+          + f"; read floors at {gbs} GB/s: " + ", ".join(f"{k} {v:.1f} ms" for k, v in floors.items()))
+    print("ms per step (speed-ups: a / b > 1 means b is faster)")
+    print_table(rows, ["tokens", "fp32_ms", "blocks_ms", "vnni_ms", "bf16_ms", "bf16_vs_fp32", "bf16_vs_blocks",
+                       "vnni_vs_blocks", "bf16_vs_vnni"])
     path = write_json("linears.json", {"machine": mach, "weight_bytes": nbytes, "read_floor_ms": floors, "rows": rows})
     print(f"wrote {path}")
 
