@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 
 import torch
-from numba import njit
 from torch import nn
 
 from gpu_model.config import ModelConfig
 from gpu_model.quant import BlockWeight, QuantWeight
+from gpu_model import cpu_decode
+from gpu_model.cpu_decode import DecodeWeights
 from gpu_model.quant_vnni import VnniWeight
 
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -53,21 +54,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-@njit(cache=True, nogil=True)
-def _rope_rows(x, num_heads, head_dim, cos, sin):
-    """apply_rope in place on the first num_heads heads of each row of x [T, W] float32; cos, sin: [T, D].
-    The same operations as apply_rope (a * cos - b * sin, unfused): the same bits, in one call where
-    apply_rope's six tensor operations cost ~40 us a layer at one token."""
-    half = head_dim // 2
-    for t in range(x.shape[0]):
-        for h in range(num_heads):
-            base = h * head_dim
-            for j in range(half):
-                a, b = x[t, base + j], x[t, base + half + j]
-                x[t, base + j] = a * cos[t, j] - b * sin[t, j]
-                x[t, base + half + j] = b * cos[t, half + j] + a * sin[t, half + j]
 
 
 class Layer(nn.Module):
@@ -116,6 +102,9 @@ class LlamaModel(nn.Module):
         blocks or MX (gpu_model/mx_weight.py)."""
         self.quant_max_tokens = 0
         """Steps with at most this many tokens use `quant` (set by the loader; 0 = never)."""
+        self.decode_weights: list[DecodeWeights | None] = []
+        """Per layer, its linears when all four are in the integer-dot layout: such steps run the layer's
+        linears in two calls (gpu_model/cpu_decode.py)."""
         self.head_weight: torch.Tensor | None = None
         """The output projection in the linears' dtype when that is not the embedding's (cast_linears)."""
         self.packed: dict[str, torch.Tensor] = {}
@@ -132,24 +121,15 @@ class LlamaModel(nn.Module):
             return nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
         return nn.functional.linear(x, weight)
 
-    def _vnni(self, key: str, x: torch.Tensor) -> VnniWeight | None:
-        q = self.quant.get(key)
-        return q if isinstance(q, VnniWeight) and x.shape[0] <= self.quant_max_tokens else None
+    def _decode_weights(self, i: int, x: torch.Tensor) -> DecodeWeights | None:
+        return self.decode_weights[i] if self.decode_weights and x.shape[0] <= self.quant_max_tokens else None
 
     def _normed_linear(self, key: str, weight: torch.Tensor, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-        """_linear of rms_norm(x, norm); the VNNI kernels do the norm while they round x."""
-        q = self._vnni(key, x)
-        if q is not None:
+        """_linear of rms_norm(x, norm); the integer-dot kernels do the norm while they round x."""
+        q = self.quant.get(key)
+        if isinstance(q, VnniWeight) and x.shape[0] <= self.quant_max_tokens:
             return q.matmul(x, norm=norm, eps=self.cfg.rms_norm_eps)
         return self._linear(key, weight, rms_norm(x, norm, self.cfg.rms_norm_eps))
-
-    def _gated_linear(self, key: str, weight: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        """_linear of silu(gate) * up, gate_up: [T, 2F] = gate | up; the VNNI kernels do it while they round."""
-        q = self._vnni(key, gate_up)
-        if q is not None:
-            return q.matmul(gate_up, gated=True)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self._linear(key, weight, nn.functional.silu(gate) * up)
 
     @property
     def device(self) -> torch.device:
@@ -177,23 +157,32 @@ class LlamaModel(nn.Module):
     def pre_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, hidden] -> q: [T, Hq, D], k: [T, Hkv, D] (post-RoPE), v: [T, Hkv, D]"""
         cfg, layer = self.cfg, self.layers[i]
-        qkv = self._normed_linear(f"layers.{i}.qkv", layer.qkv.weight, x, layer.attn_norm)
         T, num_qk = x.shape[0], cfg.num_heads + cfg.num_kv_heads
-        # q and k sit side by side in the fused projection: rotate both in one pass
-        if qkv.device.type == "cpu" and qkv.dtype == torch.float32:
-            _rope_rows(qkv.numpy(), num_qk, cfg.head_dim, cos.numpy().reshape(T, -1), sin.numpy().reshape(T, -1))
+        fused = self._decode_weights(i, x)
+        if fused is not None:  # norm, qkv and RoPE in one call
+            qkv = cpu_decode.pre(x, layer.attn_norm, cfg.rms_norm_eps, fused, cos, sin, num_qk, cfg.head_dim)
             qk = qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim)
         else:
-            qk = apply_rope(qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim), cos, sin)
+            qkv = self._linear(f"layers.{i}.qkv", layer.qkv.weight, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps))
+            qk = qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim)
+            # q and k sit side by side in the fused projection: rotate both in one pass
+            if qkv.device.type == "cpu" and qkv.dtype == torch.float32:
+                cpu_decode.rope_rows(qkv.numpy(), num_qk, cfg.head_dim, cos.numpy().reshape(T, -1),
+                                     sin.numpy().reshape(T, -1))
+            else:
+                qk = apply_rope(qk, cos, sin)
         v = qkv[:, num_qk * cfg.head_dim :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
         return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
 
     def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] (layer input), attn: [T, Hq * D] -> next layer input [T, hidden]"""
-        layer = self.layers[i]
+        layer, eps = self.layers[i], self.cfg.rms_norm_eps
+        fused = self._decode_weights(i, x)
+        if fused is not None:  # o, residual, norm, gate_up, silu * up, down, residual in one call
+            return cpu_decode.post(x, attn, layer.mlp_norm, eps, fused)
         h = x + self._linear(f"layers.{i}.o", layer.o.weight, attn)
-        gate_up = self._normed_linear(f"layers.{i}.gate_up", layer.gate_up.weight, h, layer.mlp_norm)
-        return h + self._gated_linear(f"layers.{i}.down", layer.down.weight, gate_up)
+        gate, up = self._linear(f"layers.{i}.gate_up", layer.gate_up.weight, rms_norm(h, layer.mlp_norm, eps)).chunk(2, -1)
+        return h + self._linear(f"layers.{i}.down", layer.down.weight, nn.functional.silu(gate) * up)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> [N, vocab] in float32."""
@@ -262,3 +251,6 @@ class LlamaModel(nn.Module):
         if head is not None:
             self.quant["head"] = layout(head)
         self.quant_max_tokens = max_tokens
+        layers = [tuple(self.quant.get(f"layers.{i}.{name}") for name in LINEARS) for i in range(self.cfg.num_layers)]
+        self.decode_weights = [DecodeWeights(*ws) if all(isinstance(w, VnniWeight) for w in ws) else None
+                               for ws in layers]

@@ -232,42 +232,44 @@ def _codegen(q4_1: bool):
     return codegen
 
 
-def _intrinsic(q4_1: bool):
-    """The kernel for Q4_1 or Q8_0 weights (their qs differ in type: Numba picks by it)."""
-    def typer(typingctx, xq, dx, scales, qs, group, out):
-        checks = (c_array(xq, 3, types.int16), c_array(dx, 3, types.float32), c_array(scales, 4, types.float32),
-                  c_array(qs, 4, types.uint8 if q4_1 else types.int8), isinstance(group, types.Integer),
-                  c_array(out, 2, types.float32))
-        if not all(checks):
-            return None
-        return types.none(xq, dx, scales, qs, group, out), _codegen(q4_1)
-    return intrinsic(typer)
+@intrinsic
+def _rows(typingctx, xq, dx, scales, qs, group, out):
+    """out[i, ROWS group + r] for the one or two rows of xq (_codegen); Q4_1 weights (qs uint8) or Q8_0 (int8)."""
+    q4_1 = c_array(qs, 4, types.uint8)
+    checks = (c_array(xq, 3, types.int16), c_array(dx, 3, types.float32), c_array(scales, 4, types.float32),
+              q4_1 or c_array(qs, 4, types.int8), isinstance(group, types.Integer), c_array(out, 2, types.float32))
+    if not all(checks):
+        return None
+    return types.none(xq, dx, scales, qs, group, out), _codegen(q4_1)
 
 
-_q4_rows, _q8_rows = _intrinsic(True), _intrinsic(False)
+@njit(cache=True, nogil=True, inline="always")
+def matvec_rounded(xq, dx, scales, qs, out):
+    """out = x @ W.T for x rounded into xq, dx (round_x): a group of ROWS weight rows at a time in parallel (in
+    the parallel function this is inlined into), the rows of x in pairs."""
+    for g in prange(qs.shape[0]):
+        for i in range(0, xq.shape[0], 2):
+            _rows(xq[i:i + 2], dx[i:i + 2], scales, qs, g, out[i:i + 2])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def matvec(x, norm, eps, gated, src, scales, qs, out):
+    """out = (x, normed or gated as round_x says) @ W.T."""
+    num_pairs = qs.shape[1]
+    xq = np.empty((x.shape[0], num_pairs, PAIR), np.int16)
+    dx = np.empty((x.shape[0], num_pairs, 32), np.float32)
+    round_x(x, norm, eps, gated, src, xq, dx)
+    matvec_rounded(xq, dx, scales, qs, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _q4_matvec(x, norm, eps, gated, src, xq, dx, scales, qs, out):
-    """x rounded (round_x) into xq, dx, then out = x @ W.T: a group of ROWS weight rows at a time in
-    parallel, the rows of x in pairs."""
-    round_x(x, norm, eps, gated, src, xq, dx)
-    for g in prange(qs.shape[0]):
-        for i in range(0, xq.shape[0], 2):
-            _q4_rows(xq[i:i + 2], dx[i:i + 2], scales, qs, g, out[i:i + 2])
+def _matvec(x, norm, eps, gated, src, scales, qs, out):
+    matvec(x, norm, eps, gated, src, scales, qs, out)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _q8_matvec(x, norm, eps, gated, src, xq, dx, scales, qs, out):
-    """_q4_matvec for Q8_0 weights."""
-    round_x(x, norm, eps, gated, src, xq, dx)
-    for g in prange(qs.shape[0]):
-        for i in range(0, xq.shape[0], 2):
-            _q8_rows(xq[i:i + 2], dx[i:i + 2], scales, qs, g, out[i:i + 2])
-
-
-_SRC = (BLOCK * w_order()[0] + w_order()[1]).astype(np.int64)
-_NO_NORM = np.empty(0, np.float32)
+SRC = (BLOCK * w_order()[0] + w_order()[1]).astype(np.int64)
+"""round_x's src: the input value of each W position within a pair."""
+NO_NORM = np.empty(0, np.float32)
 
 
 def vnni_matmul(x: np.ndarray, w: VnniWeight, norm: np.ndarray | None = None, eps: float = 0.0,
@@ -275,10 +277,6 @@ def vnni_matmul(x: np.ndarray, w: VnniWeight, norm: np.ndarray | None = None, ep
     """x: [M, K] float32 -> x @ W.T: [M, N] float32, x rounded to int16 per block (module docstring). With
     `norm`, x is first RMS-normalized and scaled by it (rms_norm with `eps`); with `gated`, x is [M, 2K]
     gate | up and the input is silu(gate) * up."""
-    num_x, num_pairs = x.shape[0], w.shape[1] // PAIR
-    xq = np.empty((num_x, num_pairs, PAIR), np.int16)
-    dx = np.empty((num_x, num_pairs, 32), np.float32)
-    out = np.empty((num_x, w.shape[0]), np.float32)
-    matvec = _q4_matvec if w.kind == "q4_1" else _q8_matvec
-    matvec(x, _NO_NORM if norm is None else norm, eps, gated, _SRC, xq, dx, w.scales, w.qs, out)
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _matvec(x, NO_NORM if norm is None else norm, eps, gated, SRC, w.scales, w.qs, out)
     return out

@@ -96,6 +96,7 @@ def test_default_model_layer_matches_the_float_kernels():
     vnni.attach_quant(blocks, 4, vnni=True)
     plain.attach_quant(blocks, 4, vnni=False)
     assert all(isinstance(w, VnniWeight) for w in vnni.quant.values())
+    assert all(w is not None for w in vnni.decode_weights)  # steps of <= 4 tokens run gpu_model/cpu_decode.py
     x = torch.randn(2, vnni.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     cos, sin = vnni.rope(torch.tensor([5, 9]))
     attn = torch.randn(2, vnni.cfg.num_heads * vnni.cfg.head_dim, generator=torch.Generator().manual_seed(1))
