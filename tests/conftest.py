@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ServeConfig
+from hetcore.openmp import limit_spinning
+
+limit_spinning()  # before torch and Numba load OpenMP (the servers below run in this process)
+
+from server.config import ServeConfig  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
