@@ -167,8 +167,15 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens per sequence in a decode step")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--model", help="GGUF file or safetensors directory (default: the bundled model)")
+    p.add_argument("--threads", type=int, help="torch and Numba threads (default: theirs, one per core)")
+    p.add_argument("--out", default="weight_formats", help="name of the JSON and PNG in benchmarks/results/")
     args = p.parse_args()
     torch.set_grad_enabled(False)
+    if args.threads:
+        import numba
+
+        torch.set_num_threads(args.threads)
+        numba.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model, Path("~/.cache/hetserve/models").expanduser())
     mach = {**machine(), "numba_read_gb_s": round(numba_read_gb_s(), 2)}
     dense = load_model(model_dir, weight_format=WeightFormat("fp32"))
@@ -204,11 +211,11 @@ def main() -> None:
     steps = [f"step_ms_{b}" for b in args.batches]
     print_table(rows, ["format", "weight_bits", "matmul_mb", "ppl", "ppl_change_pct", "kl_mean", *steps,
                        "step_1_vs_gguf", "matmuls_1_ms", "matmul_gb_s", "of_numba_read"])
-    path = write_json("weight_formats.json", {"machine": mach, "num_windows": len(windows),
-                                              "window_tokens": args.window_tokens, "context": args.context,
-                                              "ppl_dense": base, "rows": rows})
-    plot(rows, args.batches, RESULTS / "weight_formats.png")
-    print(f"wrote {path} and weight_formats.png")
+    path = write_json(f"{args.out}.json", {"machine": mach, "num_windows": len(windows), "threads": args.threads,
+                                           "window_tokens": args.window_tokens, "context": args.context,
+                                           "ppl_dense": base, "rows": rows})
+    plot(rows, args.batches, RESULTS / f"{args.out}.png")
+    print(f"wrote {path} and {args.out}.png")
 
 
 if __name__ == "__main__":
