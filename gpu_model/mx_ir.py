@@ -114,7 +114,8 @@ def _fp4_avx512(builder, block, scale):
     codes = builder.zext(load(builder, block, _VB, _I64(0)), _VI)
     table = _float_table(builder, "mxfp4", 0, scale)
     permute = _llvm_fn(builder, "llvm.x86.avx512.permvar.sf.512", _VF, [_VF, _VI])  # index bits 0..3
-    return [builder.call(permute, [table, codes]), builder.call(permute, [table, builder.lshr(codes, ir.Constant(_VI, [4] * 16))])]
+    high = builder.lshr(codes, ir.Constant(_VI, [4] * 16))
+    return [builder.call(permute, [table, codes]), builder.call(permute, [table, high])]
 
 
 def _fp6_avx512(builder, block, scale):

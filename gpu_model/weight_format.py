@@ -19,7 +19,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from gpu_model.mx_weight import ROTATIONS, MXWeight
@@ -112,7 +111,8 @@ def load_packed(path: Path) -> tuple[WeightFormat, dict[str, MXWeight]]:
     with safe_open(path, framework="numpy") as f:
         meta = f.metadata() or {}
         try:
-            wf = WeightFormat(meta["weight_format"], meta.get("weight_rotation", "none"), meta.get("weight_format_head", "same"))
+            wf = WeightFormat(meta["weight_format"], meta.get("weight_rotation", "none"),
+                              meta.get("weight_format_head", "same"))
             shapes = json.loads(meta["in_features"])
         except (KeyError, ValueError) as exc:
             raise WeightFormatError(f"{path}: metadata does not name an MX weight format ({exc})") from None
@@ -129,7 +129,8 @@ def load_packed(path: Path) -> tuple[WeightFormat, dict[str, MXWeight]]:
             if name + ".codes" not in keys or name + ".scales" not in keys:
                 raise WeightFormatError(f"{path}: tensor {name}: codes or scales missing")
             try:
-                out[name] = MXWeight(wf.name, f.get_tensor(name + ".codes"), f.get_tensor(name + ".scales"), int(k), wf.rotation)
+                codes, scales = f.get_tensor(name + ".codes"), f.get_tensor(name + ".scales")
+                out[name] = MXWeight(wf.name, codes, scales, int(k), wf.rotation)
             except ValueError as exc:
                 raise WeightFormatError(f"{path}: tensor {name} does not hold {wf.name} weights: {exc}") from None
     return wf, out
@@ -144,7 +145,8 @@ def cache_path(cache_dir: Path, model_dir: Path, wf: WeightFormat) -> Path:
     return cache_dir / "weight-formats" / f"{model_dir.name}-{key}" / f"{wf.variant}-layout{MX_LAYOUT}.safetensors"
 
 
-def mx_weights(dense: dict[str, torch.Tensor], names: list[str], wf: WeightFormat, cache: Path | None) -> dict[str, MXWeight]:
+def mx_weights(dense: dict[str, torch.Tensor], names: list[str], wf: WeightFormat,
+               cache: Path | None) -> dict[str, MXWeight]:
     """MX copies of `names`: read from `cache` when it holds this variant, else converted (and cached)."""
     if cache is not None and cache.exists():
         try:
@@ -228,7 +230,3 @@ def weight_bits(model) -> float:
         total_bits += bits * w.numel()
         total += w.numel()
     return total_bits / total
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().float().contiguous().numpy()

@@ -18,7 +18,8 @@ def register(sub) -> None:
                    help=f"mxfp8, mxfp6, mxfp4 or mxint8 (of {', '.join(WEIGHT_FORMATS)}, the MX ones)")
     p.add_argument("--out", required=True, help="output directory (created; files of the same names are replaced)")
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
+    p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models",
+                   help="where dequantized GGUF weights are cached")
     p.add_argument("--weight-rotation", default="none",
                    help=f"{' or '.join(WEIGHT_ROTATIONS)}: a block Hadamard rotation of the input dimension "
                         "folded into the weights (for mxfp4; default: none)")

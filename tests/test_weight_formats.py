@@ -88,8 +88,8 @@ def test_bad_input():
         WeightFormat("bf16", rotation="hadamard")
     with pytest.raises(ValueError, match="weight_format must be one of"):
         ServeConfig(weight_format="fp4")
-    for argv in (["quantize", "--weight-format", "mxfp5", "--out", "x"], ["quantize", "--weight-format", "bf16", "--out", "x"],
-                 ["eval", "--weight-format", "q4"]):
+    for argv in (["quantize", "--weight-format", "mxfp5", "--out", "x"],
+                 ["quantize", "--weight-format", "bf16", "--out", "x"], ["eval", "--weight-format", "q4"]):
         run = subprocess.run([sys.executable, "-m", "hetserve", *argv], capture_output=True, text=True)
         assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
 
