@@ -1,17 +1,18 @@
 """LLVM IR of the MX kernels (gpu_model/mx_kernels.py): a block of 32 codes decoded in registers
 into two <16 x float>, and the two intrinsics built on it.
 
-A block decodes to integers I (exact in float32) with element = I x 2^-k, so weight = I x
+A block decodes to values I, exact in float32 (integers but for mxfp8), with element = I x 2^-k, so weight = I x
 2^(scale - 127 - k), one float32 product per weight, the same rounding as mx.decode's element x
 2^(scale - 127) (the scale table passed in holds 2^(s - 127 - k), NaN at 255):
 
     mxfp4   k = 1  16-entry byte table (pshufb) of 2 x element, per nibble
     mxfp6   k = 3  8 x element: two 16-entry tables (pshufb) for the 5-bit magnitude, then the sign
-    mxfp8   k = 9  512 x element = m (e = 0) or (8 + m) << (e - 1), in 32-bit lanes; codes S.1111.111: NaN
+    mxfp8   k = 0  the element itself, through float16 bits and F16C (_fp8_floats); codes S.1111.111: NaN
     mxint8  k = 6  the code itself
 
-Negative zero decodes to +0 (integers have no -0); a dot product's sum does not change.
-pshufb is SSSE3, so every x86-64 CPU with AVX2 runs these. With AVX-512, mxfp4 and mxfp6 look their
+Where integers are converted (mxint8; mxfp4 and mxfp6 without AVX-512), negative zero decodes to +0
+(integers have no -0); a dot product's sum does not change. pshufb is SSSE3 and vcvtph2ps F16C, so
+every x86-64 CPU with AVX2 and F16C runs these. With AVX-512, mxfp4 and mxfp6 look their
 elements up as float32 instead: the block's table of (element x 2^k) x scale, 16 (vpermps) or 32
 (vpermi2ps, the sign bit or-ed in after) entries, one multiply per table rather than one per weight
 (the same exact products), and no integer-to-float conversions.
@@ -26,7 +27,7 @@ from cpu_attn.llvm_ir import _llvm_fn, host_has, splat
 from gpu_model import mx
 
 KINDS = ("mxfp8", "mxfp6", "mxfp4", "mxint8")
-SCALE_SHIFT = {"mxfp8": 9, "mxfp6": 3, "mxfp4": 1, "mxint8": 6}
+SCALE_SHIFT = {"mxfp8": 0, "mxfp6": 3, "mxfp4": 1, "mxint8": 6}
 """k: element = I x 2^-k."""
 
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -141,18 +142,19 @@ def _fp6_avx512(builder, block, scale):
 
 
 def _fp8_floats(builder, block):
+    """E4M3 codes moved into float16 bits (sign to bit 15, exponent and mantissa to bits 7..13) read
+    as element x 2^-8, subnormals included; widened by F16C's vcvtph2ps and multiplied by 2^8, both
+    exact. Codes S.1111.111 are NaN."""
+    lanes16 = ir.VectorType(ir.IntType(16), 16)
+    c = lambda v: ir.Constant(lanes16, [v] * 16)  # noqa: E731
     out = []
     for h in (0, 1):
-        z = builder.zext(load(builder, block, _VB, _I64(16 * h)), _VI)
-        c = lambda v: ir.Constant(_VI, [v] * 16)  # noqa: E731
-        mag = builder.and_(z, c(127))
-        e, m = builder.lshr(mag, c(3)), builder.and_(mag, c(7))
-        is_normal = builder.zext(builder.icmp_unsigned("!=", e, c(0)), _VI)
-        ints = builder.shl(builder.or_(m, builder.shl(is_normal, c(3))), builder.sub(e, is_normal))
-        is_neg = builder.icmp_unsigned("!=", builder.and_(z, c(128)), c(0))
-        f = builder.sitofp(builder.select(is_neg, builder.sub(c(0), ints), ints), _VF)
-        nan = ir.Constant(_VF, [float("nan")] * 16)
-        out.append(builder.select(builder.icmp_unsigned("==", mag, c(127)), nan, f))
+        z = builder.zext(load(builder, block, _VB, _I64(16 * h)), lanes16)
+        bits = builder.or_(builder.and_(builder.shl(z, c(7)), c(0x3F80)), builder.and_(builder.shl(z, c(8)), c(0x8000)))
+        f = builder.fmul(builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 16)), _VF),
+                         ir.Constant(_VF, [256.0] * 16))
+        is_nan = builder.icmp_unsigned("==", builder.and_(z, c(127)), c(127))
+        out.append(builder.select(is_nan, ir.Constant(_VF, [float("nan")] * 16), f))
     return out
 
 
