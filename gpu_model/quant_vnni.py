@@ -89,6 +89,7 @@ class VnniWeight:
         else:
             qs = w.qs.reshape(n, nb // 2, 2, BLOCK)[:, :, blk, idx]
             scales = w.scales.reshape(n, -1, 2)
+
         def grouped(a: np.ndarray) -> np.ndarray:  # [N, P, c] -> [G, P, ROWS, c]
             return np.ascontiguousarray(a.reshape(n // ROWS, ROWS, nb // 2, -1).swapaxes(1, 2))
 
