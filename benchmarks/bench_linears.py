@@ -15,13 +15,12 @@ benchmarks/results/linears.json.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from benchmarks.common import machine, print_table, write_json
+from benchmarks.common import machine, print_table, times_ms, write_json
 from gpu_model.loader import load_model, resolve_model_dir
 from gpu_model.model import LlamaModel
 from gpu_model.quant_vnni import VnniWeight
@@ -42,13 +41,7 @@ def step_ms(model: LlamaModel, tokens: int, repeats: int) -> float:
         for key, w in mats:
             model._linear(key, w, xs[w.shape[1]])
 
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+    return float(np.median(times_ms(step, repeats)))
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, machine, print_table, write_json
+from benchmarks.common import RESULTS, machine, print_table, times_ms, write_json
 from gpu_model.loader import load_model, resolve_model_dir
 from gpu_model.mx_weight import MXWeight
 from gpu_model.weight_format import WeightFormat, weight_bits
@@ -80,13 +80,8 @@ def decode_step_ms(model, batch: int, context: int, repeats: int) -> tuple[float
             x = model.post_attention(i, x, o.reshape(batch, -1))
         model.logits(x)
 
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times)), 1e3 * min(times)
+    times = times_ms(step, repeats)
+    return float(np.median(times)), min(times)
 
 
 def matmul_bytes(model) -> int:

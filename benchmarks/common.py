@@ -41,6 +41,17 @@ def memory_read_gb_s(num_bytes: int = 2**30, repeats: int = 3) -> float:
     return num_bytes / best / 1e9
 
 
+def times_ms(fn, repeats: int) -> list[float]:
+    """fn() once to warm up, then the wall time of each of `repeats` calls, in ms."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
 def machine() -> dict:
     return {"cpu": platform.processor() or platform.machine(), "num_cpus": os.cpu_count(),
             "python": platform.python_version(), "memory_read_gb_s": round(memory_read_gb_s(), 2)}

@@ -155,6 +155,15 @@ def _load(builder, base, kind, i):
     return builder.load(builder.bitcast(builder.gep(base, [i]), kind.as_pointer()), align=1 if kind is _VB else 4)
 
 
+def lane_total(builder, v):
+    """LLVM IR: the sum of the 16 lanes of v, a tree of adds."""
+    for lanes in (8, 4, 2, 1):
+        kind = ir.VectorType(ir.IntType(32), lanes)
+        v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes)))),
+                         builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes, 2 * lanes)))))
+    return builder.extract_element(v, ir.IntType(32)(0))
+
+
 class _Blocks:
     """LLVM IR: weight row n's blocks (scales, mins, qs: the arrays' structs), decoded in registers."""
 
@@ -215,12 +224,8 @@ def _row_dot_codegen(q4_1: bool, num_w: int):
                             builder.store(builder.call(rb.fma, [w[k], xs[i][k], builder.load(acc)]), acc)
             for r, i in pairs:
                 v = builder.fadd(builder.load(sums[r, i, 0]), builder.load(sums[r, i, 1]))
-                for lanes in (8, 4, 2, 1):  # a tree of adds over the 16 lanes
-                    kind = ir.VectorType(ir.IntType(32), lanes)
-                    v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes)))),
-                                     builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes, 2 * lanes)))))
                 at = builder.add(builder.mul(_I64(i), num_rows), builder.add(n0, _I64(r)))
-                builder.store(builder.extract_element(v, ir.IntType(32)(0)), builder.gep(oa.data, [at]))
+                builder.store(lane_total(builder, v), builder.gep(oa.data, [at]))
 
         with builder.if_else(builder.icmp_signed(">", num_x, _I64(1))) as (pair, single):
             with pair:

@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.llvm_ir import c_array, host_has
-from gpu_model.quant import BLOCK, QuantWeight
+from gpu_model.quant import BLOCK, QuantWeight, lane_total
 
 PAIR = 2 * BLOCK
 ROWS = 4  # weight rows each kernel call dots at once: they share x's loads and give the FMAs independent sums
@@ -216,13 +216,8 @@ def _codegen(q4_1: bool):
                             total = builder.call(fma, [dm[1], dxs[i][1], total])
                         builder.store(total, acc)
             for (r, i), acc in sums.items():
-                v = builder.load(acc)
-                for lanes in (8, 4, 2, 1):  # a tree of adds over the 16 lanes
-                    kind = ir.VectorType(_I32, lanes)
-                    v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes)))),
-                                     builder.shuffle_vector(v, v, ir.Constant(kind, list(range(lanes, 2 * lanes)))))
                 at = builder.add(builder.mul(_I64(i), num_rows), rows[r])
-                builder.store(builder.extract_element(v, _I32(0)), builder.gep(out.data, [at]))
+                builder.store(lane_total(builder, builder.load(acc)), builder.gep(out.data, [at]))
 
         with builder.if_else(builder.icmp_signed(">", num_x, _I64(1))) as (pair, single):
             with pair:
