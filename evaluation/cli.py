@@ -99,6 +99,7 @@ def calibrate_command(args: argparse.Namespace) -> None:
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     from cpu_attn.calibrate import DEFAULT_TEXT, SPARSE_FRACTION
+    from hetcore.kv_policy import add_kv_policy_arguments
 
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
@@ -149,6 +150,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lsh-recenter", type=flag_type(parse_switch), default=True,
                    help="MagicPIG, on or off: a prompt prefilled in several chunks is centered on all its keys at a "
                         "decode step, not on its first chunk (default: on)")
+    add_kv_policy_arguments(p)
     p.add_argument("--task", choices=["passkey", "niah", "cwe"],
                    help="score a long-context task instead of perplexity: passkey retrieval, multi-key needle in a "
                         "haystack, common-words extraction (evaluation/tasks.py)")
@@ -225,6 +227,7 @@ def eval_command(args: argparse.Namespace) -> None:
     from gpu_model.tokenizer import Tokenizer
     from cpu_attn.magicpig import LshConfig
     from evaluation.evaluate import evaluate
+    from hetcore.kv_policy import kv_policy_from_args
     from server.hetero import oaken_thresholds
 
     formats = [f.strip() for f in args.kv_format.split(",") if f.strip()]
@@ -243,6 +246,7 @@ def eval_command(args: argparse.Namespace) -> None:
     cal = oaken_thresholds(model, model_dir, args.oaken_thresholds) if "oaken" in formats else None
     tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:
+        kv_policy = kv_policy_from_args(args)
         lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
                                                                dense, args.lsh_min_context, retrieval=args.lsh_retrieval,
                                                                min_collisions=args.lsh_min_collisions,
@@ -263,7 +267,7 @@ def eval_command(args: argparse.Namespace) -> None:
                            topk_frac=args.topk_frac if args.attention == "topk" else None, ref_model=ref_model,
                            cached_prefix_tokens=args.cached_prefix_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens,
-                           ref_kv_format="fp32" if weights_ref is None else formats[0])
+                           ref_kv_format="fp32" if weights_ref is None else formats[0], kv_policy=kv_policy)
     except ValueError as exc:
         raise SystemExit(f"hetserve eval: {exc}")
     from gpu_model.weight_format import weight_bits
@@ -277,14 +281,19 @@ def eval_command(args: argparse.Namespace) -> None:
           f"{f' in chunks of {args.prefill_chunk_tokens}' if args.prefill_chunk_tokens else ''}; "
           f"{results[0]['reference']} perplexity {results[0]['ppl_ref']:.4f}; weights {args.weight_format} "
           f"({results[0]['weight_bits']:.2f} bits)")
-    print(f"{'kv_format':10} {'attention':9} {'bits':>6} {'ppl':>9} {'change':>8} {'KL mean':>9} {'top-1':>7} "
-          f"{'keys':>6}  groups outer/middle/inner")
+    print(f"{'kv_format':10} {'attention':9} {'policy':7} {'kept':>6} {'bits':>6} {'ppl':>9} {'change':>8} "
+          f"{'KL mean':>9} {'top-1':>7} {'keys':>6}  groups outer/middle/inner")
     for r in results:
         g = r.get("group_fractions")
         groups = f"{g['outer']:.2%} / {g['middle']:.2%} / {g['inner']:.2%}" if g else "-"
         keys = f"{r['keys_touched_frac']:6.2%}" if "keys_touched_frac" in r else "     -"
-        print(f"{r['kv_format']:10} {r['attention']:9} {r['effective_bits']:6.2f} {r['ppl']:9.4f} "
+        print(f"{r['kv_format']:10} {r['attention']:9} {r['kv_policy']:7} {r['kv_kept_frac']:6.1%} "
+              f"{r['effective_bits']:6.2f} {r['ppl']:9.4f} "
               f"{r['ppl_change_pct']:+7.2f}% {r['kl_mean']:9.5f} {r['top1_agreement']:7.2%} {keys}  {groups}")
+    for r in results:
+        if "ppl_vs_full_pct" in r:
+            print(f"{r['kv_format']} layered against {r['kv_format']} full: ppl {r['ppl']:.4f} vs {r['ppl_full']:.4f} "
+                  f"({r['ppl_vs_full_pct']:+.2f}%), KV kept {r['kv_kept_frac']:.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps({**results[0], "results": results}, indent=1))
         print(f"wrote {args.json}")

@@ -13,9 +13,12 @@ and without the format:
                     CLEAR_GAP nats apart (`clear_positions_frac` of them): disagreements at near-ties
                     are what a small model's flat distributions give any perturbation
     effective_bits  stored bits per K/V value, every scale, count and sparse entry included
+    kv_kept_frac    with kv_policy layered: KV rows held over a full cache's (evaluation/layered.py);
+                    ppl_vs_full_pct compares the perplexity with the same format's full cache
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +29,9 @@ from cpu_attn.kv_store import OakenKVStore, SimQuantKVStore, make_store
 from cpu_attn.magicpig import LshConfig, MagicPig
 from cpu_attn.topk import AnnTopK, TopK
 from cpu_attn.worker import AttentionWorker, ChunkLayout
+from evaluation.layered import LAYERED_SUFFIX, LayeredRun, layered_names
 from gpu_model.worker import ModelWorker
+from hetcore.kv_policy import KVPolicy
 
 CLEAR_GAP = 0.2
 """nats between the exact run's first and second token for top1_agreement_clear."""
@@ -43,6 +48,8 @@ class _Score:
     groups: dict[str, int] = field(default_factory=lambda: {"values": 0, "sparse": 0, "outer": 0})
     touched: int = 0
     eligible: int = 0
+    kept_sum: float = 0.0
+    kept_count: int = 0
 
     def add(self, ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> None:
         self.nll -= float(logp.gather(1, targets[:, None]).sum())
@@ -85,12 +92,13 @@ def sparse_part(name: str, lsh: LshConfig | None, topk_frac: float | None, cfg):
 
 
 def _forward(model_worker: ModelWorker, attn: AttentionWorker, batch: torch.Tensor, tables: list[tuple[int, ...]],
-             seq_ids: list[int], start: int, length: int) -> torch.Tensor:
-    """One step over every window's tokens start .. start + length - 1 -> the logits of each one's last."""
+             seq_ids: list[int], start: int, length: int, layouts: list[ChunkLayout] | None = None) -> torch.Tensor:
+    """One step over every window's tokens start .. start + length - 1 -> the logits of each one's last
+    (`layouts`: the chunks' layouts when they are not the plain ones, layered sparsity's)."""
     tokens = batch[:, start:start + length].reshape(-1).tolist()
     positions = list(range(start, start + length)) * len(batch)
     rows = [i * length + length - 1 for i in range(len(batch))]
-    attn.begin_step([ChunkLayout(length, start, t, i) for i, t in zip(seq_ids, tables)])
+    attn.begin_step(layouts or [ChunkLayout(length, start, t, i) for i, t in zip(seq_ids, tables)])
     logits, _ = model_worker.forward(tokens, positions, rows, attn.attend, [(i, start, length) for i in seq_ids])
     model_worker.set_centers(attn.take_centers())
     return logits
@@ -100,7 +108,8 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
              batch_windows: int = 16, block_size: int = 16, oaken_cal: OakenThresholds | None = None,
              sparse_fraction: float = SPARSE_FRACTION, progress: bool = True, exact_recent: bool = True,
              lsh: LshConfig | None = None, topk_frac: float | None = None, ref_model=None,
-             cached_prefix_tokens: int = 0, prefill_chunk_tokens: int = 0, ref_kv_format: str = "fp32") -> list[dict]:
+             cached_prefix_tokens: int = 0, prefill_chunk_tokens: int = 0, ref_kv_format: str = "fp32",
+             kv_policy: KVPolicy | None = None) -> list[dict]:
     """Score each format in `kv_formats` against exact fp32 KV on the same windows (all of one length),
     the reference run on `ref_model` when given (the same weights in other linears, to score those).
     With `lsh`, every (Oaken) format is also scored with MagicPIG attention, as "<format>+magicpig";
@@ -112,7 +121,8 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     and MagicPIG codes those keys on the CPU, centered on their mean. With `prefill_chunk_tokens` C, the
     prompt (past its cached prefix) is prefilled C tokens a step, as the server splits a prompt longer than
     its step budget (max_num_batched_tokens); 0: in one step. `ref_kv_format` is the reference's KV
-    format (fp32; another to score weights alone, the reference on `ref_model` with the variants' KV)."""
+    format (fp32; another to score weights alone, the reference on `ref_model` with the variants' KV).
+    With a layered `kv_policy`, every format is also scored with it, as "<format>+layered"."""
     from tqdm import tqdm
 
     cfg = model.cfg
@@ -126,6 +136,11 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     worker = ModelWorker(model, None if lsh is None else MagicPig(lsh, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim).coder())
     ref_worker = worker if ref_model is None else ModelWorker(ref_model)
     variants = variant_names(kv_formats, lsh, topk_frac)
+    layout = None
+    if kv_policy is not None and kv_policy.is_layered:
+        layout = kv_policy.layout(cfg.num_layers, cfg.max_position_embeddings)
+    if layout is not None:
+        variants += layered_names(kv_formats, lsh is not None, cached_prefix_tokens)
     names = ["fp32-exact"] + variants
     scores = {name: _Score() for name in names}
     workers = {name: ref_worker if name == "fp32-exact" else worker for name in names}
@@ -138,9 +153,13 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
         stores = {name: make_store(ref_kv_format if name == "fp32-exact" else name.split("+")[0], cfg.num_layers, cfg.num_kv_heads,
                                    cfg.head_dim, block_size, num * blocks_per_window, oaken_cal, sparse_fraction,
                                    num if exact_recent else 0)
-                  for name in names}
+                  for name in names if not name.endswith(LAYERED_SUFFIX)}
         attn = {name: AttentionWorker(store, cfg.head_dim, sparse_part(name, lsh, topk_frac, cfg))
                 for name, store in stores.items()}
+        layered = {name: LayeredRun(name.split("+")[0], cfg, layout, num, blocks_per_window, block_size)
+                   for name in names if name.endswith(LAYERED_SUFFIX)}
+        for name, run in layered.items():
+            stores[name], attn[name] = run.store, run.worker
         tables = [tuple(range(i * blocks_per_window, (i + 1) * blocks_per_window)) for i in range(num)]
         ids = list(range(num))
         if cached_prefix_tokens:  # an earlier request's sequences fill the cache, then end
@@ -163,11 +182,19 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
                     worker.free(ids)  # the coder takes the center MagicPIG chooses (the others use no codes)
                 chunk = prefill_chunk_tokens if s == 0 and prefill_chunk_tokens else length
                 for at in range(start, start + length, chunk):
-                    logits = _forward(workers[name], attn[name], batch, tables, ids, at, min(chunk, start + length - at))
+                    n = min(chunk, start + length - at)
+                    run = layered.get(name)
+                    layouts = None if run is None else run.layouts(ids, at, n, at + n == start + length)
+                    logits = _forward(workers[name], attn[name], batch, tables, ids, at, n, layouts)
+                if name in layered and s > 0:
+                    layered[name].count_kept(start + length)
                 logp[name] = torch.log_softmax(logits.float().cpu(), -1)
             for name in names:
                 scores[name].add(logp["fp32-exact"], logp[name], targets)
             bar.update(num)
+        for name, run in layered.items():
+            scores[name].kept_sum += run.kept_sum
+            scores[name].kept_count += run.kept_count
         for name, worker_ in attn.items():
             if worker_.sparse is not None:
                 touched, eligible = worker_.sparse.take_stats()
@@ -183,15 +210,23 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
     results = []
     for name in variants:
         sc = scores[name]
-        row = {"kv_format": name.split("+")[0], "attention": name.split("+")[1] if "+" in name else "exact",
+        is_layered = name.endswith(LAYERED_SUFFIX)
+        row = {"kv_format": name.split("+")[0],
+               "attention": name.split("+")[1] if "+" in name and not is_layered else "exact",
+               "kv_policy": "layered" if is_layered else "full",
+               "kv_kept_frac": sc.kept_sum / sc.kept_count if is_layered else 1.0,
                "ppl": float(np.exp(sc.nll / sc.count)), "ppl_ref": ppl_ref,
                "kl_mean": sc.kl / sc.count, "top1_agreement": sc.top1 / sc.count,
                "top1_agreement_clear": sc.top1_clear / max(sc.clear, 1), "clear_positions_frac": sc.clear / sc.count,
-               "effective_bits": _effective_bits(name, stores[name], sc.groups),
+               "effective_bits": _effective_bits(name.split("+")[0], stores[name], sc.groups),
                "num_windows": len(windows), "window_tokens": window_tokens, "prefill_tokens": prefill_tokens,
                "cached_prefix_tokens": cached_prefix_tokens, "prefill_chunk_tokens": prefill_chunk_tokens,
                "scored_positions": sc.count}
         row["ppl_change_pct"] = 100 * (row["ppl"] / ppl_ref - 1)
+        if is_layered:
+            row["ppl_full"] = results[variants.index(name.split("+")[0])]["ppl"]
+            row["ppl_vs_full_pct"] = 100 * (row["ppl"] / row["ppl_full"] - 1)
+            row["kv_policy_settings"] = dataclasses.asdict(kv_policy)
         if sc.eligible:
             exact_attention = results[variants.index(name.split("+")[0])]
             row["keys_touched_frac"] = sc.touched / sc.eligible

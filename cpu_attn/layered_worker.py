@@ -1,0 +1,184 @@
+"""The attention worker of layered KV sparsity (hetcore/kv_policy.py).
+
+The store holds `layout.slots` layers; layer l lives in slot l % slots of the blocks of its group
+l // slots. Group 0's layers run as in AttentionWorker, on the chunk's block_table. Every other
+group's layers run on the chunk's KVView: its rows are appended after the rows the group holds,
+attention reads rows [0, rows_before + n), and a sparse group then scores its rows and, when the
+view says so, keeps the best `keep_after` of them, compacted to the front of its blocks:
+
+    before (budget 6, sinks 1, window 2)    rows  0 1 2 3 4 5 6 7 8      kept: 0, 3, 5, 6, 7, 8
+    after                                   rows  0 3 5 6 7 8 . . .      (the last blocks go free)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from cpu_attn.kernels import attention_scratch, split_parts
+from cpu_attn.kv_policy import (accumulate_probs, compact_rows, observed_attention, paged_decode_attention_scored,
+                                select_keep)
+from cpu_attn.kv_store import PagedKVStore
+from cpu_attn.prefill import prefill_attention
+from cpu_attn.worker import AttentionWorker, ChunkLayout
+from hetcore.kv_policy import KVLayout, KVView
+
+
+@dataclass(frozen=True)
+class LayeredChunkLayout(ChunkLayout):
+    """A ChunkLayout with its rows in the groups past the first."""
+
+    kv_view: KVView | None = None
+
+
+@dataclass
+class _GroupPlan:
+    slot_mapping: np.ndarray  # [T] int64
+    decode_rows: torch.Tensor  # [B] rows of 1-token chunks in the flat batch
+    decode_seq_ids: list[int]
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    seq_lens: np.ndarray  # [B] int32: rows attended, the new one included
+    prefills: list[tuple[int, int, int, tuple[int, ...], int]]  # (first row, num_tokens, rows_before, table, seq_id)
+    evictions: list[tuple[int, int, int, tuple[int, ...]]]  # (seq_id, rows held, rows kept, table)
+
+
+def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: int) -> _GroupPlan:
+    """The plan of group index + 1 (view entry `index`)."""
+    slots, decode_rows, decode_ids, tables, seq_lens, prefills, evictions = [], [], [], [], [], [], []
+    row = 0
+    for c in chunks:
+        v = c.kv_view
+        table, before, after = v.tables[index], v.rows_before[index], v.keep_after[index]
+        rows = np.arange(before, before + c.num_tokens)
+        ids = np.asarray(table, dtype=np.int64)
+        slots.append(ids[rows // block_size] * block_size + rows % block_size)
+        if c.num_tokens == 1:
+            decode_rows.append(row)
+            decode_ids.append(c.seq_id)
+            tables.append(table)
+            seq_lens.append(before + 1)
+        else:
+            assert before == c.start_pos, "a prompt chunk comes before any eviction"
+            prefills.append((row, c.num_tokens, before, table, c.seq_id))
+        if after < before + c.num_tokens:
+            evictions.append((c.seq_id, before + c.num_tokens, after, table))
+        row += c.num_tokens
+    width = max((len(t) for t in tables), default=1)
+    block_tables = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = t
+    return _GroupPlan(np.concatenate(slots) if slots else np.zeros(0, np.int64),
+                      torch.tensor(decode_rows, dtype=torch.long), decode_ids, block_tables,
+                      np.asarray(seq_lens, dtype=np.int32), prefills, evictions)
+
+
+class LayeredAttentionWorker(AttentionWorker):
+    """AttentionWorker over a store of `layout.slots` layers, with per-group rows and eviction."""
+
+    def __init__(self, store: PagedKVStore, head_dim: int, layout: KVLayout):
+        assert isinstance(store, PagedKVStore) and store.num_layers == layout.slots, "a paged fp16/fp32 store of slots"
+        super().__init__(store, head_dim, None)
+        self.layout = layout
+        self._scores: dict[int, np.ndarray] = {}
+        """seq_id -> [num_layers, Hkv, capacity] float32: each row's accumulated attention (sparse layers')."""
+        self._groups: list[_GroupPlan] = []
+
+    def begin_step(self, chunks: Sequence[LayeredChunkLayout]) -> None:
+        super().begin_step(chunks)
+        bs = self.store.block_size
+        self._groups = [_group_plan(chunks, i, bs) for i in range(self.layout.num_groups - 1)]
+        for c in chunks:
+            need = max((b + c.num_tokens for b in c.kv_view.rows_before), default=0)
+            have = self._scores.get(c.seq_id)
+            if have is None or have.shape[2] < need:
+                grown = np.zeros((self.layout.num_layers, self.store.num_kv_heads, max(need, 2 * (0 if have is None
+                                                                                                  else have.shape[2]))),
+                                 np.float32)
+                if have is not None:
+                    grown[:, :, :have.shape[2]] = have
+                self._scores[c.seq_id] = grown
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:
+        """As AttentionWorker.attend; layers past group 0 on their group's rows."""
+        group, slot = self.layout.group_of(layer)
+        if group == 0:
+            return super().attend(slot, q, k, v)
+        t0 = time.perf_counter()
+        plan = self._groups[group - 1]
+        sparse = self.layout.is_sparse(group)
+        self.store.write(slot, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy())
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if len(plan.decode_rows):
+            rows = plan.decode_rows
+            qd = np.ascontiguousarray(q[rows].numpy(), np.float32)
+            if sparse:
+                o = self._scored_decode(layer, slot, qd, plan)
+            else:
+                o = self.store.decode_attention(slot, qd, plan.block_tables, plan.seq_lens, self.scale)[0]
+            out[rows] = torch.from_numpy(o)
+        for first, n, before, table, seq_id in plan.prefills:
+            out[first:first + n] = self._prefill(layer, slot, q[first:first + n], k[first:first + n],
+                                                 v[first:first + n], before, table, seq_id, sparse)
+        for seq_id, held, kept, table in plan.evictions:
+            self._evict(layer, slot, seq_id, held, kept, table)
+        self.busy_s += time.perf_counter() - t0
+        return out.reshape(q.shape[0], -1)
+
+    def _scored_decode(self, layer: int, slot: int, q: np.ndarray, plan: _GroupPlan) -> np.ndarray:
+        """Exact decode attention over the group's rows; each row's probabilities add to its score."""
+        store = self.store
+        num_seqs, num_heads, head_dim = q.shape
+        group = num_heads // store.num_kv_heads
+        work = num_seqs * store.num_kv_heads
+        longest = int(plan.seq_lens.max())
+        out = np.empty((num_seqs, num_heads, head_dim), np.float32)
+        lse = np.empty((num_seqs, num_heads), np.float32)
+        raw = np.empty((num_seqs, num_heads, longest), np.float32)
+        scratch = attention_scratch(work, group, store.block_size, head_dim,
+                                    split_parts(work, plan.seq_lens, store.block_size))
+        paged_decode_attention_scored(q, store.k[slot], store.v[slot], plan.block_tables, plan.seq_lens,
+                                      np.float32(self.scale), out, lse, raw, tuple(scratch))
+        probs = np.zeros((num_seqs, store.num_kv_heads, longest), np.float32)
+        accumulate_probs(raw, lse, plan.seq_lens, store.num_kv_heads, probs)
+        for b, seq_id in enumerate(plan.decode_seq_ids):
+            n = int(plan.seq_lens[b])
+            self._scores[seq_id][layer, :, :n] += probs[b, :, :n]
+        return out
+
+    def _prefill(self, layer: int, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, before: int,
+                 table: tuple[int, ...], seq_id: int, sparse: bool) -> torch.Tensor:
+        """A prompt chunk's attention (q: [n, Hq, D]) over the group's rows; a sparse group's last
+        `observe` queries also score the rows."""
+        n = q.shape[0]
+        if before:
+            k_np, v_np = self.store.gather(slot, table, before + n)
+            k_ctx, v_ctx = torch.from_numpy(k_np), torch.from_numpy(v_np)
+        else:
+            k_ctx, v_ctx = k, v
+        if not sparse:
+            return prefill_attention(q, k_ctx, v_ctx, before, self.scale)
+        a = min(self.layout.policy.observe, n)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if n > a:
+            out[:n - a] = prefill_attention(q[:n - a], k_ctx[:before + n - a], v_ctx[:before + n - a], before,
+                                            self.scale)
+        o, scores = observed_attention(q[n - a:], k_ctx, v_ctx, np.arange(before + n - a, before + n), self.scale)
+        out[n - a:] = o
+        self._scores[seq_id][layer, :, :before + n] += scores
+        return out
+
+    def _evict(self, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...]) -> None:
+        p = self.layout.policy
+        scores = self._scores[seq_id][layer]  # [Hkv, capacity]
+        keep = select_keep(scores[:, :held], kept, p.sinks, p.window)
+        compact_rows(self.store.k[slot], self.store.v[slot], np.asarray(table, np.int64), keep)
+        scores[:, :kept] = np.take_along_axis(scores[:, :held], keep, axis=1)
+        scores[:, kept:] = 0.0
+
+    def free(self, seq_ids) -> None:
+        super().free(seq_ids)
+        for seq_id in seq_ids:
+            self._scores.pop(seq_id, None)

@@ -1,0 +1,65 @@
+"""`hetserve eval --kv-policy layered`: a KV format's windows run with layered KV sparsity, beside the
+same format with every token kept (evaluation/evaluate.py runs both in lockstep).
+
+Each window is one sequence: group 0 (the full layers) uses the window's block table as any variant
+does; every other group has its own blocks, and its rows follow the policy's rules (SeqRows), as the
+server's block manager counts them. kv_kept_frac is the mean, over the decoded positions, of the KV
+rows held in all layers over the rows a full cache holds there.
+"""
+from __future__ import annotations
+
+from cpu_attn.kv_store import make_store
+from cpu_attn.layered_worker import LayeredAttentionWorker, LayeredChunkLayout
+from hetcore.kv_policy import KVLayout, KVView, SeqRows
+
+LAYERED_SUFFIX = "+layered"
+LAYERED_FORMATS = ("fp16", "fp32")
+"""KV formats whose rows the compaction moves (a paged store of plain values)."""
+
+
+def layered_names(kv_formats: list[str], has_sparse_attention: bool, cached_prefix_tokens: int) -> list[str]:
+    """"<format>+layered" for each format; refuses the combinations layered sparsity does not run with."""
+    bad = [f for f in kv_formats if f not in LAYERED_FORMATS]
+    if bad:
+        raise ValueError(f"--kv-policy layered runs over the fp16 and fp32 KV formats, not {', '.join(bad)}")
+    if has_sparse_attention:
+        raise ValueError("--kv-policy layered runs with exact attention (not MagicPIG or TopK)")
+    if cached_prefix_tokens:
+        raise ValueError("--kv-policy layered takes no prefix-cache hits: pass --cached-prefix-tokens 0")
+    return [f + LAYERED_SUFFIX for f in kv_formats]
+
+
+class LayeredRun:
+    """One layered variant over a batch of `num` windows of `blocks_per_window` blocks."""
+
+    def __init__(self, kv_format: str, cfg, layout: KVLayout, num: int, blocks_per_window: int, block_size: int):
+        self.layout = layout
+        groups = layout.num_groups
+        self.store = make_store(kv_format, layout.slots, cfg.num_kv_heads, cfg.head_dim, block_size,
+                                groups * num * blocks_per_window)
+        self.worker = LayeredAttentionWorker(self.store, cfg.head_dim, layout)
+        self.tables = [[tuple(range((g * num + i) * blocks_per_window, (g * num + i + 1) * blocks_per_window))
+                        for g in range(groups)] for i in range(num)]
+        self.rows = [SeqRows(layout) for _ in range(num)]
+        self.kept_sum, self.kept_count = 0.0, 0
+
+    def layouts(self, seq_ids: list[int], start: int, length: int, is_last: bool) -> list[LayeredChunkLayout]:
+        """The chunk layouts of one step over every window's tokens start .. start + length - 1."""
+        out = []
+        for i, seq_id in enumerate(seq_ids):
+            before, after = self.rows[i].advance(length, is_last)
+            view = KVView(tuple(self.tables[i][1:]), before, after)
+            out.append(LayeredChunkLayout(num_tokens=length, start_pos=start, block_table=self.tables[i][0],
+                                          seq_id=seq_id, kv_view=view))
+        return out
+
+    def count_kept(self, seq_len: int) -> None:
+        """Add each window's share of KV kept after a decode step at `seq_len` tokens."""
+        full = self.layout.num_layers * seq_len
+        for rows in self.rows:
+            self.kept_sum += self.layout.slots * (seq_len + sum(rows.rows)) / full
+            self.kept_count += 1
+
+    @property
+    def kept_frac(self) -> float:
+        return self.kept_sum / max(self.kept_count, 1)

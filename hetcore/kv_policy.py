@@ -1,0 +1,212 @@
+"""Layered KV sparsity: which layers keep every token, how many the others keep, and how the rows of
+a sequence's sparse layers are counted. Pure Python: the block manager and the attention worker
+both run these rules, so they agree on every table's length without asking each other.
+
+Layers are split into groups of `slots` layers each (vLLM's hybrid allocator): layers with the same
+budget share a group, and one block id holds `block_size` rows of every layer of the group that
+owns it. Group 0 is the first `full_layers` layers' (their table is the sequence's block_table);
+the other groups are the sparse layers', deepest last, each with its own table (KVView).
+
+    30 layers, full_layers 3  ->  slots 3 (gcd(3, 27)), groups 0..9
+    group 0: layers 0-2   full       table grows with the sequence
+    group 1: layers 3-5   budget B1  table holds at most budget + evict_slack rows
+    ...
+    group 9: layers 27-29 budget B9
+
+A sparse group's rows are the tokens its layers still hold, kept in position order: row r of a
+layer and kv-head is the r-th kept token, not position r. Rules (SeqRows):
+  - a chunk's tokens are appended after the rows already held (the table grows to hold them);
+  - a chunk that ends at the sequence's last known token (a prompt's last chunk, every decode)
+    evicts down to the budget when more than budget + evict_slack rows are held: sinks, the
+    recent window and the highest-scoring rest are kept. Before a prompt's last chunk nothing is
+    evicted, so the prompt's own attention is exact (chunked prefill included).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KV_POLICIES = ("full", "layered")
+BUDGET_SCHEDULES = ("flat", "pyramid")
+PYRAMID_SPREAD = 0.5
+"""pyramid: the shallowest sparse group keeps (1 + spread) x the budget, the deepest (1 - spread) x, linear between
+(PyramidKV's shape; the mean over groups is the flat budget)."""
+
+
+class KVPolicyError(ValueError):
+    """Settings of the KV policy that cannot work with this model (one line, for the CLI)."""
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """How many tokens each layer's KV keeps."""
+
+    kind: str = "full"
+    """full (every layer keeps every token) or layered (full_layers keep all, the rest a budget)."""
+    full_layers: int = 3
+    """layered: the first layers that keep every token."""
+    budget_tokens: int | None = None
+    """layered: rows a sparse layer keeps per sequence (None: budget_ratio)."""
+    budget_ratio: float | None = None
+    """layered: rows a sparse layer keeps, as a share of the sequence's prompt (None with budget_tokens; 0.25 when
+    neither is given)."""
+    schedule: str = "flat"
+    """flat (one budget for all sparse layers) or pyramid (falling with depth, same mean)."""
+    window: int = 64
+    """layered: the latest tokens always kept."""
+    sinks: int = 4
+    """layered: the first tokens always kept."""
+    observe: int = 32
+    """layered: a prompt chunk's last queries whose attention scores the tokens (SnapKV's observation window)."""
+    evict_slack: int = 16
+    """layered: rows over the budget a sparse layer may hold before it evicts (eviction runs once per this many
+    decode steps, not every step)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.kind in KV_POLICIES, f"kv_policy must be one of {', '.join(KV_POLICIES)}, not {self.kind!r}"),
+            (self.schedule in BUDGET_SCHEDULES,
+             f"kv_budget_schedule must be one of {', '.join(BUDGET_SCHEDULES)}, not {self.schedule!r}"),
+            (self.budget_tokens is None or self.budget_ratio is None,
+             "give kv_budget_tokens or kv_budget_ratio, not both"),
+            (self.budget_tokens is None or self.budget_tokens > 0, "kv_budget_tokens must be positive"),
+            (self.budget_ratio is None or 0 < self.budget_ratio <= 1, "kv_budget_ratio must be in (0, 1]"),
+            (self.window >= 1 and self.sinks >= 0, "kv_window must be >= 1 and kv_sinks >= 0"),
+            (self.observe >= 1 and self.evict_slack >= 1, "kv observe window and evict slack must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise KVPolicyError(message)
+
+    @property
+    def is_layered(self) -> bool:
+        return self.kind == "layered"
+
+    def layout(self, num_layers: int, max_model_len: int) -> KVLayout:
+        """The groups of a model of `num_layers` layers; refuses settings that cannot hold (one line each)."""
+        if not self.is_layered:
+            return KVLayout(num_layers, num_layers, (None,), self)
+        n = self.full_layers
+        if not 1 <= n <= num_layers:
+            raise KVPolicyError(f"kv_full_layers {n} is outside 1..{num_layers} (the model has {num_layers} layers)")
+        if self.budget_tokens is not None and self.budget_tokens > max_model_len:
+            raise KVPolicyError(f"kv_budget_tokens {self.budget_tokens} is larger than the context "
+                                f"({max_model_len} tokens)")
+        slots = math.gcd(n, num_layers - n) if n < num_layers else num_layers
+        num_sparse = (num_layers - n) // slots
+        factors = tuple(self._factor(g, num_sparse) for g in range(num_sparse))
+        layout = KVLayout(num_layers, slots, (None,) * (n // slots) + factors, self)
+        if self.budget_tokens is not None and num_sparse:
+            least = min(math.ceil(f * self.budget_tokens) for f in factors)
+            if self.sinks + self.window > least:
+                raise KVPolicyError(f"kv_window {self.window} plus kv_sinks {self.sinks} is larger than the smallest "
+                                    f"layer budget ({least} tokens)")
+        return layout
+
+    def _factor(self, g: int, num_sparse: int) -> float:
+        if self.schedule == "flat" or num_sparse == 1:
+            return 1.0
+        return 1 + PYRAMID_SPREAD * (1 - 2 * g / (num_sparse - 1))
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The layer groups of one model under one policy. `factors[g]` is None for a full group, else the
+    group's share of the policy's budget (1 with the flat schedule)."""
+
+    num_layers: int
+    slots: int
+    """Layers per group: a block id holds one block of rows for each."""
+    factors: tuple[float | None, ...]
+    policy: KVPolicy
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.factors)
+
+    @property
+    def is_layered(self) -> bool:
+        return self.num_groups > 1
+
+    def group_of(self, layer: int) -> tuple[int, int]:
+        """(group, slot) of a layer."""
+        return layer // self.slots, layer % self.slots
+
+    def is_sparse(self, group: int) -> bool:
+        return self.factors[group] is not None
+
+    def budget(self, group: int, prompt_tokens: int) -> int:
+        """Rows a sparse group keeps for a sequence whose prompt (its first prefill) had `prompt_tokens`."""
+        p = self.policy
+        base = p.budget_tokens if p.budget_tokens is not None else (p.budget_ratio or 0.25) * prompt_tokens
+        return max(p.sinks + p.window, math.ceil(self.factors[group] * base))
+
+
+@dataclass(frozen=True)
+class KVView:
+    """A chunk's rows in the groups past the first (SeqChunk.kv_view), one entry per group 1, 2, ...:
+    where its layers' KV lives and how many rows they hold before and after the step."""
+
+    tables: tuple[tuple[int, ...], ...]
+    """Each group's block ids, covering rows [0, rows_before + the chunk's tokens)."""
+    rows_before: tuple[int, ...]
+    """Rows held before this chunk (its tokens are written at rows_before, rows_before + 1, ...)."""
+    keep_after: tuple[int, ...]
+    """Rows kept after the step: rows_before + the chunk's tokens, or fewer when the step evicts."""
+
+
+class SeqRows:
+    """One sequence's row counts in every group past the first, advanced chunk by chunk (the rules in
+    the module docstring)."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        self.rows = [0] * (layout.num_groups - 1)
+        self.prompt_tokens = 0
+        """Tokens of its first prefill (set at its first chunk that ends at its last token)."""
+
+    def needed(self, num_new: int) -> list[int]:
+        """Rows each group must have room for to take `num_new` more tokens."""
+        return [r + num_new for r in self.rows]
+
+    def advance(self, num_new: int, is_last: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Take a chunk of `num_new` tokens -> (rows_before, keep_after); the counts move to keep_after."""
+        before = tuple(self.rows)
+        after = [r + num_new for r in before]
+        if is_last:
+            if not self.prompt_tokens:
+                self.prompt_tokens = after[0] if after else num_new
+            p = self.layout.policy
+            for i, rows in enumerate(after):
+                if self.layout.is_sparse(i + 1):
+                    budget = self.layout.budget(i + 1, self.prompt_tokens)
+                    if rows > budget + p.evict_slack:
+                        after[i] = budget
+        self.rows = after
+        return before, tuple(after)
+
+
+def add_kv_policy_arguments(p) -> None:
+    """The --kv-* flags of layered KV sparsity on an argparse parser (eval and benchmarks; serve has
+    ServeConfig's fields of the same names)."""
+    d = KVPolicy()
+    p.add_argument("--kv-policy", choices=KV_POLICIES, default=d.kind,
+                   help="full: every layer keeps every token; layered: the first --kv-full-layers keep all, the others "
+                        "a budget of sinks, a recent window and the highest-scoring tokens (default: full)")
+    p.add_argument("--kv-full-layers", type=int, default=d.full_layers,
+                   help=f"layered: the first layers that keep every token (default: {d.full_layers})")
+    p.add_argument("--kv-budget-tokens", type=int, help="layered: tokens a sparse layer keeps per sequence")
+    p.add_argument("--kv-budget-ratio", type=float,
+                   help="layered: tokens a sparse layer keeps, as a share of the prompt (default: 0.25 when "
+                        "--kv-budget-tokens is not given)")
+    p.add_argument("--kv-budget-schedule", choices=BUDGET_SCHEDULES, default=d.schedule,
+                   help="layered: flat, or pyramid (budgets falling with depth, the same mean) (default: flat)")
+    p.add_argument("--kv-window", type=int, default=d.window,
+                   help=f"layered: latest tokens always kept (default: {d.window})")
+    p.add_argument("--kv-sinks", type=int, default=d.sinks,
+                   help=f"layered: first tokens always kept (default: {d.sinks})")
+
+
+def kv_policy_from_args(args) -> KVPolicy:
+    return KVPolicy(args.kv_policy, args.kv_full_layers, args.kv_budget_tokens, args.kv_budget_ratio,
+                    args.kv_budget_schedule, args.kv_window, args.kv_sinks)

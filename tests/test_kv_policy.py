@@ -1,0 +1,278 @@
+"""Layered KV sparsity: the policy's rules, its kernels against plain NumPy, and the layered attention
+worker against a plain implementation of the same policy."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_attn.kernels import attention_scratch
+from cpu_attn.kv_policy import (accumulate_probs, compact_rows, observed_attention, paged_decode_attention_scored,
+                                select_keep)
+from cpu_attn.kv_store import PagedKVStore
+from cpu_attn.layered_worker import LayeredAttentionWorker, LayeredChunkLayout
+from cpu_attn.worker import AttentionWorker, ChunkLayout
+from hetcore.kv_policy import KVPolicy, KVPolicyError, KVView, SeqRows
+from tests.test_cpu_attn import fill, naive_attention
+
+
+# ---- the policy's settings and rules
+
+@pytest.mark.parametrize("policy,num_layers,context,message", [
+    (KVPolicy("layered", full_layers=31, budget_tokens=256), 30, 8192, "kv_full_layers 31 is outside 1..30"),
+    (KVPolicy("layered", full_layers=0, budget_tokens=256), 30, 8192, "kv_full_layers 0 is outside 1..30"),
+    (KVPolicy("layered", budget_tokens=9000), 30, 8192, "kv_budget_tokens 9000 is larger than the context"),
+    (KVPolicy("layered", budget_tokens=64, window=64), 30, 8192, "kv_window 64 plus kv_sinks 4 is larger"),
+    (KVPolicy("layered", budget_tokens=100, window=64, schedule="pyramid"), 30, 8192, "smallest layer budget (50"),
+])
+def test_bad_layouts_are_refused_in_one_line(policy, num_layers, context, message):
+    with pytest.raises(KVPolicyError, match=message.replace("(", r"\(")) as err:
+        policy.layout(num_layers, context)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(kind="sparse"), "kv_policy must be one of full, layered"),
+    (dict(budget_tokens=10, budget_ratio=0.5), "not both"),
+    (dict(budget_ratio=1.5), r"kv_budget_ratio must be in \(0, 1\]"),
+    (dict(schedule="steps"), "kv_budget_schedule must be one of flat, pyramid"),
+])
+def test_bad_settings_are_refused_in_one_line(kw, message):
+    with pytest.raises(KVPolicyError, match=message):
+        KVPolicy(**kw)
+
+
+def test_groups_of_smollm2_shape():
+    layout = KVPolicy("layered", full_layers=3, budget_tokens=1024).layout(30, 8192)
+    assert (layout.slots, layout.num_groups) == (3, 10)
+    assert [layout.group_of(l) for l in (0, 2, 3, 29)] == [(0, 0), (0, 2), (1, 0), (9, 2)]
+    assert [layout.budget(g, 4000) for g in range(1, 10)] == [1024] * 9
+    pyramid = KVPolicy("layered", full_layers=3, budget_tokens=1024, schedule="pyramid").layout(30, 8192)
+    budgets = [pyramid.budget(g, 4000) for g in range(1, 10)]
+    assert budgets[0] == 1536 and budgets[-1] == 512 and budgets == sorted(budgets, reverse=True)
+    assert abs(np.mean(budgets) - 1024) <= 1
+    uneven = KVPolicy("layered", full_layers=4, budget_tokens=1024).layout(30, 8192)
+    assert (uneven.slots, uneven.factors[:3]) == (2, (None, None, 1.0))  # two full groups of 2 layers
+    assert KVPolicy().layout(30, 8192).num_groups == 1
+    ratio = KVPolicy("layered", budget_ratio=0.25).layout(30, 8192)
+    assert ratio.budget(1, 4000) == 1000 and ratio.budget(1, 100) == 68  # never below sinks + window
+
+
+def test_rows_grow_through_the_prompt_then_evict_at_its_end_and_every_slack():
+    layout = KVPolicy("layered", full_layers=1, budget_tokens=100, window=8, sinks=2, evict_slack=16).layout(3, 4096)
+    rows = SeqRows(layout)
+    assert layout.num_groups == 3 and rows.rows == [0, 0]
+    assert rows.advance(200, is_last=False) == ((0, 0), (200, 200))  # a middle chunk: nothing evicted
+    assert rows.advance(100, is_last=True) == ((200, 200), (100, 100))  # the prompt's end
+    for i in range(16):
+        assert rows.advance(1, is_last=True) == ((100 + i,) * 2, (101 + i,) * 2)
+    assert rows.advance(1, is_last=True) == ((116, 116), (100, 100))  # 117 > 100 + 16
+
+
+# ---- kernels against plain NumPy
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,seq_lens", [
+    (9, 3, 64, 16, [1, 17, 100, 5]),
+    (3, 1, 12, 16, [33, 5]),  # head_dim not a multiple of 8
+    (2, 1, 64, 8, [900]),  # a long context cut into parts (split_parts)
+])
+def test_scored_decode_matches_numpy(dtype, num_heads, num_kv_heads, head_dim, block_size, seq_lens):
+    rng = np.random.default_rng(3)
+    store = PagedKVStore(1, num_kv_heads, head_dim, block_size, 300, dtype)
+    tables, kv = fill(store, rng, seq_lens, num_heads)
+    q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float32)
+    scale = head_dim**-0.5
+    lens = np.asarray(seq_lens, np.int32)
+    out, lse = np.empty_like(q), np.empty(q.shape[:2], np.float32)
+    raw = np.full((len(lens), num_heads, lens.max()), np.nan, np.float32)
+    work = len(lens) * num_kv_heads
+    scratch = attention_scratch(work, num_heads // num_kv_heads, block_size, head_dim, 1 if len(lens) > 1 else 4)
+    paged_decode_attention_scored(q, store.k[0], store.v[0], tables, lens, np.float32(scale), out, lse, raw,
+                                  tuple(scratch))
+    probs = np.zeros((len(lens), num_kv_heads, lens.max()), np.float32)
+    accumulate_probs(raw, lse, lens, num_kv_heads, probs)
+    group = num_heads // num_kv_heads
+    for b, (k, v) in enumerate(kv):
+        ref_out, ref_lse = naive_attention(q[b], k, v, scale)
+        np.testing.assert_allclose(out[b], ref_out, atol=2e-5)
+        np.testing.assert_allclose(lse[b], ref_lse, atol=2e-5)
+        s = np.einsum("hd,thd->ht", q[b].astype(np.float64), np.repeat(k, group, axis=1).astype(np.float64)) * scale
+        np.testing.assert_allclose(raw[b, :, :seq_lens[b]], s, atol=2e-5)
+        p = np.exp(s - ref_lse[:, None]).reshape(num_kv_heads, group, -1).sum(1)
+        np.testing.assert_allclose(probs[b, :, :seq_lens[b]], p, atol=2e-5)
+        np.testing.assert_allclose(probs[b].sum(-1), group, rtol=1e-5)  # each head's probabilities sum to 1
+
+
+def test_observed_attention_matches_numpy():
+    rng = np.random.default_rng(4)
+    n, num_heads, num_kv_heads, d = 40, 6, 2, 16
+    q = rng.standard_normal((5, num_heads, d)).astype(np.float32)
+    k, v = (rng.standard_normal((n, num_kv_heads, d)).astype(np.float32) for _ in range(2))
+    pos = np.arange(n - 5, n) - 3  # causal: query at row p sees rows 0..p
+    out, scores = observed_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), pos, 0.25)
+    ref = np.zeros((num_kv_heads, n))
+    for i, p in enumerate(pos):
+        o, lse = naive_attention(q[i], k[:p + 1], v[:p + 1], 0.25)
+        np.testing.assert_allclose(out[i].numpy(), o, atol=1e-5)
+        for h in range(num_heads):
+            s = k[:p + 1, h // 3] @ q[i, h] * 0.25
+            ref[h // 3, :p + 1] += np.exp(s - lse[h])
+    np.testing.assert_allclose(scores, ref, atol=1e-5)
+
+
+def plain_keep(scores, budget, sinks, window):
+    """select_keep, one row at a time."""
+    n = len(scores)
+    fixed = set(range(sinks)) | set(range(n - window, n))
+    ranked = sorted((r for r in range(n) if r not in fixed), key=lambda r: (-scores[r], r))
+    return sorted(fixed | set(ranked[:budget - len(fixed)]))
+
+
+@pytest.mark.parametrize("n,budget,sinks,window", [(50, 20, 4, 8), (21, 20, 0, 1), (64, 12, 4, 8), (30, 10, 0, 10)])
+def test_select_keep_matches_plain(n, budget, sinks, window):
+    rng = np.random.default_rng(n)
+    scores = rng.random((3, n)).astype(np.float32)
+    scores[1, ::3] = 0.5  # ties: the earlier row wins
+    keep = select_keep(scores, budget, sinks, window)
+    assert keep.shape == (3, budget)
+    for h in range(3):
+        assert keep[h].tolist() == plain_keep(scores[h].tolist(), budget, sinks, window)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_compact_rows_matches_numpy_gather(dtype):
+    rng = np.random.default_rng(5)
+    store = PagedKVStore(1, 2, 8, 4, 20, dtype)
+    table = np.asarray([7, 3, 11, 0, 5], np.int64)
+    k, v = (rng.standard_normal((19, 2, 8)).astype(np.float32) for _ in range(2))
+    rows = np.arange(19)
+    store.write(0, table[rows // 4] * 4 + rows % 4, k, v)
+    before_k, before_v = store.gather(0, table, 19)
+    keep = np.stack([select_keep(rng.random((1, 19)), 9, 2, 3)[0] for _ in range(2)])
+    compact_rows(store.k[0], store.v[0], table, keep)
+    after_k, after_v = store.gather(0, table, 9)
+    for h in range(2):
+        np.testing.assert_array_equal(after_k[:, h], before_k[keep[h], h])
+        np.testing.assert_array_equal(after_v[:, h], before_v[keep[h], h])
+
+
+# ---- the layered worker against a plain implementation
+
+class PlainLayered:
+    """The policy on one sparse layer, position lists and float64 NumPy: kept[h] is kv-head h's kept
+    positions in order, score[h] their scores."""
+
+    def __init__(self, num_kv_heads, scale, observe, sinks, window):
+        self.k, self.v = {}, {}
+        self.kept = [[] for _ in range(num_kv_heads)]
+        self.score = [[] for _ in range(num_kv_heads)]
+        self.scale, self.observe, self.sinks, self.window = scale, observe, sinks, window
+
+    def chunk(self, q, k, v, start, keep_after):
+        n, num_heads, _ = q.shape
+        num_kv_heads = len(self.kept)
+        group = num_heads // num_kv_heads
+        for i in range(n):
+            self.k[start + i], self.v[start + i] = k[i], v[i]
+            for h in range(num_kv_heads):
+                self.kept[h].append(start + i)
+                self.score[h].append(0.0)
+        out = np.zeros(q.shape)
+        for i in range(n):
+            pos = start + i
+            scored = n == 1 or i >= n - self.observe
+            for h in range(num_heads):
+                kvh = h // group
+                rows = [j for j, p in enumerate(self.kept[kvh]) if p <= pos]
+                kk = np.stack([self.k[self.kept[kvh][j]][kvh] for j in rows]).astype(np.float64)
+                vv = np.stack([self.v[self.kept[kvh][j]][kvh] for j in rows]).astype(np.float64)
+                s = kk @ q[i, h] * self.scale
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[i, h] = p @ vv
+                if scored:
+                    for j, pj in zip(rows, p):
+                        self.score[kvh][j] += pj
+        for h in range(num_kv_heads):
+            if keep_after < len(self.kept[h]):
+                keep = plain_keep(self.score[h], keep_after, self.sinks, self.window)
+                self.kept[h] = [self.kept[h][j] for j in keep]
+                self.score[h] = [self.score[h][j] for j in keep]
+        return out
+
+
+def test_layered_worker_matches_plain_policy():
+    """Two sequences, 2 layers (layer 0 full, layer 1 sparse), chunked prompts then decodes with
+    evictions, mixed in steps: every output of the sparse layer as the plain implementation's, the
+    full layer's as AttentionWorker's over a plain store."""
+    rng = np.random.default_rng(6)
+    num_heads, num_kv_heads, d, bs = 4, 2, 64, 4
+    policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=3, evict_slack=3)
+    layout = policy.layout(2, 1024)
+    store = PagedKVStore(layout.slots, num_kv_heads, d, bs, 64, "float32")
+    worker = LayeredAttentionWorker(store, d, layout)
+    full = AttentionWorker(PagedKVStore(1, num_kv_heads, d, bs, 64, "float32"), d)
+    scale = d**-0.5
+    prompts = {0: [9, 14], 1: [23]}  # chunk sizes of each sequence's prompt
+    rows = {s: SeqRows(layout) for s in prompts}
+    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window) for s in prompts}
+    tables = {0: (list(range(0, 10)), list(range(10, 20))), 1: (list(range(20, 32)), list(range(32, 44)))}
+    pos = {s: 0 for s in prompts}
+    evicted = 0
+    for step in range(16):
+        chunks = []
+        for s, sizes in prompts.items():
+            n = sizes[step] if step < len(sizes) else 1
+            is_last = step >= len(sizes) - 1
+            before, after = rows[s].advance(n, is_last)
+            evicted += after[0] < before[0] + n
+            view = KVView((tuple(tables[s][1]),), before, after)
+            chunks.append((s, n, view))
+        layouts = [LayeredChunkLayout(num_tokens=n, start_pos=pos[s], block_table=tuple(tables[s][0]), seq_id=s,
+                                      kv_view=view) for s, n, view in chunks]
+        worker.begin_step(layouts)
+        full.begin_step([ChunkLayout(num_tokens=n, start_pos=pos[s], block_table=tuple(tables[s][0]), seq_id=s)
+                         for s, n, _ in chunks])
+        total = sum(n for _, n, _ in chunks)
+        q = rng.standard_normal((total, num_heads, d)).astype(np.float32)
+        k, v = (rng.standard_normal((total, num_kv_heads, d)).astype(np.float32) for _ in range(2))
+        tq, tk, tv = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
+        o0 = worker.attend(0, tq, tk, tv).reshape(total, num_heads, d).numpy()
+        np.testing.assert_allclose(o0, full.attend(0, tq, tk, tv).reshape(total, num_heads, d).numpy(), atol=1e-5)
+        o1 = worker.attend(1, tq, tk, tv).reshape(total, num_heads, d).numpy()
+        row = 0
+        for s, n, view in chunks:
+            ref = plain[s].chunk(q[row:row + n], k[row:row + n], v[row:row + n], pos[s], view.keep_after[0])
+            np.testing.assert_allclose(o1[row:row + n], ref, atol=2e-5, err_msg=f"step {step} seq {s}")
+            row += n
+            pos[s] += n
+    assert evicted >= 6  # both prompts' ends and several decode evictions were exercised
+
+
+# ---- through hetserve eval's path, on a tiny random model
+
+def test_eval_layered_runs_beside_full_and_equals_it_when_nothing_is_evicted(tmp_path):
+    from cpu_attn.calibrate import text_windows
+    from evaluation.evaluate import evaluate
+    from gpu_model.loader import load_model
+    from tests.test_model import tiny_model_dir
+
+    model_dir, _ = tiny_model_dir(tmp_path, head_dim=64, hidden_size=128)
+    model = load_model(model_dir)
+    windows = text_windows(list(np.random.default_rng(4).integers(0, 101, 1000)), 3, 60)
+    layers = model.cfg.num_layers
+    roomy = KVPolicy("layered", full_layers=1, budget_tokens=64, window=8, sinks=2)  # budget >= every window
+    full, layered = evaluate(model, windows, ["fp32"], prefill_tokens=20, batch_windows=2, block_size=4,
+                             progress=False, kv_policy=roomy, prefill_chunk_tokens=8)
+    assert layered["kv_policy"] == "layered" and layered["kv_kept_frac"] == 1.0
+    assert layered["ppl"] == pytest.approx(full["ppl"], rel=1e-5) and layered["kl_mean"] == pytest.approx(0, abs=1e-7)
+    tight = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, evict_slack=4)
+    _, sparse = evaluate(model, windows, ["fp32"], prefill_tokens=20, batch_windows=2, block_size=4,
+                         progress=False, kv_policy=tight)
+    # layer 0 keeps every token, the others 12 to 16 of 21..59
+    lo, hi = ((1 + (layers - 1) * rows / n) / layers for rows, n in ((12, 59), (16, 21)))
+    assert lo < sparse["kv_kept_frac"] < hi < 1
+    assert sparse["kl_mean"] > 0 and sparse["ppl_full"] == pytest.approx(full["ppl"], rel=1e-6)
+    with pytest.raises(ValueError, match="fp16 and fp32 KV formats, not int4"):
+        evaluate(model, windows, ["int4"], prefill_tokens=20, kv_policy=tight)
