@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+    from hetcore.kv_policy import KVLayout, KVView
+
 
 class KVCapacityError(ValueError):
     """The KV capacity is too small to serve (no block, or no min_context sequence with its MagicPIG
@@ -112,6 +114,8 @@ class SeqChunk:
     allowed_tokens: TokenMask | None = None
     """With sampling, for a request with a grammar (structured outputs): the tokens it may sample; the sampler
     masks the others out before penalties, temperature, top-k and top-p. None: any token."""
+    kv_view: KVView | None = None
+    """Layered KV sparsity: the chunk's rows in the layer groups past the first (None: one group, block_table)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,9 @@ class KVSpec:
     """Of a block's bytes, the share that is its holder's own state, not the block's KV (MagicPIG's
     codes of its tokens): a sequence that takes n blocks from the prefix cache also holds
     ceil(n * own_share) blocks, never written, for its copy of that state."""
+    kv_layout: KVLayout | None = None
+    """Layered KV sparsity's layer groups: a block id holds one group's rows, each group past the first has
+    its own table (None: a block id holds every layer's rows)."""
 
     def table_blocks(self, num_tokens: int) -> int:
         """Blocks of a sequence's block table at `num_tokens` tokens."""

@@ -38,10 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     from gpu_model.loader import ModelLoadError
     from hetcore.backend import KVCapacityError
+    from hetcore.kv_policy import KVPolicyError
 
     try:
         args.run(args)
-    except (ModelLoadError, KVCapacityError) as exc:  # a wrong --model path, too small a cache: no traceback
+    except (ModelLoadError, KVCapacityError, KVPolicyError) as exc:  # a wrong --model path, too small a cache,
+        # a KV policy the model cannot take: no traceback
         parser.exit(1, f"hetserve {args.command}: error: {exc}\n")
     return 0
 

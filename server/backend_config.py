@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hetcore.kv_policy import KVPolicy
 from server.config import SPARSE_FRACTION, ServeConfig
 
 if TYPE_CHECKING:
@@ -48,10 +49,15 @@ class BackendConfig:
     """MagicPIG's settings for sampled decode attention (None: exact attention)."""
     max_num_seqs: int = 1
     """Most sequences running at once: MagicPIG sets aside room for that many sequences' key centers."""
+    kv_policy: KVPolicy = KVPolicy()
+    """How many tokens each layer's KV keeps (hetcore/kv_policy.py; layered needs kv_format fp16 or fp32)."""
 
     def __post_init__(self) -> None:
         if self.kv_capacity_bytes <= 0 or self.block_size <= 0 or self.max_num_seqs <= 0:
             raise ValueError("kv_capacity_bytes, block_size and max_num_seqs must be positive")
+        if self.kv_policy.is_layered and (self.kv_format not in ("fp16", "fp32") or self.lsh is not None):
+            raise ValueError(f"kv_policy layered needs kv_format fp16 or fp32 and exact attention, not "
+                             f"{self.kv_format} with {'magicpig' if self.lsh else 'exact'} attention")
 
     def load_model(self, model_dir, device: str, dtype):
         """The model in `model_dir` as this record says (gpu_model.loader.load_model)."""
@@ -72,7 +78,7 @@ class BackendConfig:
                    kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
                    max_model_len=cfg.max_model_len, oaken_thresholds_path=cfg.oaken_thresholds,
                    oaken_sparse_fraction=cfg.oaken_sparse_fraction, oaken_recent_blocks=recent,
-                   lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs)
+                   lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs, kv_policy=cfg.kv_policy_config())
 
 
 @dataclass(frozen=True)

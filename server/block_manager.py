@@ -13,6 +13,21 @@ end (Sequence.block_keys). A later sequence whose tokens start the same way take
 into its own table instead of computing them again, so a block may sit in several tables
 (counted in `_refs`). A registered block no table holds stays cached, idle, until a new block
 is needed and no block is free: then the least recently used idle block is taken.
+
+Layered KV sparsity (spec.kv_layout, hetcore/kv_policy.py): a block id then holds one block of rows
+for the `slots` layers of one layer group. The table above is group 0's (the full layers'); each
+sequence also holds one table per later group, whose rows SeqRows counts:
+
+    seq 5, 4000-token prompt, budget 1024 + slack 16, block_size 16
+    group 0 table: 250 blocks  (every token; grows by one block every 16 decodes)
+    group 1 table: 250 blocks while the prompt is prefilled; 64 once its last chunk ran
+                   (rows 0..1023 are the kept tokens, compacted by the worker), 65 at most after
+
+Evicted rows free whole blocks at the end of the sequence's table: the worker compacts the kept
+rows to the front of the same blocks, so the blocks past them are released in commit() (after the
+step that evicted, never before it has run). Group tables never enter the prefix cache: a sparse
+layer's rows depend on the whole sequence, and a full layer's cached rows are no use without them,
+so share_prefix finds nothing under a layered layout.
 """
 from __future__ import annotations
 
@@ -20,6 +35,7 @@ import bisect
 from collections import OrderedDict, deque
 
 from hetcore.backend import KVSpec
+from hetcore.kv_policy import KVView, SeqRows
 
 
 class BlockManager:
@@ -51,13 +67,26 @@ class BlockManager:
         """Blocks held for a sequence's own state of the blocks it shared (KVSpec.own_share)."""
         self._shard_of: dict[int, int] = {}
         self.live: set[int] = set(range(len(sizes)))
+        self._layout = spec.kv_layout if spec.kv_layout is not None and spec.kv_layout.is_layered else None
+        self._rows: dict[int, SeqRows] = {}
+        """Layered: each sequence's rows in groups 1, 2, ... (group 0's rows are its tokens)."""
+        self._groups: dict[int, list[list[int]]] = {}
+        """Layered: each sequence's tables of groups 1, 2, ..."""
+        self._num_tokens: dict[int, int] = {}
+        """Layered: tokens each sequence's chunks have covered so far."""
+        self._trims: list[int] = []
+        self.num_evictions = 0
+        """Layered: chunks after which a sequence's sparse groups evicted rows."""
+        """Layered: sequences whose group tables may shrink once the step now running has run."""
         self.max_seq_blocks = max(sizes)
         """The most blocks one sequence can ever hold (its shard's size)."""
 
     @property
     def max_seq_tokens(self) -> int:
-        """The most tokens one sequence can ever hold (in max_seq_blocks, its table reserve aside)."""
-        return self.spec.max_tokens(self.max_seq_blocks)
+        """The most tokens one sequence can ever hold (in max_seq_blocks, its table reserve aside; with a
+        layered layout, every group holds the whole prompt while it is prefilled)."""
+        groups = self._layout.num_groups if self._layout else 1
+        return self.spec.max_tokens(self.max_seq_blocks // groups)
 
     @property
     def num_shards(self) -> int:
@@ -89,9 +118,17 @@ class BlockManager:
         return (max(0, spec.table_blocks(num_tokens) - len(self._tables.get(seq_id, ()))),
                 max(0, spec.reserve_for(num_tokens) - len(self._reserved.get(seq_id, ()))))
 
+    def _group_missing(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Layered: blocks each group past the first still needs for the sequence to reach `num_tokens`."""
+        rows = self._rows.get(seq_id) or SeqRows(self._layout)
+        tables = self._groups.get(seq_id) or [[] for _ in rows.rows]
+        needed = rows.needed(num_tokens - self._num_tokens.get(seq_id, 0))
+        return [max(0, self.spec.table_blocks(n) - len(t)) for n, t in zip(needed, tables)]
+
     def num_missing(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks `seq_id` still needs to hold `num_tokens` tokens, its reserve included."""
-        return sum(self._missing(seq_id, num_tokens))
+        """Blocks `seq_id` still needs to hold `num_tokens` tokens, its reserve (and later groups' tables) included."""
+        groups = sum(self._group_missing(seq_id, num_tokens)) if self._layout is not None else 0
+        return sum(self._missing(seq_id, num_tokens)) + groups
 
     def shard_of(self, seq_id: int) -> int | None:
         return self._shard_of.get(seq_id)
@@ -112,8 +149,9 @@ class BlockManager:
         to_table, to_reserve = self._missing(seq_id, num_tokens)
         shard = self._shard_for(seq_id)
         room = 0 if shard is None else self._room(shard)
-        if to_table + to_reserve > room:
-            raise MemoryError(f"sequence {seq_id} needs {to_table + to_reserve} blocks, {room} free in its shard")
+        if self.num_missing(seq_id, num_tokens) > room:
+            raise MemoryError(f"sequence {seq_id} needs {self.num_missing(seq_id, num_tokens)} blocks, {room} free "
+                              "in its shard")
         self._shard_of[seq_id] = shard
         table = self._tables.setdefault(seq_id, [])
         for _ in range(to_table):
@@ -122,7 +160,35 @@ class BlockManager:
             table.append(block)
         if to_reserve:
             self._reserved.setdefault(seq_id, []).extend(self._take(shard) for _ in range(to_reserve))
+        if self._layout is not None:
+            missing = self._group_missing(seq_id, num_tokens)
+            self._rows.setdefault(seq_id, SeqRows(self._layout))
+            groups = self._groups.setdefault(seq_id, [[] for _ in missing])
+            for group, n in zip(groups, missing):
+                group.extend(self._take(shard) for _ in range(n))
         return tuple(table)
+
+    def advance(self, seq_id: int, num_tokens: int, is_last: bool) -> KVView | None:
+        """Layered: the sequence's chunk up to `num_tokens` (allocated) is scheduled; `is_last`: it ends at
+        the sequence's last token (then its sparse groups may evict). Returns the chunk's KVView; the
+        blocks an eviction frees are released by commit(). None without a layered layout."""
+        if self._layout is None:
+            return None
+        rows, tables = self._rows[seq_id], self._groups[seq_id]
+        num_new = num_tokens - self._num_tokens.get(seq_id, 0)
+        before, after = rows.advance(num_new, is_last)
+        self._num_tokens[seq_id] = num_tokens
+        if any(a < b + num_new for a, b in zip(after, before)):
+            self._trims.append(seq_id)
+            self.num_evictions += 1
+        return KVView(tuple(tuple(t) for t in tables), before, after)
+
+    def group_used_blocks(self) -> list[int]:
+        """Blocks held per layer group (group 0: every block in use that no later group holds)."""
+        groups = self._layout.num_groups if self._layout else 1
+        later = [sum(len(t[g]) for t in self._groups.values()) for g in range(groups - 1)]
+        used = self.spec.num_blocks - sum(map(self._room, range(self.num_shards)))
+        return [used - sum(later), *later]
 
     def _take(self, shard: int) -> int:
         """A free block, else the least recently used idle one (it leaves the cache)."""
@@ -147,6 +213,10 @@ class BlockManager:
         self._idle[shard].update((b, None) for b in reversed(released) if b in self._key_of)
         self._free[shard].extend(self._reserved.pop(seq_id, ()))
         self._free[shard].extend(self._own.pop(seq_id, ()))
+        for group in self._groups.pop(seq_id, ()):
+            self._free[shard].extend(group)
+        self._rows.pop(seq_id, None)
+        self._num_tokens.pop(seq_id, None)
 
     # ---- prefix caching
     def share_prefix(self, seq_id: int, keys: list[bytes]) -> int:
@@ -154,6 +224,8 @@ class BlockManager:
         `keys`, from the live shard that has the longest run of them, and the blocks for its own
         state of them (KVSpec.own_blocks) when that shard has room; returns how many it shares."""
         assert seq_id not in self._shard_of, "share_prefix is for a sequence's first blocks"
+        if self._layout is not None:
+            return 0
         best, shard = 0, None
         for s in sorted(self.live):
             n = 0
@@ -187,8 +259,18 @@ class BlockManager:
                 self._uncommitted.append(block)
 
     def commit(self) -> None:
-        """The step ran: the blocks it registered hold their KV."""
+        """The step ran: the blocks it registered hold their KV, and the group blocks its evictions emptied
+        go free."""
         self._uncommitted.clear()
+        for seq_id in self._trims:
+            if seq_id not in self._shard_of:
+                continue
+            shard = self._shard_of[seq_id]
+            for group, rows in zip(self._groups[seq_id], self._rows[seq_id].rows):
+                keep = self.spec.table_blocks(rows)
+                self._free[shard].extend(group[keep:])
+                del group[keep:]
+        self._trims.clear()
 
     def forget_uncommitted(self) -> None:
         """The step failed (no commit came): its blocks' KV may be missing, so they leave the cache."""

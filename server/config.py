@@ -110,6 +110,18 @@ class ServeConfig:
                                     "chunks, its keys centered on its first chunk's mean; at a decode step, center "
                                     "them on the whole prompt's mean instead (its keys coded on the CPU)",
                               parse=parse_switch)
+    kv_policy: str = _opt("full", "full (every layer keeps every token) or layered: the first kv_full_layers keep "
+                                  "every token, the others a budget of sinks, a recent window and the tokens with "
+                                  "the most attention (scored at the prompt's end, accumulated while decoding); "
+                                  "needs kv_format fp16 or fp32, attention exact; see docs/kv-policy.md")
+    kv_full_layers: int = _opt(3, "kv_policy layered: the first layers that keep every token")
+    kv_budget_tokens: int | None = _opt(None, "kv_policy layered: tokens each other layer keeps per sequence")
+    kv_budget_ratio: float | None = _opt(None, "kv_policy layered: tokens each other layer keeps, as a share of "
+                                               "the sequence's prompt (default: 0.25 unless kv_budget_tokens)")
+    kv_budget_schedule: str = _opt("flat", "kv_policy layered: flat (one budget) or pyramid (budgets falling with "
+                                           "depth, 1.5x to 0.5x, the same mean)")
+    kv_window: int = _opt(64, "kv_policy layered: latest tokens always kept")
+    kv_sinks: int = _opt(4, "kv_policy layered: first tokens always kept")
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB, MagicPIG's hash tables included "
                                       "(overrides --kv-cache-fraction)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity (MagicPIG's tables included) as a fraction of total RAM")
@@ -201,6 +213,10 @@ class ServeConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.kv_policy_config().is_layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
+                                                   or self.backend != "hetero" or self.executor != "local"):
+            raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, backend hetero and "
+                             "executor local (its rows are compacted in a plain paged store)")
         if self.backend not in ("hetero", "sim"):
             raise ValueError(f"backend must be hetero or sim, not {self.backend!r}")
         if self.backend == "sim":
@@ -212,6 +228,13 @@ class ServeConfig:
             if self.kv_format != fmt:
                 raise ValueError(f"backend sim with sim_device {self.sim_device} computes with the {fmt} KV format: "
                                  f"pass --kv-format {fmt}")
+
+    def kv_policy_config(self):
+        """The KV policy (hetcore.kv_policy.KVPolicy); raises KVPolicyError (a ValueError) on bad settings."""
+        from hetcore.kv_policy import KVPolicy
+
+        return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
+                        self.kv_budget_schedule, self.kv_window, self.kv_sinks)
 
     def lsh_config(self):
         """The MagicPIG settings, or None for exact attention."""

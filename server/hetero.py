@@ -19,6 +19,7 @@ from gpu_model.sampler import logprobs, sample
 from gpu_model.worker import ModelWorker
 from hetcore.backend import Backend, KVCapacityError, KVSpec, StepInput, StepOutput, StepTimings
 from server.backend_config import BackendConfig
+from server.kv_layout import layered_attention_worker, layered_chunk_layout, layered_kv_spec
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ def flatten(inp: StepInput) -> FlatBatch:
             b.sampled_ids.append(c.seq_id)
             b.masks.append(c.allowed_tokens)
         b.layouts.append(ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id))
+        if c.kv_view is not None:  # layered KV sparsity: the chunk's rows in the later layer groups too
+            b.layouts[-1] = layered_chunk_layout(b.layouts[-1], c)
         b.chunks.append((c.seq_id, c.start_pos, len(c.token_ids)))
     return b
 
@@ -219,14 +222,20 @@ class HeteroBackend(Backend):
         self.model_dir = model_dir
         self.model = model if model is not None else c.load_model(model_dir, device, pick_dtype(c.dtype, device))
         cfg = self.model_cfg = self.model.cfg
-        self.kv_spec = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes, c.block_size, c.oaken_sparse_fraction,
-                               c.oaken_recent_blocks, c.lsh, c.max_num_seqs)
+        if c.kv_policy.is_layered:
+            self.kv_spec = layered_kv_spec(c, cfg)
+        else:
+            self.kv_spec = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes, c.block_size, c.oaken_sparse_fraction,
+                                   c.oaken_recent_blocks, c.lsh, c.max_num_seqs)
         num_blocks, per_block = self.kv_spec.num_blocks, self.kv_spec.bytes_per_block
         cal = oaken_thresholds(self.model, model_dir, c.oaken_thresholds_path) if c.kv_format == "oaken" else None
         self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_worker = model_worker(self.model, c.lsh, device)
-        self.attn_worker = attention_worker(cfg, c.kv_format, num_blocks, c.block_size, cal, c.oaken_sparse_fraction,
-                                            c.oaken_recent_blocks, c.lsh)
+        if c.kv_policy.is_layered:
+            self.attn_worker = layered_attention_worker(c, cfg, num_blocks)
+        else:
+            self.attn_worker = attention_worker(cfg, c.kv_format, num_blocks, c.block_size, cal,
+                                                c.oaken_sparse_fraction, c.oaken_recent_blocks, c.lsh)
         log.info("KV store: %d blocks of %d tokens, %.1f MiB, %s on %s%s", num_blocks, c.block_size,
                  num_blocks * per_block / 2**20, c.kv_format, device, reserve_note(self.kv_spec))
 

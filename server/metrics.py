@@ -124,6 +124,12 @@ class EngineCollector(Collector):
         for i, (used, n) in enumerate(zip(blocks.shard_used_bytes(), sizes)):
             usage.add_metric((str(i),), used / max(1, n * blocks.spec.bytes_per_block))
         yield usage
+        groups = GaugeMetricFamily(p + "kv_cache_group_usage_bytes", "KV cache bytes in use per layer group (layered "
+                                   "KV sparsity: 0 holds the full layers, the others the sparse layers' kept rows; "
+                                   "one group 0 without).", labels=("group",))
+        for i, n in enumerate(blocks.group_used_blocks()):
+            groups.add_metric((str(i),), n * blocks.spec.bytes_per_block)
+        yield groups
         yield CounterMetricFamily(p + "num_preemptions", "Sequences preempted for KV space (recomputed later).",
                                   engine.scheduler.num_preemptions)
         yield CounterMetricFamily(p + "prefix_cache_queries", "Tokens of admitted sequences looked up in the "
