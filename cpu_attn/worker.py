@@ -31,6 +31,9 @@ class ChunkLayout:
     start_pos: int
     block_table: tuple[int, ...]
     seq_id: int = -1
+    num_draft: int = 0
+    """Of num_tokens, the last ones that are draft tokens (speculative decoding): then every row of the chunk
+    is attended as a decode row of its own position, after the KV of all rows is written."""
 
 
 @dataclass
@@ -66,11 +69,12 @@ class AttentionWorker:
             slots.append(table[pos // bs] * bs + pos % bs)
             positions.append(pos)
             spans.append((row, c.num_tokens, c.start_pos, c.seq_id, c.block_table))
-            if c.num_tokens == 1:
-                decode_ids.append(c.seq_id)
-                decode_rows.append(row)
-                tables.append(c.block_table)
-                seq_lens.append(c.start_pos + 1)
+            if c.num_tokens == 1 or c.num_draft:
+                for i in range(c.num_tokens):
+                    decode_ids.append(c.seq_id)
+                    decode_rows.append(row + i)
+                    tables.append(c.block_table)
+                    seq_lens.append(c.start_pos + 1 + i)
             else:
                 prefills.append((row, c.num_tokens, c.start_pos, c.block_table))
             row += c.num_tokens

@@ -116,6 +116,11 @@ class SeqChunk:
     masks the others out before penalties, temperature, top-k and top-p. None: any token."""
     kv_view: KVView | None = None
     """Layered KV sparsity: the chunk's rows in the layer groups past the first (None: one group, block_table)."""
+    num_draft: int = 0
+    """Speculative decoding: the last num_draft of token_ids are draft tokens, guesses of the tokens after the
+    sequence's last one. The backend writes their KV, samples at each of the num_draft + 1 last rows (output
+    indices output_index, output_index + 1, ...) and accepts drafts while each equals the token sampled before
+    it (StepOutput.accepted). Only a decode chunk (one known token) carries drafts."""
 
 
 @dataclass(frozen=True)
@@ -155,9 +160,13 @@ class StepTimings:
 @dataclass(frozen=True)
 class StepOutput:
     sampled: dict[int, int]
-    """seq_id -> next token, for every chunk that had `sampling` set."""
+    """seq_id -> next token, for every chunk that had `sampling` set (after its accepted drafts, if any)."""
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     """seq_id -> the sampled token's logprobs, for the chunks whose sampling asked for them."""
+    accepted: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """seq_id -> the draft tokens accepted, which come before sampled[seq_id], for every chunk with drafts."""
+    accepted_logprobs: dict[int, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+    """seq_id -> each accepted draft token's logprobs, for the chunks with drafts whose sampling asked for them."""
     prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     """seq_id -> (position, logprobs of the prompt token there) for each of its chunk's `prompt_targets`."""
     timings: StepTimings | None = None

@@ -134,6 +134,15 @@ class ServeConfig:
                                       "holds stay cached until the space is needed; with attention magicpig each "
                                       "request still builds its own hash tables, from the cached keys)",
                                 parse=parse_switch)
+    speculative_method: str = _opt("off", "speculative decoding: off, or ngram (drafts copied from the continuation "
+                                          "of the latest earlier occurrence of the sequence's last tokens, prompt "
+                                          "lookup); the output is the same text as with off, in fewer steps; "
+                                          "needs kv_format fp16 or fp32 and attention exact; see docs/speculative.md")
+    num_speculative_tokens: int = _opt(4, "speculative decoding: most draft tokens a sequence sends per step (1-16); "
+                                          "fewer, or none, when its acceptance rate and the measured step cost say "
+                                          "more would not pay")
+    ngram_min: int = _opt(2, "speculative method ngram: shortest suffix looked up")
+    ngram_max: int = _opt(4, "speculative method ngram: longest suffix looked up (the longest found wins)")
     executor: str = _opt("local", "how workers run: local (one process), or ray (a model actor and CPU attention "
                                   "actors; a local Ray cluster unless ray_address is given)")
     ray_address: str | None = _opt(None, "ray executor: address of an existing Ray cluster to join, e.g. auto or "
@@ -213,10 +222,16 @@ class ServeConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self.speculative_config()  # raises on bad speculative settings
+        if self.speculative_method != "off" and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
+                                                 or self.backend != "hetero"):
+            raise ValueError(f"speculative_method {self.speculative_method} needs kv_format fp16 or fp32, attention "
+                             "exact and backend hetero (its rejected drafts' KV must not stay in the store)")
         if self.kv_policy_config().is_layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
-                                                   or self.backend != "hetero" or self.executor != "local"):
-            raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, backend hetero and "
-                             "executor local (its rows are compacted in a plain paged store)")
+                                                   or self.speculative_method != "off" or self.backend != "hetero"
+                                                   or self.executor != "local"):
+            raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, speculative_method off, "
+                             "backend hetero and executor local (its rows are compacted in a plain paged store)")
         if self.backend not in ("hetero", "sim"):
             raise ValueError(f"backend must be hetero or sim, not {self.backend!r}")
         if self.backend == "sim":
@@ -228,6 +243,11 @@ class ServeConfig:
             if self.kv_format != fmt:
                 raise ValueError(f"backend sim with sim_device {self.sim_device} computes with the {fmt} KV format: "
                                  f"pass --kv-format {fmt}")
+
+    def speculative_config(self):
+        from server.speculative import SpecConfig
+
+        return SpecConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max)
 
     def kv_policy_config(self):
         """The KV policy (hetcore.kv_policy.KVPolicy); raises KVPolicyError (a ValueError) on bad settings."""

@@ -153,6 +153,7 @@ class Engine:
             elif kind == "reset_stats":
                 self.metrics = ServingMetrics()
                 self.blocks.queried_tokens = self.blocks.hit_tokens = 0
+                self.scheduler.reset_counters()
                 self.clock.reset()
                 self.backend.reset_clock()
             try:
@@ -161,7 +162,8 @@ class Engine:
                 return
 
     def _add(self, req: EngineRequest) -> None:
-        seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), req.sampling)
+        seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), req.sampling, max_tokens=req.max_tokens,
+                       speculate=req.grammar is None)
         detok = IncrementalDetokenizer(self.tokenizer.decode, req.stop)
         self._live[seq.seq_id] = _Live(req, seq, detok)
         self.clock.on_arrival(seq.seq_id)
@@ -229,7 +231,7 @@ class Engine:
     def _postprocess(self, out: StepOutput) -> None:
         """Record the step, keep scored prompt positions, apply each sampled token to its request."""
         self.last_step_timings = out.timings
-        self.metrics.on_step(out.timings, len(out.sampled))
+        self.metrics.on_step(out.timings, len(out.sampled) + sum(map(len, out.accepted.values())))
         self.clock.on_step(out.virtual_clock_s, out.sampled)
         for seq_id, scored in out.prompt_logprobs.items():
             live = self._live.get(seq_id)
@@ -237,12 +239,18 @@ class Engine:
                 if pos == len(live.prompt_logprobs) + 1:
                     live.prompt_logprobs.append(lp)
         now = time.monotonic()
+        nth: dict[int, int] = {}
         for seq, token in self.scheduler.update(out):
-            live = self._live[seq.seq_id]
+            live = self._live.get(seq.seq_id)
+            if live is None:  # ended at an earlier token of this step (a stop among accepted drafts)
+                continue
+            i = nth[seq.seq_id] = nth.get(seq.seq_id, -1) + 1
+            accepted = out.accepted_logprobs.get(seq.seq_id, ())
+            lp = accepted[i] if i < len(out.accepted.get(seq.seq_id, ())) and accepted else out.logprobs.get(seq.seq_id)
             if live.first_token_s is None:
                 live.first_token_s = now
                 self.metrics.on_first_token(now - live.req.arrival_s)
-            self._on_token(live, token, out.logprobs.get(seq.seq_id))
+            self._on_token(live, token, lp)
 
     def _free_finished(self, inp: StepInput) -> None:
         """A step with nothing to run still tells the backend which sequences ended (it drops their

@@ -89,6 +89,9 @@ class FlatBatch:
     chunks: list[tuple[int, int, int]]  # (seq_id, start_pos, num_tokens)
     masks: list = field(default_factory=list)
     """Each sampled row's SeqChunk.allowed_tokens (a TokenMask, or None)."""
+    drafts: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    """(seq_id, its draft tokens) of each sampled chunk, in sample-row order: a chunk with k drafts has k + 1
+    sample rows, whose sampled tokens decide how many drafts are accepted."""
     scored: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     """Prompt rows to score (SeqChunk.prompt_targets): (row, seq_id, position of the target, target, number of
     most likely tokens to list)."""
@@ -107,13 +110,18 @@ def flatten(inp: StepInput) -> FlatBatch:
         b.token_ids.extend(c.token_ids)
         b.positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
         if c.sampling is not None:
-            b.sample_rows.append(len(b.token_ids) - 1)
-            b.params.append(c.sampling)
-            b.output_indices.append(c.output_index)
-            b.histories.append(c.output_token_ids)
-            b.sampled_ids.append(c.seq_id)
-            b.masks.append(c.allowed_tokens)
-        b.layouts.append(ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id))
+            drafts = c.token_ids[len(c.token_ids) - c.num_draft:] if c.num_draft else ()
+            if drafts and c.allowed_tokens is not None:
+                raise ValueError("a chunk with a token mask cannot carry drafts")
+            b.drafts.append((c.seq_id, drafts))
+            for i in range(c.num_draft + 1):  # row i samples the token after drafts[:i]
+                b.sample_rows.append(len(b.token_ids) - 1 - c.num_draft + i)
+                b.params.append(c.sampling)
+                b.output_indices.append(c.output_index + i)
+                b.histories.append(c.output_token_ids + drafts[:i] if c.sampling.has_penalties else ())
+                b.sampled_ids.append(c.seq_id)
+                b.masks.append(c.allowed_tokens)
+        b.layouts.append(ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id, c.num_draft))
         if c.kv_view is not None:  # layered KV sparsity: the chunk's rows in the later layer groups too
             b.layouts[-1] = layered_chunk_layout(b.layouts[-1], c)
         b.chunks.append((c.seq_id, c.start_pos, len(c.token_ids)))
@@ -130,16 +138,33 @@ def sample_batches(logits: list[torch.Tensor], batches: list[FlatBatch]) -> Step
         masks = [None if m is None else m.words() for b in batches for m in b.masks]  # waits for the mask thread
         tokens = sample(rows, params, [i for b in batches for i in b.output_indices],
                         [h for b in batches for h in b.histories], masks if any(m is not None for m in masks) else ())
-        ids = [i for b in batches for i in b.sampled_ids]
-        out.sampled.update(zip(ids, tokens))
         lps = logprobs(rows, tokens, [p.logprobs for p in params])
-        out.logprobs.update((i, lp) for i, lp in zip(ids, lps) if lp is not None)
+        accept([d for b in batches for d in b.drafts], tokens, lps, out)
     scored = [s for b in batches for s in b.scored]
     if scored:
         rows = torch.cat([x[n:] for x, n in zip(logits, num)])
         for (_, seq_id, pos, _, _), lp in zip(scored, logprobs(rows, [s[3] for s in scored], [s[4] for s in scored])):
             out.prompt_logprobs.setdefault(seq_id, []).append((pos, lp))
     return out
+
+
+def accept(drafts: list[tuple[int, tuple[int, ...]]], tokens: list[int], lps: list, out: StepOutput) -> None:
+    """Fill out's sampled, logprobs, accepted and accepted_logprobs from the sample rows' `tokens` and `lps`,
+    laid out as FlatBatch.drafts says: a sequence's drafts are accepted while each equals the token its row
+    before sampled; the token after the last accepted one is its sampled token."""
+    row = 0
+    for seq_id, draft in drafts:
+        n = 0
+        while n < len(draft) and tokens[row + n] == draft[n]:
+            n += 1
+        out.sampled[seq_id] = tokens[row + n]
+        if lps[row + n] is not None:
+            out.logprobs[seq_id] = lps[row + n]
+        if draft:
+            out.accepted[seq_id] = draft[:n]
+            if lps[row] is not None:
+                out.accepted_logprobs[seq_id] = tuple(lps[row:row + n])
+        row += len(draft) + 1
 
 
 def _cache_costs(cfg, kv_format: str, block_size: int, sparse_fraction: float, recent_blocks: int,

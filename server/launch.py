@@ -35,7 +35,8 @@ def build_engine(cfg: ServeConfig):
 
         backend = SimBackend.build(backend, cfg.sim_device, cfg.sim_model, weight_format=cfg.weight_format)
     tokenizer = Tokenizer(model_dir, backend.model_cfg.eos_token_ids)
-    engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching))
+    engine = Engine(backend, tokenizer, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefix_caching,
+                                                        cfg.speculative_config()))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
     return engine, name, backend.max_model_len
 

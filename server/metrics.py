@@ -136,6 +136,16 @@ class EngineCollector(Collector):
                                   "prefix cache.", blocks.queried_tokens)
         yield CounterMetricFamily(p + "prefix_cache_hits", "Of those, tokens whose KV was found there (not "
                                   "computed).", blocks.hit_tokens)
+        sched = engine.scheduler
+        method = sched.cfg.speculative.method
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Speculative decoding: sequence steps that sent draft tokens.", sched.num_drafts),
+                ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens sent.", sched.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                 sched.num_accepted_tokens)):
+            counter = CounterMetricFamily(p + name, doc, labels=("method",))
+            counter.add_metric((method,), value)
+            yield counter
         yield from engine.metrics.collect()
         # the names the first /metrics had (deploy/README.md)
         yield _gauge("hetserve_requests_running", "Requests in the running batch (older name).", engine.num_running)

@@ -79,8 +79,8 @@ class AttentionActor:
         try:
             worker = self.workers[h["mb"]]
             if "layout" in h:
-                worker.begin_step([ChunkLayout(n, start, tuple(b - self.first_block for b in table), seq)
-                                   for n, start, table, seq in h["layout"]])
+                worker.begin_step([ChunkLayout(n, start, tuple(b - self.first_block for b in table), seq, drafts)
+                                   for n, start, table, seq, drafts in h["layout"]])
             q, k, v, *codes = (torch.from_numpy(a) for a in arrays)
             o = worker.attend(h["layer"], q, k, v, tuple(codes) or None)
             reply = worker.take_timings() if h.get("last") else {}
@@ -243,7 +243,7 @@ class ModelActor:
             if len(c.token_ids) == 1:
                 decodes.append(decode)
                 decode += 1
-            layout.append([lay.num_tokens, lay.start_pos, list(lay.block_table), lay.seq_id])
+            layout.append([lay.num_tokens, lay.start_pos, list(lay.block_table), lay.seq_id, lay.num_draft])
             row += len(c.token_ids)
         if len(parts) == 1:
             return b, {s: (None, None, layout) for s, (_, _, layout) in parts.items()}

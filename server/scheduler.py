@@ -6,6 +6,11 @@ and KV blocks allow. When a running sequence needs a block and none is free, the
 recently arrived running sequence (of the same KV shard) is preempted: its blocks are freed and it goes back to the
 front of the queue, to be recomputed from its prompt plus what it has generated so far.
 
+With speculative decoding (server/speculative.py), a decoding sequence's chunk may also carry draft
+tokens after its last one; they take KV blocks and token budget for the step (never a preemption),
+and only the ones the backend accepts are added to the sequence, so blocks are registered in the
+prefix cache only once filled with accepted tokens.
+
 With prefix caching, a sequence admitted with nothing computed first takes the cached blocks of
 its longest cached run of full blocks (server/block_manager.py), and starts its prefill after
 them; every block a step fills is registered for later sequences as it is scheduled.
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 
 from hetcore.backend import SamplingParams, SeqChunk, StepInput, StepOutput
 from server.block_manager import BlockManager
+from server.speculative import NgramDrafter, SpecConfig, SpecPolicy
 
 
 class SeqStatus(enum.Enum):
@@ -42,6 +48,10 @@ class Sequence:
     """Prompt tokens found in the prefix cache when it was first admitted."""
     num_registered: int = 0
     """Blocks of its table that are in the prefix cache (shared, or registered by it)."""
+    max_tokens: int = 2**31
+    """Most output tokens it may have (its request's max_tokens): no draft goes past it."""
+    speculate: bool = True
+    """May send draft tokens (off for a request whose grammar masks each token)."""
     _keys: list[bytes] = field(default_factory=list, repr=False)
 
     def block_keys(self, num_blocks: int, block_size: int) -> list[bytes]:
@@ -78,6 +88,8 @@ class SchedulerConfig:
     """Token budget of one step: decodes plus prefill chunks."""
     prefix_caching: bool = False
     """Reuse the KV blocks of earlier sequences' identical prefixes."""
+    speculative: SpecConfig = SpecConfig()
+    """Speculative decoding: how decoding sequences draft tokens (off by default)."""
 
 
 class Scheduler:
@@ -88,9 +100,23 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._freed: list[int] = []
-        self._scheduled: list[tuple[Sequence, int]] = []
+        self._scheduled: list[tuple[Sequence, int, tuple[int, ...]]] = []
+        """(sequence, tokens of its own scheduled, draft tokens after them) of the step in flight."""
         self.too_long: list[Sequence] = []
         """Sequences that cannot fit the whole KV store even alone; the engine ends them."""
+        spec = cfg.speculative
+        self.drafter = NgramDrafter(spec.ngram_min, spec.ngram_max) if spec.enabled else None
+        self.policy = SpecPolicy(spec.num_tokens)
+        self._unsent: dict[int, int] = {}
+        """seq_id -> the first token of a proposal the policy did not send this step (checked against the
+        token sampled instead: an acceptance trial at no cost)."""
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        """Totals: steps with drafts of a sequence, draft tokens sent, draft tokens accepted (/metrics)."""
+
+    def reset_counters(self) -> None:
+        """Start the speculation counters and the measured step costs from zero."""
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.policy.reset_costs()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -108,6 +134,9 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
+            self.policy.forget(seq.seq_id)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
@@ -143,10 +172,38 @@ class Scheduler:
             self._preempt(self.running[-1])
         self._scheduled = []
 
-    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+    def _drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
+        """seq_id -> the draft tokens it sends this step, for the running sequences in decode that the
+        policy lets speculate within `budget` tokens and that have room for them without a preemption."""
+        self._unsent = {}
+        if self.drafter is None:
+            return {}
+        spec, base_tokens, decoding = self.cfg.speculative, 0, []
+        for seq in self.running:
+            left = seq.num_tokens - seq.num_computed
+            base_tokens += left
+            if left == 1 and seq.num_computed and seq.speculate:
+                k = min(spec.num_tokens, seq.max_tokens - len(seq.output_token_ids) - 1)
+                proposal = self.drafter.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, k) if k > 0 else ()
+                if proposal:
+                    decoding.append((seq, proposal))
+        if not decoding:
+            return {}
+        outputs = sum(seq.num_tokens - seq.num_computed == 1 for seq in self.running)
+        ks = self.policy.plan(base_tokens, outputs, [(self.policy.rate(s.seq_id), len(p)) for s, p in decoding],
+                              budget - base_tokens)
+        drafts = {}
+        for (seq, proposal), k in zip(decoding, ks):
+            if k and self.blocks.can_hold(seq.seq_id, seq.num_computed + 1 + k):
+                drafts[seq.seq_id] = proposal[:k]
+            else:
+                self._unsent[seq.seq_id] = proposal[0]
+        return drafts
+
+    def _chunk(self, seq: Sequence, n: int, drafts: tuple[int, ...] = ()) -> SeqChunk:
         stop = seq.num_computed + n
-        table = self.blocks.allocate(seq.seq_id, stop)
-        self._scheduled.append((seq, n))
+        table = self.blocks.allocate(seq.seq_id, stop + len(drafts))
+        self._scheduled.append((seq, n, drafts))
         bs = self.blocks.spec.block_size
         if self.cfg.prefix_caching and stop // bs > seq.num_registered:
             self.blocks.register(seq.seq_id, seq.block_keys(stop // bs, bs), seq.num_registered)
@@ -157,7 +214,7 @@ class Scheduler:
         scored = seq.scores_prompt
         return SeqChunk(
             seq_id=seq.seq_id,
-            token_ids=seq.token_slice(seq.num_computed, stop),
+            token_ids=seq.token_slice(seq.num_computed, stop) + drafts,
             start_pos=seq.num_computed,
             block_table=table,
             sampling=seq.sampling if is_last else None,
@@ -166,6 +223,7 @@ class Scheduler:
             prompt_targets=tuple(seq.prompt_token_ids[start + 1 : min(stop, num_prompt - 1) + 1]) if scored else (),
             prompt_top=seq.sampling.prompt_logprobs if scored else 0,
             kv_view=self.blocks.advance(seq.seq_id, stop, is_last),
+            num_draft=len(drafts),
         )
 
     def schedule(self) -> StepInput:
@@ -174,6 +232,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         chunks: list[SeqChunk] = []
         self._scheduled = []
+        drafts = self._drafts(budget)
         is_preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -195,8 +254,11 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break
-            chunks.append(self._chunk(seq, n))
-            budget -= n
+            draft = drafts.get(seq.seq_id, ())
+            if draft and not self.blocks.can_hold(seq.seq_id, seq.num_computed + n + len(draft)):
+                draft = ()  # a preemption above took the room it had
+            chunks.append(self._chunk(seq, n, draft))
+            budget -= n + len(draft)
             i += 1
         while self.waiting and budget > 0 and not is_preempted and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
@@ -225,14 +287,28 @@ class Scheduler:
         return StepInput(chunks=tuple(chunks), freed_seq_ids=freed)
 
     def update(self, out: StepOutput) -> list[tuple[Sequence, int]]:
-        """Apply a step's results; returns (sequence, new token) for every sampled token."""
+        """Apply a step's results; returns (sequence, new token) for every new token, a sequence's in order
+        (its accepted drafts, then the token sampled after them)."""
         self.blocks.commit()
         new_tokens = []
-        for seq, n in self._scheduled:
+        for seq, n, drafts in self._scheduled:
             seq.num_computed += n
             token = out.sampled.get(seq.seq_id)
-            if token is not None:
-                seq.output_token_ids.append(token)
-                new_tokens.append((seq, token))
+            if token is None:
+                continue
+            accepted = out.accepted.get(seq.seq_id, ()) if drafts else ()
+            seq.num_computed += len(accepted)  # their KV was written by this step; the rejected drafts' is ignored
+            seq.output_token_ids.extend(accepted)
+            seq.output_token_ids.append(token)
+            new_tokens.extend((seq, t) for t in (*accepted, token))
+            if drafts:
+                self.policy.observe_drafts(seq.seq_id, len(drafts), len(accepted))
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += len(accepted)
+            elif seq.seq_id in self._unsent:
+                self.policy.observe_drafts(seq.seq_id, 1, int(self._unsent[seq.seq_id] == token))
+        if out.timings is not None and self._scheduled and all(n == 1 for _, n, _ in self._scheduled):
+            self.policy.observe_step(sum(1 + len(d) for _, _, d in self._scheduled), out.timings.step_s)
         self._scheduled = []
         return new_tokens

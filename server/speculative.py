@@ -1,0 +1,176 @@
+"""Speculative decoding in the scheduler: n-gram drafts and the policy that sizes them. Pure Python.
+
+    drafts = NgramDrafter.propose(tokens, k)     the tokens that followed the latest earlier
+                                                 occurrence of the sequence's last n tokens
+    ks     = SpecPolicy.plan(candidates)         how many drafts each decoding sequence sends
+
+A sequence's decode chunk then carries its drafts (SeqChunk.num_draft); the backend samples the
+target's token at each of their rows and accepts drafts while each equals the token sampled before
+it. Every row is sampled exactly as without speculation (same logits, same per-output-index random
+stream), so the text is the one speculation off gives with the same seed, and only the number of
+steps changes.
+
+The policy estimates, per sequence, the probability `a` that a draft token is accepted (from the
+drafts it sent, and for n-gram drafts also from the proposals it did not send, checked against the
+token sampled instead), and from the measured decode step times per number of tokens the cost of
+the extra rows; it sends the drafts that raise the expected tokens per second of the step, and none
+when nothing does (so enabling speculation costs at most the tries that measure it).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+SPECULATIVE_METHODS = ("off", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "off"
+    num_tokens: int = 4
+    """Most draft tokens a sequence sends in one step (the policy may send fewer)."""
+    ngram_min: int = 2
+    """Shortest suffix of the sequence looked up for an earlier occurrence."""
+    ngram_max: int = 4
+    """Longest suffix looked up (the longest that occurs earlier wins)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, not {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, not {self.ngram_min} and {self.ngram_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+class NgramDrafter:
+    """Prompt lookup: for n from ngram_max down to ngram_min, the latest earlier occurrence of the
+    sequence's last n tokens; its continuation (up to k tokens) is the draft.
+
+    Each sequence keeps an index of its n-grams -> latest start, extended by the tokens added since its
+    last lookup, so a lookup costs O(new tokens), not O(length)."""
+
+    def __init__(self, ngram_min: int, ngram_max: int):
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self._index: dict[int, tuple[int, dict[tuple[int, ...], int]]] = {}
+        """seq_id -> (tokens indexed: n-grams ending before it, n-gram -> latest start)."""
+
+    def propose(self, seq_id: int, tokens: list[int], k: int) -> tuple[int, ...]:
+        end = len(tokens)
+        done, index = self._index.get(seq_id, (0, {}))
+        for stop in range(max(done, self.ngram_min), end):  # n-grams ending at stop - 1 < end - 1
+            for n in range(self.ngram_min, min(self.ngram_max, stop) + 1):
+                index[tuple(tokens[stop - n:stop])] = stop - n
+        self._index[seq_id] = (max(done, end), index)
+        for n in range(min(self.ngram_max, end - 1), self.ngram_min - 1, -1):
+            start = index.get(tuple(tokens[end - n:]))
+            if start is not None:
+                return tuple(tokens[start + n:start + n + k])
+        return ()
+
+    def forget(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts of draft tokens accepted and of drafts rejected (the trial that ended a run)."""
+
+    accepted: float = 1.0
+    rejected: float = 1.0  # a prior of a = 0.5 worth two tokens
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe(self, accepted: int, rejected: int, decay: float = 0.9) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + rejected
+
+
+@dataclass
+class SpecPolicy:
+    """Draft lengths per step from each sequence's acceptance rate and the measured decode step cost."""
+
+    max_tokens: int
+    samples: dict[int, deque[float]] = field(default_factory=dict)
+    """The latest decode-only steps' seconds by their number of tokens."""
+    step_s: dict[int, float] = field(default_factory=dict)
+    """The median of each size's samples."""
+    seqs: dict[int, _Acceptance] = field(default_factory=dict)
+    unmeasured_row_cost: float = 0.05
+    """Extra cost of a row of a step size not measured yet, relative to the nearest smaller one measured: low,
+    so that an unmeasured size is tried and measured."""
+
+    def rate(self, seq_id: int) -> float:
+        return self.seqs.setdefault(seq_id, _Acceptance()).rate
+
+    def observe_drafts(self, seq_id: int, proposed: int, accepted: int) -> None:
+        """A step verified `proposed` drafts of the sequence and accepted the first `accepted`."""
+        if proposed:
+            self.seqs.setdefault(seq_id, _Acceptance()).observe(accepted, int(accepted < proposed))
+
+    def observe_step(self, num_tokens: int, seconds: float, keep: int = 9) -> None:
+        kept = self.samples.setdefault(num_tokens, deque(maxlen=keep))
+        kept.append(seconds)
+        self.step_s[num_tokens] = statistics.median(kept)
+
+    def reset_costs(self) -> None:
+        """Forget the step times measured (the warm-up's include compiling kernels)."""
+        self.samples.clear()
+        self.step_s.clear()
+
+    def forget(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+
+    def cost(self, num_tokens: int) -> float:
+        """Seconds of a decode-only step of `num_tokens` tokens: measured, else interpolated between the
+        nearest measured sizes, else the nearest one's plus (or less) unmeasured_row_cost a row."""
+        if num_tokens in self.step_s:
+            return self.step_s[num_tokens]
+        below = max((n for n in self.step_s if n < num_tokens), default=None)
+        above = min((n for n in self.step_s if n > num_tokens), default=None)
+        if below is None:  # the mirror image of the extrapolation upwards
+            if above is None:
+                return 1.0
+            return self.step_s[above] * max(0.5, 1 - self.unmeasured_row_cost * (above - num_tokens))
+        if above is None:
+            return self.step_s[below] * (1 + self.unmeasured_row_cost * (num_tokens - below))
+        w = (num_tokens - below) / (above - below)
+        return self.step_s[below] * (1 - w) + self.step_s[above] * w
+
+    def plan(self, base_tokens: int, base_outputs: int, candidates: list[tuple[float, int]], budget: int) -> list[int]:
+        """candidates: (acceptance rate, drafts available) per sequence that could speculate; base_tokens and
+        base_outputs: the step's tokens and sampled tokens without drafts; budget: most draft tokens in all ->
+        drafts each candidate sends.
+
+        Drafts go one at a time to the sequence whose next draft is likeliest to be accepted (the i-th
+        draft of a sequence with rate a adds a**i expected tokens); of all totals, the one with the most
+        expected tokens per second of step wins (zero drafts included)."""
+        ks = [0] * len(candidates)
+        if not candidates or budget <= 0:
+            return ks
+        best_total, best_value = 0, base_outputs / self.cost(base_tokens)
+        gained, order = 0.0, []
+        heads = [(a, 0, i) for i, (a, avail) in enumerate(candidates) if avail > 0]
+        while heads and len(order) < budget:
+            j = max(range(len(heads)), key=lambda h: heads[h][0] ** (heads[h][1] + 1))
+            a, k, i = heads[j]
+            gained += a ** (k + 1)
+            order.append(i)
+            if k + 1 < min(candidates[i][1], self.max_tokens):
+                heads[j] = (a, k + 1, i)
+            else:
+                heads.pop(j)
+            value = (base_outputs + gained) / self.cost(base_tokens + len(order))
+            if value > best_value:
+                best_total, best_value = len(order), value
+        for i in order[:best_total]:
+            ks[i] += 1
+        return ks

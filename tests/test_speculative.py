@@ -1,0 +1,228 @@
+"""Speculative decoding: n-gram drafts, the policy, the scheduler's draft accounting, acceptance, and
+exactness end to end (the text equals the text without speculation, token for token)."""
+import random
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from hetcore.backend import KVSpec, SamplingParams, StepOutput, StepTimings
+from server.block_manager import BlockManager
+from server.config import ServeConfig
+from server.hetero import accept
+from server.scheduler import Scheduler, SchedulerConfig, Sequence
+from server.speculative import NgramDrafter, SpecConfig, SpecPolicy
+from gpu_model.sampler import sample
+from tests.conftest import RunningServer
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def chisquare_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson's chi-square goodness of fit: P(chi2 with len - 1 degrees of freedom >= the statistic)."""
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    return float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def ngram_reference(tokens, k, lo, hi):
+    """The latest earlier occurrence of the longest suffix of length lo..hi, by brute force."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i:i + n] == suffix:
+                return tuple(tokens[i + n:i + n + k])
+    return ()
+
+
+def test_ngram_drafts_match_a_brute_force_search_as_the_sequence_grows():
+    rng = random.Random(0)
+    for trial in range(30):
+        drafter = NgramDrafter(1 + trial % 2, 3 + trial % 3)
+        tokens = [rng.randrange(6) for _ in range(5)]
+        for _ in range(60):
+            k = rng.randrange(1, 6)
+            assert drafter.propose(7, tokens, k) == ngram_reference(tokens, k, drafter.ngram_min, drafter.ngram_max)
+            tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
+def test_ngram_drafts_copy_a_quoted_passage():
+    passage = list(range(100, 140))
+    tokens = [1, 2, 3] + passage + [9, 9] + passage[:5]
+    assert NgramDrafter(2, 4).propose(0, tokens, 4) == tuple(passage[5:9])
+    assert NgramDrafter(2, 4).propose(0, [1, 2, 3, 4], 4) == ()
+
+
+def test_policy_sends_drafts_only_where_they_pay():
+    policy = SpecPolicy(max_tokens=4)
+    for n, s in {1: 0.020, 2: 0.022, 3: 0.024, 4: 0.026, 5: 0.060}.items():
+        policy.observe_step(n, s)
+    # likely drafts, cheap rows up to 4 tokens: three drafts (a fourth would make the step 2.3x dearer)
+    assert policy.plan(1, 1, [(0.9, 8)], 64) == [3]
+    # unlikely drafts cost more than they give
+    assert policy.plan(1, 1, [(0.05, 8)], 64) == [0]
+    # no more drafts than available, nor than the budget
+    assert policy.plan(1, 1, [(0.9, 2)], 64) == [2]
+    assert policy.plan(1, 1, [(0.9, 8)], 1) == [1]
+    # two sequences: the likelier one drafts first
+    policy.observe_step(6, 0.061)
+    ks = policy.plan(2, 2, [(0.3, 8), (0.95, 8)], 64)
+    assert ks[1] >= ks[0] and sum(ks) <= 4
+
+
+def test_policy_acceptance_rate_follows_what_was_accepted():
+    policy = SpecPolicy(max_tokens=4)
+    for _ in range(30):
+        policy.observe_drafts(3, 4, 4)
+    assert policy.rate(3) > 0.9
+    for _ in range(30):
+        policy.observe_drafts(3, 4, 0)
+    assert policy.rate(3) < 0.2
+
+
+def make_scheduler(num_blocks=32, block_size=4, budget=64, prefix_caching=False):
+    blocks = BlockManager(KVSpec(block_size=block_size, num_blocks=num_blocks, bytes_per_block=100))
+    cfg = SchedulerConfig(8, budget, prefix_caching, SpecConfig("ngram", num_tokens=4, ngram_min=2, ngram_max=3))
+    return Scheduler(cfg, blocks), blocks
+
+
+def test_scheduler_sends_drafts_and_keeps_only_the_accepted():
+    s, blocks = make_scheduler(prefix_caching=True)
+    for n, secs in {1: 0.02, 2: 0.021, 3: 0.022, 4: 0.023, 5: 0.024}.items():
+        s.policy.observe_step(n, secs)
+    for _ in range(5):
+        s.policy.observe_drafts(0, 4, 4)  # a sequence whose drafts were accepted so far
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]  # the suffix 5 6 occurred before: drafts 7 8 9 10
+    seq = Sequence(0, prompt, GREEDY)
+    s.add(seq)
+    inp = s.schedule()
+    s.update(StepOutput(sampled={0: 7}))  # the prefill's token
+    inp = s.schedule()
+    (chunk,) = inp.chunks
+    assert chunk.num_draft == 4 and chunk.token_ids == (7, 8, 9, 10, 11)
+    assert chunk.start_pos == 9 and len(chunk.block_table) * 4 >= 14
+    new = s.update(StepOutput(sampled={0: 42}, accepted={0: (8, 9)}))
+    assert [t for _, t in new] == [8, 9, 42]
+    assert seq.output_token_ids == [7, 8, 9, 42] and seq.num_computed == 12
+    assert s.num_drafts == 1 and s.num_draft_tokens == 4 and s.num_accepted_tokens == 2
+    # the prefix cache holds the blocks of accepted tokens only: positions 0..11, three full blocks
+    assert len(blocks._key_of) == 2  # registered when scheduled: blocks 0-1 (positions 0..7) at that step
+    inp = s.schedule()
+    assert len(blocks._key_of) == 3  # now positions 8..11 are accepted and filled
+    assert inp.chunks[0].start_pos == 12 and inp.chunks[0].token_ids[0] == 42
+
+
+def test_scheduler_drafts_stop_at_max_tokens_and_skip_masked_sequences():
+    s, _ = make_scheduler()
+    s.policy.observe_step(1, 0.02)
+    s.policy.observe_step(5, 0.021)
+    capped = Sequence(0, [5, 6, 7, 8, 9, 5, 6], GREEDY, max_tokens=3)
+    masked = Sequence(1, [5, 6, 7, 8, 9, 5, 6], GREEDY, speculate=False)
+    for seq in (capped, masked):
+        s.add(seq)
+    s.schedule()
+    s.update(StepOutput(sampled={0: 7, 1: 7}))
+    inp = s.schedule()
+    by_id = {c.seq_id: c for c in inp.chunks}
+    assert by_id[0].num_draft == 1  # one output so far, the step samples one more: one draft left to max_tokens 3
+    assert by_id[1].num_draft == 0
+
+
+def test_acceptance_takes_the_longest_matching_prefix_and_the_targets_next_token():
+    out = StepOutput(sampled={})
+    lp = [(-0.1 * i, ()) for i in range(9)]
+    accept([(0, (4, 5, 6)), (1, ()), (2, (8, 8))], [4, 5, 7, 1, 3, 9, 8, 2, 3], lp, out)
+    assert out.sampled == {0: 7, 1: 3, 2: 9}
+    assert out.accepted == {0: (4, 5), 2: ()}
+    assert out.accepted_logprobs[0] == (lp[0], lp[1]) and out.logprobs[0] == lp[2] and out.logprobs[2] == lp[5]
+
+
+def test_speculative_sampling_keeps_the_targets_distribution():
+    """Toy vocabulary of 6: drafts from another distribution q (sampled with other seeds); the tokens emitted at
+    the first two positions follow the target's p (chi-square, p > 0.01, 4,000 draws)."""
+    gen = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(2, 6, generator=gen) * 1.5
+    q_logits = torch.randn(2, 6, generator=gen) * 1.5
+    firsts, seconds = [], []
+    for seed in range(4000):
+        sp = SamplingParams(temperature=1.0, seed=seed)
+        d1 = sample(q_logits[:1], [SamplingParams(temperature=1.0, seed=seed + 10**6)], [0])[0]
+        tokens = sample(p_logits, [sp, sp], [0, 1])
+        out = StepOutput(sampled={})
+        accept([(0, (d1,))], tokens, [None, None], out)
+        emitted = [*out.accepted[0], out.sampled[0]]
+        firsts.append(emitted[0])
+        if len(emitted) > 1:
+            seconds.append(emitted[1])
+    for observed, logits in ((firsts, p_logits[0]), (seconds, p_logits[1])):
+        counts = np.bincount(observed, minlength=6)
+        expected = logits.softmax(-1).double().numpy() * len(observed)
+        assert chisquare_pvalue(counts, expected) > 0.01, (counts, expected)
+    # and the test can fail: the draft's distribution q is not the target's
+    q_counts = np.bincount([sample(q_logits[:1], [SamplingParams(temperature=1.0, seed=s)], [0])[0]
+                            for s in range(4000)], minlength=6)
+    assert chisquare_pvalue(q_counts, p_logits[0].softmax(-1).double().numpy() * 4000) < 0.01
+
+
+def test_bad_speculative_settings_are_refused_at_start_up():
+    with pytest.raises(ValueError, match="1..16"):
+        ServeConfig(speculative_method="ngram", num_speculative_tokens=17)
+    with pytest.raises(ValueError, match="needs kv_format fp16 or fp32"):
+        ServeConfig(speculative_method="ngram", kv_format="oaken")
+    with pytest.raises(ValueError, match="must be one of"):
+        ServeConfig(speculative_method="medusa")
+    with pytest.raises(ValueError, match="ngram_min"):
+        ServeConfig(speculative_method="ngram", ngram_min=5, ngram_max=3)
+
+
+PASSAGE = ("The mill on the river was built in 1820 by settlers from the east coast. It ground wheat and corn for "
+           "the farms of the valley, and its wheel turned for more than a century before a flood destroyed it.")
+PROMPTS = [
+    f"Repeat the passage exactly.\n\nPassage: {PASSAGE}\n\nRepeated passage: The mill",
+    f"{PASSAGE}\n\nQuestion: When was the mill built and what did it grind?\nAnswer:",
+    "Once upon a time, in a small village, there lived",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
+                                    speculative_method="ngram", num_speculative_tokens=4))
+    yield srv
+    srv.close()
+
+
+def complete(url, prompt, **kw):
+    body = {"prompt": prompt, "max_tokens": 48, "temperature": 0.0, **kw}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+@pytest.mark.parametrize("kw", [{}, {"frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {"13": 2}},
+                                {"logprobs": 2, "stop": ["flood"]}])
+def test_speculative_text_equals_text_without_it(server, spec_server, kw):
+    """Greedy, fp32 KV and fp32 linears: every row's logits are the ones without speculation (to ~1e-6: a step's
+    matmuls sum in an order that depends on its number of rows), so the same tokens come out. (Sampled text is
+    the same too unless two tokens' perturbed logits tie to that precision; its distribution is tested above.)"""
+    for prompt in PROMPTS:
+        plain, spec = complete(server.url, prompt, **kw), complete(spec_server.url, prompt, **kw)
+        assert spec["text"] == plain["text"] and spec["finish_reason"] == plain["finish_reason"]
+        if "logprobs" in kw:
+            a, b = plain["logprobs"], spec["logprobs"]
+            assert a["tokens"] == b["tokens"]
+            np.testing.assert_allclose(a["token_logprobs"], b["token_logprobs"], atol=1e-4)
+    metrics = httpx.get(spec_server.url + "/metrics").text
+    accepted = [line for line in metrics.splitlines() if line.startswith("hetserve:spec_decode_num_accepted_tokens")]
+    assert accepted and float(accepted[0].split()[-1]) > 0
+
+
+def test_speculative_text_equals_text_without_it_concurrently(server, spec_server):
+    import concurrent.futures as cf
+
+    jobs = [(p, {"temperature": t, "seed": i}) for i, p in enumerate(PROMPTS * 2) for t in (0.0,)]
+    with cf.ThreadPoolExecutor(6) as pool:
+        plain = list(pool.map(lambda j: complete(server.url, j[0], **j[1])["text"], jobs))
+        spec = list(pool.map(lambda j: complete(spec_server.url, j[0], **j[1])["text"], jobs))
+    assert plain == spec
