@@ -11,6 +11,7 @@ from loadgen.arrivals import LENGTH_DISTS, LengthDist, clip_lengths, rescale, sy
 from loadgen.client import APIS, Endpoint
 from loadgen.compare import RunDirError, compare
 from loadgen.metrics import parse_slo, summarize
+from loadgen.server_metrics import read_counters, speculation_summary
 from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, PromptError, TargetTokenizer
 from loadgen.report import format_summary, write_report
 from loadgen.runner import make_specs, run_requests, served_model
@@ -123,9 +124,11 @@ def run_workload(args: argparse.Namespace, requests: tuple[TraceRequest, ...], r
                   args.temperature)
     print(f"sending {len(requests)} requests to {ep.url} (model {model or '-'}), "
           f"max concurrency {args.max_concurrency or 'unlimited'}", file=sys.stderr)
+    counters = read_counters(args.endpoint, args.api_key)
     result = asyncio.run(run_requests(make_specs(prompts, requests), ep, args.max_concurrency,
                                       show_progress=not args.no_progress, count_output=tok.count_output))
     summary = summarize(result, slo, rate, burstiness)
+    summary.update(speculation_summary(counters, read_counters(args.endpoint, args.api_key)))
     print(format_summary(summary))
     if args.out:
         config = {k: "inf" if isinstance(v, float) and math.isinf(v) else v

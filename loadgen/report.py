@@ -43,6 +43,11 @@ def format_summary(s: dict) -> str:
     row("Peak output token throughput (tok/s):", s["max_output_tokens_per_s"])
     row("Total token throughput (tok/s):", s["total_token_throughput"])
     row("Peak concurrent requests:", s["max_concurrent_requests"])
+    if s.get("spec_decode_draft_tokens"):
+        row("Speculative draft tokens (accepted):", f"{s['spec_decode_draft_tokens']} "
+                                                    f"({100 * s['spec_decode_acceptance_rate']:.1f} %)")
+        if s.get("spec_decode_mean_acceptance_length") is not None:
+            row("  mean acceptance length (tokens/step):", s["spec_decode_mean_acceptance_length"])
     row("Send lag vs schedule, mean / p99 (ms):", f"{s['mean_send_lag_ms']:.1f} / {s['p99_send_lag_ms']:.1f}")
     for m in METRICS:
         lines.append(f"{' ' + _TITLES[m] + ' ':-^60}")

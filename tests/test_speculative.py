@@ -226,3 +226,20 @@ def test_speculative_text_equals_text_without_it_concurrently(server, spec_serve
         plain = list(pool.map(lambda j: complete(server.url, j[0], **j[1])["text"], jobs))
         spec = list(pool.map(lambda j: complete(spec_server.url, j[0], **j[1])["text"], jobs))
     assert plain == spec
+
+
+def test_loadgen_reads_the_servers_acceptance(spec_server):
+    from loadgen.server_metrics import parse_counters, read_counters, speculation_summary
+
+    before = read_counters(spec_server.url)
+    complete(spec_server.url, PROMPTS[0])
+    after = read_counters(spec_server.url)
+    summary = speculation_summary(before, after)
+    assert summary["spec_decode_draft_tokens"] > 0 and 0 < summary["spec_decode_acceptance_rate"] <= 1
+    assert summary["spec_decode_mean_acceptance_length"] > 1
+    # vLLM's names too, summed over labels
+    text = ('# HELP x\nvllm:spec_decode_num_drafts_total{model="m"} 4\nvllm:spec_decode_num_draft_tokens_total 12\n'
+            'vllm:spec_decode_num_accepted_tokens_total{model="m"} 3\nvllm:spec_decode_num_accepted_tokens_total{model="n"} 3\n')
+    assert parse_counters(text) == {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12,
+                                    "spec_decode_num_accepted_tokens": 6}
+    assert speculation_summary({}, {}) == {}
