@@ -196,7 +196,7 @@ def _load_models(args, model_dir: Path, formats: list[str]):
     return model, load_model(model_dir, dtype=dtype, weight_format=WeightFormat("fp32"))
 
 
-def _task_command(args, model, tok, formats, cal, lsh) -> list[dict]:
+def _task_command(args, model, tok, formats, cal, lsh, kv_policy) -> list[dict]:
     from evaluation.tasks import evaluate_task, sentences
 
     longest = model.cfg.max_position_embeddings
@@ -207,12 +207,13 @@ def _task_command(args, model, tok, formats, cal, lsh) -> list[dict]:
     rows = evaluate_task(model, tok, args.task, lengths, args.num_samples, formats, haystack=sentences(Path(args.text).read_text()),
                          oaken_cal=cal, lsh=lsh, topk_frac=args.topk_frac if args.attention == "topk" else None,
                          block_size=args.block_size, sparse_fraction=args.oaken_sparse_fraction,
-                         batch_samples=args.batch_samples)
+                         batch_samples=args.batch_samples, kv_policy=kv_policy)
     print(f"{args.task}: {args.num_samples} prompts per length; accuracy with fp32 KV in 'ref'")
-    print(f"{'context':>7} {'kv_format':10} {'attention':9} {'accuracy':>8} {'ref':>6} {'keys':>6}")
+    print(f"{'context':>7} {'kv_format':10} {'attention':9} {'policy':7} {'accuracy':>8} {'ref':>6} {'keys':>6}")
     for r in rows:
         keys = f"{r['keys_touched_frac']:6.2%}" if "keys_touched_frac" in r else "     -"
-        print(f"{r['context_tokens']:7d} {r['kv_format']:10} {r['attention']:9} {r['task_accuracy']:8.1%} "
+        print(f"{r['context_tokens']:7d} {r['kv_format']:10} {r['attention']:9} {r['kv_policy']:7} "
+              f"{r['task_accuracy']:8.1%} "
               f"{r['task_accuracy_ref']:6.1%} {keys}")
     return rows
 
@@ -252,7 +253,7 @@ def eval_command(args: argparse.Namespace) -> None:
                                                                min_collisions=args.lsh_min_collisions,
                                                                recenter=args.lsh_recenter)
         if args.task:
-            results = _task_command(args, model, tok, formats, cal, lsh)
+            results = _task_command(args, model, tok, formats, cal, lsh, kv_policy)
             if args.json:
                 Path(args.json).write_text(json.dumps({**results[0], "results": results}, indent=1))
                 print(f"wrote {args.json}")

@@ -45,13 +45,14 @@ class LayeredRun:
 
     def layouts(self, seq_ids: list[int], start: int, length: int, is_last: bool) -> list[LayeredChunkLayout]:
         """The chunk layouts of one step over every window's tokens start .. start + length - 1."""
-        out = []
-        for i, seq_id in enumerate(seq_ids):
-            before, after = self.rows[i].advance(length, is_last)
-            view = KVView(tuple(self.tables[i][1:]), before, after)
-            out.append(LayeredChunkLayout(num_tokens=length, start_pos=start, block_table=self.tables[i][0],
-                                          seq_id=seq_id, kv_view=view))
-        return out
+        return [self.chunk(i, seq_id, start, length, is_last) for i, seq_id in enumerate(seq_ids)]
+
+    def chunk(self, i: int, seq_id: int, start: int, length: int, is_last: bool) -> LayeredChunkLayout:
+        """Window i's chunk of `length` tokens from `start` (its rows move on as SeqRows says)."""
+        before, after = self.rows[i].advance(length, is_last)
+        view = KVView(tuple(self.tables[i][1:]), before, after)
+        return LayeredChunkLayout(num_tokens=length, start_pos=start, block_table=self.tables[i][0], seq_id=seq_id,
+                                  kv_view=view)
 
     def count_kept(self, seq_len: int) -> None:
         """Add each window's share of KV kept after a decode step at `seq_len` tokens."""

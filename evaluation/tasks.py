@@ -26,6 +26,7 @@ import torch
 from cpu_attn.calibrate import SPARSE_FRACTION
 from cpu_attn.kv_store import make_store
 from cpu_attn.magicpig import MagicPig
+from cpu_attn.layered_worker import LayeredAttentionWorker
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.worker import ModelWorker
 
@@ -128,12 +129,16 @@ def sentences(text: str) -> list[str]:
 
 
 @torch.inference_mode()
-def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], eos: frozenset[int]) -> dict[str, list[list[int]]]:
+def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], eos: frozenset[int],
+             layered: dict | None = None) -> dict[str, list[list[int]]]:
     """Greedy answers to every sample under each attention worker (stores of equal geometry).
 
     The prompts are prefilled once: prefill attention reads the chunk's own k, v, so the first
     worker computes it and the others only store the KV in their formats. Then each worker
-    decodes its own answers, all samples in one batch."""
+    decodes its own answers, all samples in one batch. `layered`: name -> LayeredRun of the workers
+    with layered KV sparsity (evaluation/layered.py), which attend the prompt themselves (that
+    scores its tokens and evicts at its end) and lay out their chunks with their own rows."""
+    layered = layered or {}
     first_worker, *others = workers.values()
     coder = next((w.sparse.coder() for w in workers.values() if isinstance(w.sparse, MagicPig)), None)
     forward = ModelWorker(model, coder).forward  # key centers come from the shared prefill
@@ -148,12 +153,17 @@ def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], 
 
     def prefill(layer, q, k, v, codes):
         for w in others:
-            w.append(layer, k, v, None if codes is None else codes[1])
+            if isinstance(w, LayeredAttentionWorker):
+                w.attend(layer, q, k, v)
+            else:
+                w.append(layer, k, v, None if codes is None else codes[1])
         return first_worker.attend(layer, q, k, v, codes)
 
     layout = [ChunkLayout(len(s.prompt), 0, t, i) for i, (s, t) in enumerate(zip(samples, tables))]
-    for w in workers.values():
-        w.begin_step(layout)
+    for name, w in workers.items():
+        run = layered.get(name)
+        w.begin_step(layout if run is None else [run.chunk(i, i, 0, len(s.prompt), True)
+                                                 for i, s in enumerate(samples)])
     ends = list(itertools.accumulate(len(s.prompt) for s in samples))
     logits, _ = forward([t for s in samples for t in s.prompt], [p for s in samples for p in range(len(s.prompt))],
                         [e - 1 for e in ends], prefill, [(i, 0, len(s.prompt)) for i, s in enumerate(samples)])
@@ -169,7 +179,9 @@ def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], 
             if not live:
                 break
             pos = [len(samples[i].prompt) + len(outputs[i]) - 1 for i in live]
-            worker.begin_step([ChunkLayout(1, p, tables[i], i) for i, p in zip(live, pos)])
+            run = layered.get(name)
+            worker.begin_step([ChunkLayout(1, p, tables[i], i) if run is None else run.chunk(i, i, p, 1, True)
+                               for i, p in zip(live, pos)])
             logits, _ = forward([outputs[i][-1] for i in live], pos, list(range(len(live))), worker.attend,
                                 [(i, p, 1) for i, p in zip(live, pos)])
             for i, t in zip(live, logits.argmax(-1).tolist()):
@@ -180,15 +192,21 @@ def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], 
 
 def evaluate_task(model, tok, task: str, context_tokens: list[int], num_samples: int, kv_formats: list[str], *,
                   haystack: list[str], oaken_cal=None, lsh=None, topk_frac: float | None = None, block_size: int = 16,
-                  sparse_fraction: float = SPARSE_FRACTION, batch_samples: int = 4, seed: int = 0, progress: bool = True) -> list[dict]:
+                  sparse_fraction: float = SPARSE_FRACTION, batch_samples: int = 4, seed: int = 0, progress: bool = True,
+                  kv_policy=None) -> list[dict]:
     """Accuracy on `task` at each context length, for fp32 KV (the reference) and each variant of
-    `evaluate` (formats, +magicpig, +topk), on the same samples."""
+    `evaluate` (formats, +magicpig, +topk, +layered with a layered `kv_policy`), on the same samples."""
     from tqdm import tqdm
 
     from evaluation.evaluate import sparse_part, variant_names
+    from evaluation.layered import LAYERED_SUFFIX, LayeredRun, layered_names
 
     cfg = model.cfg
     names = ["fp32-exact"] + variant_names(kv_formats, lsh, topk_frac)
+    layout = None
+    if kv_policy is not None and kv_policy.is_layered:
+        layout = kv_policy.layout(cfg.num_layers, cfg.max_position_embeddings)
+        names += layered_names(kv_formats, lsh is not None, 0)
     rows = []
     bar = tqdm(total=num_samples * len(context_tokens), desc=task, unit="sample", disable=not progress)
     for ctx in context_tokens:
@@ -203,8 +221,12 @@ def evaluate_task(model, tok, task: str, context_tokens: list[int], num_samples:
                                                         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
                                                         blocks, oaken_cal, sparse_fraction, len(batch)),
                                              cfg.head_dim, sparse_part(name, lsh, topk_frac, cfg))
-                       for name in names}
-            for name, outs in generate(model, workers, batch, tok.eos_token_ids).items():
+                       for name in names if not name.endswith(LAYERED_SUFFIX)}
+            most = max(-(-(len(s.prompt) + s.max_new_tokens) // block_size) for s in batch)
+            layered = {name: LayeredRun(name.split("+")[0], cfg, layout, len(batch), most, block_size)
+                       for name in names if name.endswith(LAYERED_SUFFIX)}
+            workers.update((name, run.worker) for name, run in layered.items())
+            for name, outs in generate(model, workers, batch, tok.eos_token_ids, layered).items():
                 score[name] += sum(s.score(tok.decode(o)) for s, o in zip(batch, outs))
                 if workers[name].sparse is not None:
                     t, e = workers[name].sparse.take_stats()
@@ -212,8 +234,10 @@ def evaluate_task(model, tok, task: str, context_tokens: list[int], num_samples:
                     eligible[name] += e
             bar.update(len(batch))
         for name in names[1:]:
+            is_layered = name.endswith(LAYERED_SUFFIX)
             row = {"task": task, "context_tokens": ctx, "kv_format": name.split("+")[0],
-                   "attention": name.split("+")[1] if "+" in name else "exact", "num_samples": num_samples,
+                   "attention": name.split("+")[1] if "+" in name and not is_layered else "exact",
+                   "kv_policy": "layered" if is_layered else "full", "num_samples": num_samples,
                    "task_accuracy": score[name] / num_samples, "task_accuracy_ref": score["fp32-exact"] / num_samples}
             if eligible[name]:
                 row["keys_touched_frac"] = touched[name] / eligible[name]

@@ -276,3 +276,20 @@ def test_eval_layered_runs_beside_full_and_equals_it_when_nothing_is_evicted(tmp
     assert sparse["kl_mean"] > 0 and sparse["ppl_full"] == pytest.approx(full["ppl"], rel=1e-6)
     with pytest.raises(ValueError, match="fp16 and fp32 KV formats, not int4"):
         evaluate(model, windows, ["int4"], prefill_tokens=20, kv_policy=tight)
+
+
+def test_task_harness_runs_layered_beside_full():
+    """SmolLM2 on two 400-token passkey prompts with a budget no sequence reaches: the layered answers
+    are the full cache's."""
+    from evaluation.tasks import evaluate_task
+    from gpu_model.loader import load_model, resolve_model_dir
+    from gpu_model.tokenizer import Tokenizer
+    from tests.test_tasks import haystack
+
+    model_dir = resolve_model_dir(None)
+    model = load_model(model_dir)
+    tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
+    rows = evaluate_task(model, tok, "passkey", [400], 2, ["fp32"], haystack=haystack(), progress=False,
+                         kv_policy=KVPolicy("layered", budget_tokens=1024))
+    assert [(r["kv_policy"], r["attention"]) for r in rows] == [("full", "exact"), ("layered", "exact")]
+    assert rows[0]["task_accuracy"] == rows[1]["task_accuracy"] == rows[0]["task_accuracy_ref"]
