@@ -229,6 +229,67 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     merge_parts(parts, m, l, out, lse, num_kv_heads)
 
 
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def paged_verify_attention(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, qs,
+                           scores, kb, vb, m, l, acc):
+    """Several consecutive query positions per sequence against its paged context, each row causal:
+    the rows of a decode chunk with draft tokens (speculative decoding), and one-row decodes beside them.
+
+    q: [T, Hq, D] float32, sequence b's rows at row_first[b] .. row_first[b] + row_count[b] - 1, the first of
+    position seq_lens[b] - 1 (it sees seq_lens[b] tokens, the next one more, ...); k_cache, v_cache, block_tables:
+    as paged_decode_attention's; out: [T, Hq, D], lse: [T, Hq] (written). Scratch, one slice per (sequence,
+    kv-head) item, R = the most rows of a sequence: qs, acc [U, R * group, D]; scores [U, R * group, block_size];
+    kb, vb [U, block_size, D]; m, l [U, R * group].
+
+    An item widens each block once for all its rows' query heads: the blocks every row sees whole are attended
+    by all R * group heads at once, the last ones row by row with each row's own width. Each row's arithmetic is
+    paged_decode_attention's for that row alone (one part)."""
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    head_dim = q.shape[2]
+    for unit in prange(seq_lens.shape[0] * num_kv_heads):
+        b, kvh = unit // num_kv_heads, unit % num_kv_heads
+        r0, rows = row_first[b], row_count[b]
+        n = rows * group
+        for r in range(rows):
+            for g in range(group):
+                for d in range(head_dim):
+                    qs[unit, r * group + g, d] = q[r0 + r, kvh * group + g, d]
+        attend_begin(acc[unit, :n], m[unit, :n], l[unit, :n])
+        first_len = seq_lens[b]
+        last_len = first_len + rows - 1
+        num_blocks = (last_len + block_size - 1) // block_size
+        for j in range(num_blocks):
+            block = block_tables[b, j]
+            if j + 1 < num_blocks:
+                prefetch_rows(k_cache, v_cache, block_tables[b, j + 1], kvh)
+            widest = min(block_size, last_len - j * block_size)
+            k = widen_block(k_cache[block, kvh], widest, kb[unit])
+            v = widen_block(v_cache[block, kvh], widest, vb[unit])
+            if (j + 1) * block_size <= first_len:  # whole for every row
+                attend_block(qs[unit, :n], k, v, block_size, scale, scores[unit, :n], acc[unit, :n], m[unit, :n],
+                             l[unit, :n])
+                continue
+            for r in range(rows):
+                width = min(block_size, first_len + r - j * block_size)
+                if width > 0:
+                    h0, h1 = r * group, (r + 1) * group
+                    attend_block(qs[unit, h0:h1], k, v, width, scale, scores[unit, h0:h1], acc[unit, h0:h1],
+                                 m[unit, h0:h1], l[unit, h0:h1])
+        for r in range(rows):
+            h0, h1 = r * group, (r + 1) * group
+            attend_merge(acc[unit:unit + 1, h0:h1], m[unit:unit + 1, h0:h1], l[unit:unit + 1, h0:h1],
+                         out[r0 + r, kvh * group:(kvh + 1) * group], lse[r0 + r, kvh * group:(kvh + 1) * group])
+
+
+def verify_scratch(work: int, rows: int, group: int, block_size: int, head_dim: int) -> tuple:
+    """paged_verify_attention's scratch (qs, scores, kb, vb, m, l, acc) for `work` items of up to `rows` rows."""
+    f32, n = np.float32, rows * group
+    return (np.empty((work, n, head_dim), f32), np.empty((work, n, block_size), f32),
+            np.empty((work, block_size, head_dim), f32), np.empty((work, block_size, head_dim), f32),
+            np.empty((work, n), f32), np.empty((work, n), f32), np.empty((work, n, head_dim), f32))
+
+
 @njit(cache=True, nogil=True, inline="always")
 def prefetch_rows(k_cache, v_cache, block, kvh):
     """Start loading a block's K and V rows of kv-head kvh (block_size * D values each, contiguous,

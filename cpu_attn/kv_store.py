@@ -17,7 +17,8 @@ from typing import Protocol
 import numpy as np
 
 from cpu_attn.calibrate import SPARSE_FRACTION, OakenThresholds
-from cpu_attn.kernels import attention_scratch, paged_decode_attention, split_parts, write_kv, zeros_aligned
+from cpu_attn.kernels import (attention_scratch, paged_decode_attention, paged_verify_attention, split_parts,
+                              verify_scratch, write_kv, zeros_aligned)
 from cpu_attn.oaken.store import OakenKVStore
 
 # fp16 is kept as raw uint16 bits (Numba has no CPU float16); see fp16.py
@@ -103,6 +104,19 @@ class PagedKVStore:
                                np.float32(scale), out, lse, tuple(scratch))  # a plain tuple: see oaken/records.py
         return out, lse
 
+    def verify_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                         row_first: np.ndarray, row_count: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """Consecutive positions per sequence (kernels.paged_verify_attention): q [T, Hq, D] float32, sequence b's
+        row_count[b] rows from row_first[b], its first row seeing seq_lens[b] tokens -> out [T, Hq, D], lse [T, Hq]."""
+        num_rows, num_heads, head_dim = q.shape
+        group = num_heads // self.num_kv_heads
+        out = np.empty((num_rows, num_heads, head_dim), dtype=np.float32)
+        lse = np.empty((num_rows, num_heads), dtype=np.float32)
+        scratch = verify_scratch(len(seq_lens) * self.num_kv_heads, int(row_count.max()), group, self.block_size,
+                                 head_dim)
+        paged_verify_attention(np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables,
+                               seq_lens, row_first, row_count, np.float32(scale), out, lse, *scratch)
+        return out, lse
 
 
 def _int_roundtrip(x: np.ndarray, axis: int, bits: int = 4) -> np.ndarray:

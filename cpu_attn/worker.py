@@ -46,6 +46,9 @@ class _StepPlan:
     prefills: list[tuple[int, int, int, tuple[int, ...]]]  # (first row, num_tokens, start_pos, block_table)
     chunks: list[tuple[int, int, int, int, tuple[int, ...]]]  # (first row, num_tokens, start_pos, seq_id, block_table)
     decode_seq_ids: list[int]
+    verify: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    """With a chunk with draft tokens: the decode rows per sequence, (block_tables [S, max_blocks], the first row's
+    seq_len [S], first decode row [S], rows [S]) for the store's verify_attention; None otherwise."""
 
 
 class AttentionWorker:
@@ -62,6 +65,7 @@ class AttentionWorker:
     def begin_step(self, chunks: Sequence[ChunkLayout]) -> None:
         bs = self.store.block_size
         slots, positions, decode_rows, tables, seq_lens, prefills, spans, decode_ids = [], [], [], [], [], [], [], []
+        groups = []  # (first decode row, rows, first row's seq_len, block table) of each decoding sequence
         row = 0
         for c in chunks:
             pos = np.arange(c.start_pos, c.start_pos + c.num_tokens)
@@ -70,6 +74,7 @@ class AttentionWorker:
             positions.append(pos)
             spans.append((row, c.num_tokens, c.start_pos, c.seq_id, c.block_table))
             if c.num_tokens == 1 or c.num_draft:
+                groups.append((len(decode_rows), c.num_tokens, c.start_pos + 1, c.block_table))
                 for i in range(c.num_tokens):
                     decode_ids.append(c.seq_id)
                     decode_rows.append(row + i)
@@ -93,7 +98,17 @@ class AttentionWorker:
             prefills=prefills,
             chunks=spans,
             decode_seq_ids=decode_ids,
+            verify=self._verify_plan(groups) if any(c.num_draft for c in chunks) else None,
         )
+
+    @staticmethod
+    def _verify_plan(groups: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        width = max(len(t) for *_, t in groups)
+        tables = np.zeros((len(groups), width), dtype=np.int32)
+        for i, (*_, t) in enumerate(groups):
+            tables[i, : len(t)] = t
+        first, rows, lens = (np.array([g[i] for g in groups], dtype=np.int32) for i in range(3))
+        return tables, lens, first, rows
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:
         """q: [T, Hq, D], k, v: [T, Hkv, D] (CPU float32), codes: (decode rows' q codes, k codes)
@@ -144,6 +159,8 @@ class AttentionWorker:
 
     def _decode(self, layer: int, q: np.ndarray, q_codes: np.ndarray | None) -> np.ndarray:
         plan = self._plan
+        if plan.verify is not None:  # rows of draft tokens: fp16 / fp32 stores with exact attention only
+            return self.store.verify_attention(layer, q, *plan.verify, self.scale)[0]
         if self.sparse is not None:
             sampled = self.sparse.decode_attention(self.store, layer, plan.decode_seq_ids, q, q_codes,
                                                      plan.block_tables, plan.seq_lens, self.scale)

@@ -243,3 +243,43 @@ def test_loadgen_reads_the_servers_acceptance(spec_server):
     assert parse_counters(text) == {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12,
                                     "spec_decode_num_accepted_tokens": 6}
     assert speculation_summary({}, {}) == {}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_verify_attention_matches_a_numpy_reference_and_the_decode_kernel(dtype):
+    """Rows of consecutive positions (a chunk with drafts) beside a one-row decode: each row's output is exact
+    softmax attention over its own prefix (NumPy), and the decode kernel's for that row alone."""
+    from cpu_attn.kv_store import PagedKVStore
+
+    rng = np.random.default_rng(0)
+    hkv, group, d, bs = 3, 3, 64, 16
+    store = PagedKVStore(1, hkv, d, bs, 40, dtype)
+    lens_rows = [(37, 5), (16, 1), (30, 3), (1, 4)]  # (first row's seq_len, rows): block edges crossed or met
+    blocks, tables = list(rng.permutation(40)), []
+    for n, r in lens_rows:  # disjoint blocks, in no order
+        free = [int(blocks.pop()) for _ in range(-(-(n + r - 1) // bs))]
+        tables.append(free)
+        pos = np.arange(n + r - 1)
+        slots = np.array([free[p // bs] * bs + p % bs for p in pos])
+        store.write(0, slots, rng.standard_normal((len(pos), hkv, d), np.float32),
+                    rng.standard_normal((len(pos), hkv, d), np.float32))
+    num_rows = sum(r for _, r in lens_rows)
+    q = rng.standard_normal((num_rows, hkv * group, d)).astype(np.float32)
+    width = max(len(t) for t in tables)
+    bt = np.zeros((len(tables), width), np.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = t
+    first = np.cumsum([0] + [r for _, r in lens_rows])[:-1].astype(np.int32)
+    out, lse = store.verify_attention(0, q, bt, np.array([n for n, _ in lens_rows], np.int32), first,
+                                      np.array([r for _, r in lens_rows], np.int32), d**-0.5)
+    for i, (n, r) in enumerate(lens_rows):
+        k, v = store.gather(0, tables[i], n + r - 1)
+        for j in range(r):
+            row = first[i] + j
+            for h in range(hkv * group):
+                s = k[: n + j, h // group] @ q[row, h] * d**-0.5
+                p = np.exp(s - s.max())
+                np.testing.assert_allclose(out[row, h], p @ v[: n + j, h // group] / p.sum(), rtol=2e-5, atol=2e-6)
+                np.testing.assert_allclose(lse[row, h], s.max() + np.log(p.sum()), rtol=1e-5, atol=1e-5)
+            one, _ = store.decode_attention(0, q[row:row + 1], bt[i:i + 1], np.array([n + j], np.int32), d**-0.5)
+            np.testing.assert_allclose(out[row], one[0], rtol=1e-6, atol=1e-7)
