@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Callable
 
@@ -300,11 +300,15 @@ class Engine:
         self.scheduler.finish(live.seq)
         del self._live[live.seq.seq_id]
         del self._by_request_id[live.req.request_id]
+        stop_reason = None
+        if reason == "length" and self.grammars.is_incomplete(live.seq.seq_id):
+            stop_reason = (f"max_tokens ({live.req.max_tokens}) reached before the grammar was complete: the output "
+                           "does not match the requested format; raise max_tokens")
         self.grammars.remove(live.seq.seq_id)
         if reason != "error":
             text += live.detok.flush()
         now, n = time.monotonic(), len(live.seq.output_token_ids)
         first = live.first_token_s
         self.metrics.on_finish(reason, now - live.req.arrival_s, (now - first) / (n - 1) if first and n > 1 else None)
-        live.req.on_event(self._event(live, text, token_ids, reason, error, logprobs))
+        live.req.on_event(replace(self._event(live, text, token_ids, reason, error, logprobs), stop_reason=stop_reason))
         self.clock.forget(live.seq.seq_id)

@@ -221,5 +221,13 @@ class GrammarMasks:
             return f"sampled token {token} does not match the grammar: {matcher.get_error()}"
         return "stop" if matcher.is_stopped() else None
 
+    def is_incomplete(self, seq_id: int) -> bool:
+        """The sequence has a grammar its tokens so far do not complete (its output would not match it)."""
+        entry = self._matchers.get(seq_id)
+        if entry is None:
+            return False
+        self.settle()
+        return not entry[0].is_accepting()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -29,6 +29,9 @@ class RequestEvent:
     ends it without an error: those of its prompt tokens from the second on."""
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    stop_reason: str | None = None
+    """With finish_reason, what the client should know of why it ended, when finish_reason alone does not say
+    (a grammar that max_tokens cut short); sent as the choice's `stop_reason`, as vLLM names the field."""
 
 
 @dataclass

@@ -113,6 +113,8 @@ class Shape:
                 choice = {"index": i, "message": {"role": "assistant", "content": text}} if self.chat else \
                     {"index": i, "text": text}
             choice.update(logprobs=self.logprobs[i](evs) if self.logprobs else None, finish_reason=reason)
+            if evs[-1].stop_reason:
+                choice["stop_reason"] = evs[-1].stop_reason
             choices.append(choice)
         last = [evs[-1] for evs in events]
         sim = {"x_sim": last[0].sim} if last[0].sim else {}
@@ -141,6 +143,8 @@ class Shape:
         else:
             choice = {"index": i, "text": ev.text}
         choice.update(logprobs=self.logprobs[i]([ev]) if self.shows_logprobs(ev) else None, finish_reason=reason)
+        if ev.stop_reason:
+            choice["stop_reason"] = ev.stop_reason
         return {**self._base(True), "choices": [choice]}
 
 

@@ -92,6 +92,15 @@ def test_regex_choice_grammar_and_stop(server):
 def test_grammar_that_cannot_finish_in_max_tokens_ends_with_length(server):
     out = complete(server.url, prompt="Letters:", guided_regex="[a-z]{40,60}", max_tokens=4)
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 4
+    assert "before the grammar was complete" in out["choices"][0]["stop_reason"]
+    # streamed: the last chunk says it too
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=300,
+                      json={"prompt": "Letters:", "guided_regex": "[a-z]{40,60}", "max_tokens": 4, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "before the grammar was complete" in chunks[-1]["choices"][0]["stop_reason"]
+    # a length cut with the grammar complete, or without a grammar, says nothing more
+    out = complete(server.url, prompt="Letters:", guided_regex="[a-z]{2,60}", max_tokens=4)
+    assert out["choices"][0]["finish_reason"] == "length" and "stop_reason" not in out["choices"][0]
 
 
 @pytest.mark.parametrize("extra, where", [
