@@ -121,6 +121,13 @@ class SeqChunk:
     sequence's last one. The backend writes their KV, samples at each of the num_draft + 1 last rows (output
     indices output_index, output_index + 1, ...) and accepts drafts while each equals the token sampled before
     it (StepOutput.accepted). Only a decode chunk (one known token) carries drafts."""
+    self_draft: int = 0
+    """Speculative decoding with drafts the backend makes (a decode chunk, num_draft 0): first draft this many
+    tokens one at a time with the model itself, attending only to the KV view `draft_view` names and sampling
+    each as its row will be sampled, then treat them as the chunk's num_draft drafts."""
+    draft_view: tuple[int, int] = (0, 0)
+    """With self_draft: (sinks, window): a draft step attends to the sequence's first `sinks` and last `window`
+    tokens only (whole KV blocks: the blocks that hold them)."""
 
 
 @dataclass(frozen=True)

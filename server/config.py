@@ -134,15 +134,19 @@ class ServeConfig:
                                       "holds stay cached until the space is needed; with attention magicpig each "
                                       "request still builds its own hash tables, from the cached keys)",
                                 parse=parse_switch)
-    speculative_method: str = _opt("off", "speculative decoding: off, or ngram (drafts copied from the continuation "
-                                          "of the latest earlier occurrence of the sequence's last tokens, prompt "
-                                          "lookup); the output is the same text as with off, in fewer steps; "
-                                          "needs kv_format fp16 or fp32 and attention exact; see docs/speculative.md")
+    speculative_method: str = _opt("off", "speculative decoding: off; ngram (drafts copied from the continuation of "
+                                          "the latest earlier occurrence of the sequence's last tokens, prompt "
+                                          "lookup); or self-sparse (the model drafts with attention over "
+                                          "speculative_sinks + speculative_window tokens, executor local); each "
+                                          "emitted token is the one the model samples without speculation; needs "
+                                          "kv_format fp16 or fp32 and attention exact; see docs/speculative.md")
     num_speculative_tokens: int = _opt(4, "speculative decoding: most draft tokens a sequence sends per step (1-16); "
                                           "fewer, or none, when its acceptance rate and the measured step cost say "
                                           "more would not pay")
     ngram_min: int = _opt(2, "speculative method ngram: shortest suffix looked up")
     ngram_max: int = _opt(4, "speculative method ngram: longest suffix looked up (the longest found wins)")
+    speculative_sinks: int = _opt(16, "speculative method self-sparse: first tokens a draft step attends to")
+    speculative_window: int = _opt(256, "speculative method self-sparse: latest tokens a draft step attends to")
     executor: str = _opt("local", "how workers run: local (one process), or ray (a model actor and CPU attention "
                                   "actors; a local Ray cluster unless ray_address is given)")
     ray_address: str | None = _opt(None, "ray executor: address of an existing Ray cluster to join, e.g. auto or "
@@ -227,6 +231,9 @@ class ServeConfig:
                                                  or self.backend != "hetero"):
             raise ValueError(f"speculative_method {self.speculative_method} needs kv_format fp16 or fp32, attention "
                              "exact and backend hetero (its rejected drafts' KV must not stay in the store)")
+        if self.speculative_method == "self-sparse" and self.executor != "local":
+            raise ValueError("speculative_method self-sparse needs executor local (its draft steps run in the "
+                             "backend's process)")
         if self.kv_policy_config().is_layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
                                                    or self.speculative_method != "off" or self.backend != "hetero"
                                                    or self.executor != "local"):
@@ -247,7 +254,8 @@ class ServeConfig:
     def speculative_config(self):
         from server.speculative import SpecConfig
 
-        return SpecConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max)
+        return SpecConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
+                          self.speculative_sinks, self.speculative_window)
 
     def kv_policy_config(self):
         """The KV policy (hetcore.kv_policy.KVPolicy); raises KVPolicyError (a ValueError) on bad settings."""

@@ -19,6 +19,7 @@ from gpu_model.sampler import logprobs, sample
 from gpu_model.worker import ModelWorker
 from hetcore.backend import Backend, KVCapacityError, KVSpec, StepInput, StepOutput, StepTimings
 from server.backend_config import BackendConfig
+from server.self_draft import self_drafts
 from server.kv_layout import layered_attention_worker, layered_chunk_layout, layered_kv_spec
 
 log = logging.getLogger(__name__)
@@ -266,14 +267,18 @@ class HeteroBackend(Backend):
 
     def step(self, inp: StepInput) -> StepOutput:
         t0 = time.perf_counter()
-        b = flatten(inp)
         self.model_worker.free(inp.freed_seq_ids)
         self.attn_worker.free(inp.freed_seq_ids)
+        draft_s = 0.0
+        if any(c.self_draft for c in inp.chunks):
+            inp, draft_s = self_drafts(inp, self.model_worker, self.attn_worker, self.kv_spec.block_size)
+        b = flatten(inp)
         self.attn_worker.begin_step(b.layouts)
         if not b.token_ids:
             return StepOutput(sampled={})
         logits, accel_s = self.model_worker.forward(b.token_ids, b.positions, b.logit_rows, self.attn_worker.attend,
                                                     b.chunks)
+        accel_s += draft_s
         self.model_worker.set_centers(self.attn_worker.take_centers())
         t1 = time.perf_counter()
         out = sample_batches([logits], [b])

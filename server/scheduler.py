@@ -27,6 +27,9 @@ from hetcore.backend import SamplingParams, SeqChunk, StepInput, StepOutput
 from server.block_manager import BlockManager
 from server.speculative import NgramDrafter, SpecConfig, SpecPolicy
 
+SELF_DRAFT = -1
+"""A draft token the backend makes itself (speculative method self-sparse), in the scheduler's own bookkeeping."""
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -105,7 +108,7 @@ class Scheduler:
         self.too_long: list[Sequence] = []
         """Sequences that cannot fit the whole KV store even alone; the engine ends them."""
         spec = cfg.speculative
-        self.drafter = NgramDrafter(spec.ngram_min, spec.ngram_max) if spec.enabled else None
+        self.drafter = NgramDrafter(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
         self.policy = SpecPolicy(spec.num_tokens)
         self._unsent: dict[int, int] = {}
         """seq_id -> the first token of a proposal the policy did not send this step (checked against the
@@ -136,7 +139,7 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         if self.drafter is not None:
             self.drafter.forget(seq.seq_id)
-            self.policy.forget(seq.seq_id)
+        self.policy.forget(seq.seq_id)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
@@ -174,9 +177,11 @@ class Scheduler:
 
     def _drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
         """seq_id -> the draft tokens it sends this step, for the running sequences in decode that the
-        policy lets speculate within `budget` tokens and that have room for them without a preemption."""
+        policy lets speculate within `budget` tokens and that have room for them without a preemption. With a
+        method whose drafts the backend makes (self-sparse), the tokens are SELF_DRAFT placeholders (_chunk
+        turns them into SeqChunk.self_draft)."""
         self._unsent = {}
-        if self.drafter is None:
+        if not self.cfg.speculative.enabled:
             return {}
         spec, base_tokens, decoding = self.cfg.speculative, 0, []
         for seq in self.running:
@@ -184,7 +189,12 @@ class Scheduler:
             base_tokens += left
             if left == 1 and seq.num_computed and seq.speculate:
                 k = min(spec.num_tokens, seq.max_tokens - len(seq.output_token_ids) - 1)
-                proposal = self.drafter.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, k) if k > 0 else ()
+                if k <= 0:
+                    continue
+                if self.drafter is None:
+                    proposal = (SELF_DRAFT,) * k
+                else:
+                    proposal = self.drafter.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, k)
                 if proposal:
                     decoding.append((seq, proposal))
         if not decoding:
@@ -196,7 +206,7 @@ class Scheduler:
         for (seq, proposal), k in zip(decoding, ks):
             if k and self.blocks.can_hold(seq.seq_id, seq.num_computed + 1 + k):
                 drafts[seq.seq_id] = proposal[:k]
-            else:
+            elif self.drafter is not None:
                 self._unsent[seq.seq_id] = proposal[0]
         return drafts
 
@@ -210,11 +220,13 @@ class Scheduler:
             seq.num_registered = stop // bs
         is_last = stop == seq.num_tokens
         penalized = is_last and seq.sampling.has_penalties
+        self_draft = len(drafts) if drafts and drafts[0] == SELF_DRAFT else 0
+        spec = self.cfg.speculative
         start, num_prompt = seq.num_computed, len(seq.prompt_token_ids)
         scored = seq.scores_prompt
         return SeqChunk(
             seq_id=seq.seq_id,
-            token_ids=seq.token_slice(seq.num_computed, stop) + drafts,
+            token_ids=seq.token_slice(seq.num_computed, stop) + (() if self_draft else drafts),
             start_pos=seq.num_computed,
             block_table=table,
             sampling=seq.sampling if is_last else None,
@@ -223,7 +235,9 @@ class Scheduler:
             prompt_targets=tuple(seq.prompt_token_ids[start + 1 : min(stop, num_prompt - 1) + 1]) if scored else (),
             prompt_top=seq.sampling.prompt_logprobs if scored else 0,
             kv_view=self.blocks.advance(seq.seq_id, stop, is_last),
-            num_draft=len(drafts),
+            num_draft=0 if self_draft else len(drafts),
+            self_draft=self_draft,
+            draft_view=(spec.draft_sinks, spec.draft_window) if self_draft else (0, 0),
         )
 
     def schedule(self) -> StepInput:

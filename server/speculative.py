@@ -22,7 +22,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "self-sparse")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -35,12 +35,19 @@ class SpecConfig:
     """Shortest suffix of the sequence looked up for an earlier occurrence."""
     ngram_max: int = 4
     """Longest suffix looked up (the longest that occurs earlier wins)."""
+    draft_sinks: int = 16
+    """self-sparse: first tokens a draft step attends to."""
+    draft_window: int = 256
+    """self-sparse: latest tokens a draft step attends to."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
         if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, not {self.num_tokens}")
+        if self.draft_sinks < 0 or self.draft_window < 1:
+            raise ValueError(f"need speculative_sinks >= 0 and speculative_window >= 1, not {self.draft_sinks} and "
+                             f"{self.draft_window}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, not {self.ngram_min} and {self.ngram_max}")
 

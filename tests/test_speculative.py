@@ -283,3 +283,39 @@ def test_verify_attention_matches_a_numpy_reference_and_the_decode_kernel(dtype)
                 np.testing.assert_allclose(lse[row, h], s.max() + np.log(p.sum()), rtol=1e-5, atol=1e-5)
             one, _ = store.decode_attention(0, q[row:row + 1], bt[i:i + 1], np.array([n + j], np.int32), d**-0.5)
             np.testing.assert_allclose(out[row], one[0], rtol=1e-6, atol=1e-7)
+
+
+def test_self_sparse_view_reads_the_sink_and_window_blocks_at_the_real_slot():
+    from hetcore.backend import SeqChunk
+    from server.self_draft import view_layout
+
+    c = SeqChunk(0, (5,), 100, tuple(range(50, 58)), GREEDY, self_draft=3, draft_view=(16, 32))
+    for j in range(3):
+        lay = view_layout(c, j, 16)
+        pos = 100 + j
+        # blocks: the sinks' (block 0), then those holding positions pos - 31 .. pos
+        assert lay.block_table == (50,) + tuple(range(50 + (pos - 31) // 16, 50 + pos // 16 + 1))
+        assert lay.block_table[lay.start_pos // 16] * 16 + lay.start_pos % 16 == c.block_table[pos // 16] * 16 + pos % 16
+        assert lay.start_pos + 1 == 16 + (pos + 1 - (pos - 31) // 16 * 16)  # the tokens it attends to
+    short = SeqChunk(0, (5,), 20, tuple(range(50, 52)), GREEDY, self_draft=1, draft_view=(16, 32))
+    assert view_layout(short, 0, 16).block_table == (50, 51) and view_layout(short, 0, 16).start_pos == 20
+
+
+@pytest.fixture(scope="module")
+def sparse_server():
+    srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
+                                    speculative_method="self-sparse", num_speculative_tokens=3,
+                                    speculative_sinks=16, speculative_window=32))
+    yield srv
+    srv.close()
+
+
+def test_self_sparse_text_equals_text_without_it(server, sparse_server):
+    """The drafts attend to 16 + 32 tokens of a ~60-token context; the verification to all of it, so the
+    text is the model's own."""
+    for prompt in PROMPTS[:2]:
+        plain, spec = complete(server.url, prompt), complete(sparse_server.url, prompt)
+        assert spec["text"] == plain["text"]
+    metrics = httpx.get(sparse_server.url + "/metrics").text
+    sent = [line for line in metrics.splitlines() if line.startswith("hetserve:spec_decode_num_draft_tokens")]
+    assert 'method="self-sparse"' in sent[0] and float(sent[0].split()[-1]) > 0
