@@ -319,3 +319,17 @@ def test_self_sparse_text_equals_text_without_it(server, sparse_server):
     metrics = httpx.get(sparse_server.url + "/metrics").text
     sent = [line for line in metrics.splitlines() if line.startswith("hetserve:spec_decode_num_draft_tokens")]
     assert 'method="self-sparse"' in sent[0] and float(sent[0].split()[-1]) > 0
+
+
+@pytest.mark.slow
+def test_ngram_on_the_ray_executor_gives_the_text_without_speculation(server):
+    srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
+                                    executor="ray", speculative_method="ngram"))
+    try:
+        for prompt in PROMPTS[:2]:
+            assert complete(srv.url, prompt)["text"] == complete(server.url, prompt)["text"]
+        metrics = httpx.get(srv.url + "/metrics").text
+        accepted = [line for line in metrics.splitlines() if line.startswith("hetserve:spec_decode_num_accepted")]
+        assert float(accepted[0].split()[-1]) > 0
+    finally:
+        srv.close()
