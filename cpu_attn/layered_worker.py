@@ -143,9 +143,13 @@ class LayeredAttentionWorker(AttentionWorker):
                                       np.float32(self.scale), out, lse, raw, tuple(scratch))
         probs = np.zeros((num_seqs, store.num_kv_heads, longest), np.float32)
         accumulate_probs(raw, lse, plan.seq_lens, store.num_kv_heads, probs)
+        decay = self.layout.policy.score_decay
         for b, seq_id in enumerate(plan.decode_seq_ids):
             n = int(plan.seq_lens[b])
-            self._scores[seq_id][layer, :, :n] += probs[b, :, :n]
+            scores = self._scores[seq_id][layer, :, :n]
+            if decay != 1.0:
+                scores *= decay
+            scores += probs[b, :, :n]
         return out
 
     def _prefill(self, layer: int, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, before: int,

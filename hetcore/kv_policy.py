@@ -61,6 +61,9 @@ class KVPolicy:
     evict_slack: int = 16
     """layered: rows over the budget a sparse layer may hold before it evicts (eviction runs once per this many
     decode steps, not every step)."""
+    score_decay: float = 1.0
+    """layered: each decode step multiplies the scores so far by this before adding its own (1: H2O's plain sum;
+    below 1 the recent queries' attention counts more)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -73,6 +76,7 @@ class KVPolicy:
             (self.budget_ratio is None or 0 < self.budget_ratio <= 1, "kv_budget_ratio must be in (0, 1]"),
             (self.window >= 1 and self.sinks >= 0, "kv_window must be >= 1 and kv_sinks >= 0"),
             (self.observe >= 1 and self.evict_slack >= 1, "kv observe window and evict slack must be >= 1"),
+            (0 < self.score_decay <= 1, "kv score decay must be in (0, 1]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -163,11 +163,11 @@ class PlainLayered:
     """The policy on one sparse layer, position lists and float64 NumPy: kept[h] is kv-head h's kept
     positions in order, score[h] their scores."""
 
-    def __init__(self, num_kv_heads, scale, observe, sinks, window):
+    def __init__(self, num_kv_heads, scale, observe, sinks, window, decay=1.0):
         self.k, self.v = {}, {}
         self.kept = [[] for _ in range(num_kv_heads)]
         self.score = [[] for _ in range(num_kv_heads)]
-        self.scale, self.observe, self.sinks, self.window = scale, observe, sinks, window
+        self.scale, self.observe, self.sinks, self.window, self.decay = scale, observe, sinks, window, decay
 
     def chunk(self, q, k, v, start, keep_after):
         n, num_heads, _ = q.shape
@@ -179,6 +179,8 @@ class PlainLayered:
                 self.kept[h].append(start + i)
                 self.score[h].append(0.0)
         out = np.zeros(q.shape)
+        if n == 1:  # a decode step: the scores so far fade by the decay first
+            self.score = [[x * self.decay for x in row] for row in self.score]
         for i in range(n):
             pos = start + i
             scored = n == 1 or i >= n - self.observe
@@ -202,13 +204,15 @@ class PlainLayered:
         return out
 
 
-def test_layered_worker_matches_plain_policy():
+@pytest.mark.parametrize("decay", [1.0, 0.8])
+def test_layered_worker_matches_plain_policy(decay):
     """Two sequences, 2 layers (layer 0 full, layer 1 sparse), chunked prompts then decodes with
     evictions, mixed in steps: every output of the sparse layer as the plain implementation's, the
     full layer's as AttentionWorker's over a plain store."""
     rng = np.random.default_rng(6)
     num_heads, num_kv_heads, d, bs = 4, 2, 64, 4
-    policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=3, evict_slack=3)
+    policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=3, evict_slack=3,
+                      score_decay=decay)
     layout = policy.layout(2, 1024)
     store = PagedKVStore(layout.slots, num_kv_heads, d, bs, 64, "float32")
     worker = LayeredAttentionWorker(store, d, layout)
@@ -216,7 +220,7 @@ def test_layered_worker_matches_plain_policy():
     scale = d**-0.5
     prompts = {0: [9, 14], 1: [23]}  # chunk sizes of each sequence's prompt
     rows = {s: SeqRows(layout) for s in prompts}
-    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window) for s in prompts}
+    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window, decay) for s in prompts}
     tables = {0: (list(range(0, 10)), list(range(10, 20))), 1: (list(range(20, 32)), list(range(32, 44)))}
     pos = {s: 0 for s in prompts}
     evicted = 0
