@@ -27,7 +27,7 @@ def weights(kind: str, num_rows: int, num_blocks: int, seed: int):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("num_x", [1, 2, 3, 5])  # a row alone, a pair, an odd row after a pair
+@pytest.mark.parametrize("num_x", [1, 2, 3, 4, 6])  # one to four rows a pass, two passes
 def test_matches_numpy_twin_and_bound(kind, num_x):
     w, packed = weights(kind, num_rows=36, num_blocks=6, seed=num_x)
     assert packed.shape == w.shape
@@ -43,11 +43,14 @@ def test_matches_numpy_twin_and_bound(kind, num_x):
     assert (np.abs(got - x.astype(np.float64) @ dense.T) <= bound * 1.01 + 1e-6).all()
 
 
-def test_rows_do_not_depend_on_their_partners():
-    _, packed = weights("q4_1", num_rows=8, num_blocks=4, seed=3)
-    x = np.random.default_rng(1).standard_normal((3, 128)).astype(np.float32)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("num_x", [2, 3, 4, 7])
+def test_rows_do_not_depend_on_their_partners(kind, num_x):
+    """x's rows go through the kernel one to four at a time: each row's products are the same bits alone."""
+    _, packed = weights(kind, num_rows=8, num_blocks=4, seed=3)
+    x = np.random.default_rng(1).standard_normal((num_x, 128)).astype(np.float32)
     together = vnni_matmul(x, packed)
-    for i in range(3):
+    for i in range(num_x):
         np.testing.assert_array_equal(together[i], vnni_matmul(x[i:i + 1], packed)[0])
 
 
