@@ -61,7 +61,6 @@ def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: in
             tables.append(table)
             seq_lens.append(before + 1)
         else:
-            assert before == c.start_pos, "a prompt chunk comes before any eviction"
             prefills.append((row, c.num_tokens, before, table, c.seq_id))
         if after < before + c.num_tokens:
             evictions.append((c.seq_id, before + c.num_tokens, after, table))
@@ -154,8 +153,9 @@ class LayeredAttentionWorker(AttentionWorker):
 
     def _prefill(self, layer: int, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, before: int,
                  table: tuple[int, ...], seq_id: int, sparse: bool) -> torch.Tensor:
-        """A prompt chunk's attention (q: [n, Hq, D]) over the group's rows; a sparse group's last
-        `observe` queries also score the rows."""
+        """A prompt chunk's attention (q: [n, Hq, D]) over the group's rows (its own at before ..
+        before + n - 1, causal by row: the rows before it are earlier tokens, kept); a sparse group's
+        last `observe` queries also score the rows."""
         n = q.shape[0]
         if before:
             k_np, v_np = self.store.gather(slot, table, before + n)

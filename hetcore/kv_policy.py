@@ -19,7 +19,8 @@ layer and kv-head is the r-th kept token, not position r. Rules (SeqRows):
   - a chunk that ends at the sequence's last known token (a prompt's last chunk, every decode)
     evicts down to the budget when more than budget + evict_slack rows are held: sinks, the
     recent window and the highest-scoring rest are kept. Before a prompt's last chunk nothing is
-    evicted, so the prompt's own attention is exact (chunked prefill included).
+    evicted, so the prompt's own attention is exact (chunked prefill included), unless
+    prefill_evict: then every chunk may evict, and later chunks attend to the rows kept.
 """
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ class KVPolicy:
     evict_slack: int = 16
     """layered: rows over the budget a sparse layer may hold before it evicts (eviction runs once per this many
     decode steps, not every step)."""
+    prefill_evict: bool = False
+    """layered, with budget_tokens: evict after every prompt chunk too, so a long prompt's sparse layers never
+    hold more than budget + slack + a chunk's rows; later chunks then attend only to the rows kept (an
+    approximation of the prompt's own attention). Off: a prompt's attention is exact, and it holds every row in
+    every layer until its last chunk."""
     score_decay: float = 1.0
     """layered: each decode step multiplies the scores so far by this before adding its own (1: H2O's plain sum;
     below 1 the recent queries' attention counts more)."""
@@ -168,6 +174,7 @@ class SeqRows:
         self.rows = [0] * (layout.num_groups - 1)
         self.prompt_tokens = 0
         """Tokens of its first prefill (set at its first chunk that ends at its last token)."""
+        self.num_tokens = 0
 
     def needed(self, num_new: int) -> list[int]:
         """Rows each group must have room for to take `num_new` more tokens."""
@@ -177,10 +184,12 @@ class SeqRows:
         """Take a chunk of `num_new` tokens -> (rows_before, keep_after); the counts move to keep_after."""
         before = tuple(self.rows)
         after = [r + num_new for r in before]
-        if is_last:
-            if not self.prompt_tokens:
-                self.prompt_tokens = after[0] if after else num_new
-            p = self.layout.policy
+        self.num_tokens += num_new
+        p = self.layout.policy
+        if is_last and not self.prompt_tokens:
+            self.prompt_tokens = self.num_tokens
+        # within a prompt only a budget in tokens is known (a ratio needs the prompt's length)
+        if is_last or (p.prefill_evict and p.budget_tokens is not None):
             for i, rows in enumerate(after):
                 if self.layout.is_sparse(i + 1):
                     budget = self.layout.budget(i + 1, self.prompt_tokens)
@@ -209,8 +218,11 @@ def add_kv_policy_arguments(p) -> None:
                    help=f"layered: latest tokens always kept (default: {d.window})")
     p.add_argument("--kv-sinks", type=int, default=d.sinks,
                    help=f"layered: first tokens always kept (default: {d.sinks})")
+    p.add_argument("--kv-prefill-evict", choices=("on", "off"), default="off",
+                   help="layered with --kv-budget-tokens: evict after every prompt chunk too (a long prompt holds "
+                        "budget + a chunk in the sparse layers; later chunks attend to the kept rows) (default: off)")
 
 
 def kv_policy_from_args(args) -> KVPolicy:
     return KVPolicy(args.kv_policy, args.kv_full_layers, args.kv_budget_tokens, args.kv_budget_ratio,
-                    args.kv_budget_schedule, args.kv_window, args.kv_sinks)
+                    args.kv_budget_schedule, args.kv_window, args.kv_sinks, prefill_evict=args.kv_prefill_evict == "on")

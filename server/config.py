@@ -122,6 +122,10 @@ class ServeConfig:
                                            "depth, 1.5x to 0.5x, the same mean)")
     kv_window: int = _opt(64, "kv_policy layered: latest tokens always kept")
     kv_sinks: int = _opt(4, "kv_policy layered: first tokens always kept")
+    kv_prefill_evict: bool = _opt(False, "kv_policy layered with kv_budget_tokens, on or off: evict after every "
+                                         "prompt chunk too, so a long prompt holds budget + a chunk's rows in the "
+                                         "sparse layers, not the whole prompt (later chunks attend to the kept rows "
+                                         "only: an approximation of the prompt's own attention)", parse=parse_switch)
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB, MagicPIG's hash tables included "
                                       "(overrides --kv-cache-fraction)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity (MagicPIG's tables included) as a fraction of total RAM")
@@ -262,7 +266,7 @@ class ServeConfig:
         from hetcore.kv_policy import KVPolicy
 
         return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
-                        self.kv_budget_schedule, self.kv_window, self.kv_sinks)
+                        self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict)
 
     def lsh_config(self):
         """The MagicPIG settings, or None for exact attention."""

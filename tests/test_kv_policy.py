@@ -67,6 +67,11 @@ def test_rows_grow_through_the_prompt_then_evict_at_its_end_and_every_slack():
     for i in range(16):
         assert rows.advance(1, is_last=True) == ((100 + i,) * 2, (101 + i,) * 2)
     assert rows.advance(1, is_last=True) == ((116, 116), (100, 100))  # 117 > 100 + 16
+    chunked = SeqRows(KVPolicy("layered", full_layers=1, budget_tokens=100, window=8, sinks=2, evict_slack=16,
+                               prefill_evict=True).layout(3, 4096))
+    assert chunked.advance(64, is_last=False) == ((0, 0), (64, 64))
+    assert chunked.advance(64, is_last=False) == ((64, 64), (100, 100))  # 128 > 116: within the prompt
+    assert chunked.advance(64, is_last=True) == ((100, 100), (100, 100)) and chunked.prompt_tokens == 192
 
 
 # ---- kernels against plain NumPy
@@ -204,21 +209,21 @@ class PlainLayered:
         return out
 
 
-@pytest.mark.parametrize("decay", [1.0, 0.8])
-def test_layered_worker_matches_plain_policy(decay):
+@pytest.mark.parametrize("decay,prefill_evict", [(1.0, False), (0.8, False), (1.0, True)])
+def test_layered_worker_matches_plain_policy(decay, prefill_evict):
     """Two sequences, 2 layers (layer 0 full, layer 1 sparse), chunked prompts then decodes with
     evictions, mixed in steps: every output of the sparse layer as the plain implementation's, the
     full layer's as AttentionWorker's over a plain store."""
     rng = np.random.default_rng(6)
     num_heads, num_kv_heads, d, bs = 4, 2, 64, 4
     policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=3, evict_slack=3,
-                      score_decay=decay)
+                      score_decay=decay, prefill_evict=prefill_evict)
     layout = policy.layout(2, 1024)
     store = PagedKVStore(layout.slots, num_kv_heads, d, bs, 64, "float32")
     worker = LayeredAttentionWorker(store, d, layout)
     full = AttentionWorker(PagedKVStore(1, num_kv_heads, d, bs, 64, "float32"), d)
     scale = d**-0.5
-    prompts = {0: [9, 14], 1: [23]}  # chunk sizes of each sequence's prompt
+    prompts = {0: [9, 8, 7], 1: [23]}  # chunk sizes of each sequence's prompt (17 > 12 + 3 rows after two)
     rows = {s: SeqRows(layout) for s in prompts}
     plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window, decay) for s in prompts}
     tables = {0: (list(range(0, 10)), list(range(10, 20))), 1: (list(range(20, 32)), list(range(32, 44)))}
