@@ -176,6 +176,26 @@ class SeqRows:
         """Tokens of its first prefill (set at its first chunk that ends at its last token)."""
         self.num_tokens = 0
 
+    def caps(self) -> list[int]:
+        """Rows each group keeps room for once it may evict: budget + slack + 1 for a sparse group (the most it
+        holds: it evicts on passing budget + slack; its table never shrinks below that, so a decoding sequence
+        does not give back and take again a block every evict_slack steps), 0 for a full one or while a ratio
+        budget's prompt length is unknown."""
+        p, out = self.layout.policy, []
+        known = self.prompt_tokens or (p.budget_tokens is not None)
+        for i in range(len(self.rows)):
+            sparse = self.layout.is_sparse(i + 1) and known
+            out.append(self.layout.budget(i + 1, self.prompt_tokens) + p.evict_slack + 1 if sparse else 0)
+        return out
+
+    def peak(self, num_tokens: int, chunk: int) -> list[int]:
+        """The most rows each group holds while a prompt of `num_tokens` is prefilled `chunk` tokens a step
+        (from no rows)."""
+        p = self.layout.policy
+        prefill_evict = p.prefill_evict and p.budget_tokens is not None
+        return [min(num_tokens, self.layout.budget(i + 1, num_tokens) + p.evict_slack + chunk)
+                if prefill_evict and self.layout.is_sparse(i + 1) else num_tokens for i in range(len(self.rows))]
+
     def needed(self, num_new: int) -> list[int]:
         """Rows each group must have room for to take `num_new` more tokens."""
         return [r + num_new for r in self.rows]

@@ -20,12 +20,14 @@ sequence also holds one table per later group, whose rows SeqRows counts:
 
     seq 5, 4000-token prompt, budget 1024 + slack 16, block_size 16
     group 0 table: 250 blocks  (every token; grows by one block every 16 decodes)
-    group 1 table: 250 blocks while the prompt is prefilled; 64 once its last chunk ran
-                   (rows 0..1023 are the kept tokens, compacted by the worker), 65 at most after
+    group 1 table: 250 blocks while the prompt is prefilled; 66 once its last chunk ran
+                   (rows 0..1023 are the kept tokens, compacted by the worker; room for
+                   budget + slack + 1 rows, the most it holds before it evicts again)
 
 Evicted rows free whole blocks at the end of the sequence's table: the worker compacts the kept
-rows to the front of the same blocks, so the blocks past them are released in commit() (after the
-step that evicted, never before it has run). Group tables never enter the prefix cache: a sparse
+rows to the front of the same blocks, so the blocks past them (and past the group's cap) are
+released in commit() (after the step that evicted, never before it has run). A sequence holding no
+blocks is admitted only with room for its prompt's peak in every group (admission_reserve). Group tables never enter the prefix cache: a sparse
 layer's rows depend on the whole sequence, and a full layer's cached rows are no use without them,
 so share_prefix finds nothing under a layered layout.
 """
@@ -183,6 +185,19 @@ class BlockManager:
             self.num_evictions += 1
         return KVView(tuple(tuple(t) for t in tables), before, after)
 
+    def admission_reserve(self, seq_id: int, num_tokens: int, chunk: int, num_running: int) -> int:
+        """Layered: blocks to keep free, beyond its first chunk's, before a sequence holding no blocks is
+        admitted: the rest of its prompt's peak in every group (prefilled `chunk` tokens a step), and one
+        block for each of the `num_running` sequences' growth meanwhile. Admitting into room a long
+        prompt then outgrows preempts (and recomputes) the latest arrival again and again. 0 without a
+        layered layout, or for a sequence that holds blocks."""
+        if self._layout is None or seq_id in self._shard_of:
+            return 0
+        rows = SeqRows(self._layout)
+        first = sum(self.spec.table_blocks(n) for n in [chunk, *rows.needed(chunk)])
+        peak = sum(self.spec.table_blocks(n) for n in [num_tokens, *rows.peak(num_tokens, chunk)])
+        return max(0, peak - first) + num_running
+
     def group_used_blocks(self) -> list[int]:
         """Blocks held per layer group (group 0: every block in use that no later group holds)."""
         groups = self._layout.num_groups if self._layout else 1
@@ -266,8 +281,9 @@ class BlockManager:
             if seq_id not in self._shard_of:
                 continue
             shard = self._shard_of[seq_id]
-            for group, rows in zip(self._groups[seq_id], self._rows[seq_id].rows):
-                keep = self.spec.table_blocks(rows)
+            rows = self._rows[seq_id]
+            for group, held, cap in zip(self._groups[seq_id], rows.rows, rows.caps()):
+                keep = self.spec.table_blocks(max(held, cap))
                 self._free[shard].extend(group[keep:])
                 del group[keep:]
         self._trims.clear()

@@ -278,7 +278,8 @@ class Scheduler:
             seq = self.waiting[0]
             self._share_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.blocks.can_hold(seq.seq_id, seq.num_computed + n):
+            reserve = self.blocks.admission_reserve(seq.seq_id, seq.num_tokens, n, len(self.running))
+            if not self.blocks.can_hold(seq.seq_id, seq.num_computed + n, reserve):
                 self._unshare(seq)
                 n = min(seq.num_tokens, budget)
                 if self.blocks.num_missing(seq.seq_id, seq.num_computed + n) > self.blocks.max_seq_blocks:
