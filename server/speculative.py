@@ -159,10 +159,11 @@ class SpecPolicy:
 
         Drafts go one at a time to the sequence whose next draft is likeliest to be accepted (the i-th
         draft of a sequence with rate a adds a**i expected tokens); of all totals, the one with the most
-        expected tokens per second of step wins (zero drafts included)."""
+        expected tokens per second of step wins (zero drafts included). No drafts until a step of base_tokens
+        tokens has been measured: an estimated baseline could make every draft look worth it."""
         ks = [0] * len(candidates)
-        if not candidates or budget <= 0:
-            return ks
+        if not candidates or budget <= 0 or base_tokens not in self.step_s:
+            return ks  # a step of this size without drafts is measured first: the baseline drafts must beat
         best_total, best_value = 0, base_outputs / self.cost(base_tokens)
         gained, order = 0.0, []
         heads = [(a, 0, i) for i, (a, avail) in enumerate(candidates) if avail > 0]

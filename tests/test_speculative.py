@@ -56,6 +56,8 @@ def test_ngram_drafts_copy_a_quoted_passage():
 
 def test_policy_sends_drafts_only_where_they_pay():
     policy = SpecPolicy(max_tokens=4)
+    policy.observe_step(5, 0.030)
+    assert policy.plan(1, 1, [(0.99, 8)], 64) == [0]  # the step without drafts is measured first
     for n, s in {1: 0.020, 2: 0.022, 3: 0.024, 4: 0.026, 5: 0.060}.items():
         policy.observe_step(n, s)
     # likely drafts, cheap rows up to 4 tokens: three drafts (a fourth would make the step 2.3x dearer)
@@ -115,8 +117,8 @@ def test_scheduler_sends_drafts_and_keeps_only_the_accepted():
 
 def test_scheduler_drafts_stop_at_max_tokens_and_skip_masked_sequences():
     s, _ = make_scheduler()
-    s.policy.observe_step(1, 0.02)
-    s.policy.observe_step(5, 0.021)
+    s.policy.observe_step(2, 0.02)  # two sequences decoding: the baseline
+    s.policy.observe_step(6, 0.021)
     capped = Sequence(0, [5, 6, 7, 8, 9, 5, 6], GREEDY, max_tokens=3)
     masked = Sequence(1, [5, 6, 7, 8, 9, 5, 6], GREEDY, speculate=False)
     for seq in (capped, masked):
