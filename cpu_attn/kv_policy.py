@@ -99,12 +99,25 @@ def observed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     return out, p.sum(dim=(1, 2)).numpy().astype(np.float32)
 
 
-def select_keep(scores: np.ndarray, budget: int, sinks: int, window: int) -> np.ndarray:
+def pooled(scores: np.ndarray, width: int) -> np.ndarray:
+    """The mean of each row's score and its neighbours', `width` rows centred on it (odd width; the ends
+    padded with zeros, as SnapKV's avg_pool1d): scores [Hkv, N] -> [Hkv, N] float32."""
+    half = width // 2
+    padded = np.pad(scores.astype(np.float64), ((0, 0), (half + 1, half)))
+    sums = np.cumsum(padded, axis=1)
+    return ((sums[:, width:] - sums[:, :-width]) / width).astype(np.float32)
+
+
+def select_keep(scores: np.ndarray, budget: int, sinks: int, window: int, pool: int = 1) -> np.ndarray:
     """The rows a layer keeps, per kv-head: scores [Hkv, N] -> keep [Hkv, budget] int64, ascending.
     Rows 0..sinks-1 and the last `window` always; the rest of the budget goes to the highest scores
-    among the rows between (ties: the earlier row). Needs sinks + window <= budget < N."""
+    among the rows between (ties: the earlier row), scores first averaged over `pool` neighbouring rows
+    (SnapKV's pooling: a token next to important ones is kept with them). Needs
+    sinks + window <= budget < N."""
     num_kv_heads, num_rows = scores.shape
     assert sinks + window <= budget < num_rows, (sinks, window, budget, num_rows)
+    if pool > 1:
+        scores = pooled(scores, pool)
     middle = scores[:, sinks:num_rows - window]
     take = budget - sinks - window
     top = np.argsort(-middle, axis=1, kind="stable")[:, :take] + sinks

@@ -177,7 +177,7 @@ class LayeredAttentionWorker(AttentionWorker):
     def _evict(self, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...]) -> None:
         p = self.layout.policy
         scores = self._scores[seq_id][layer]  # [Hkv, capacity]
-        keep = select_keep(scores[:, :held], kept, p.sinks, p.window)
+        keep = select_keep(scores[:, :held], kept, p.sinks, p.window, p.score_pool)
         compact_rows(self.store.k[slot], self.store.v[slot], np.asarray(table, np.int64), keep)
         scores[:, :kept] = np.take_along_axis(scores[:, :held], keep, axis=1)
         scores[:, kept:] = 0.0

@@ -15,6 +15,8 @@ and without the format:
     effective_bits  stored bits per K/V value, every scale, count and sparse entry included
     kv_kept_frac    with kv_policy layered: KV rows held over a full cache's (evaluation/layered.py);
                     ppl_vs_full_pct compares the perplexity with the same format's full cache
+    cpu_attn_s      seconds in the attention worker (KV writes, prefill and decode attention, scoring and
+                    eviction); the variants run in lockstep, so a busy machine slows them alike
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class _Score:
     eligible: int = 0
     kept_sum: float = 0.0
     kept_count: int = 0
+    attn_s: float = 0.0
 
     def add(self, ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> None:
         self.nll -= float(logp.gather(1, targets[:, None]).sum())
@@ -196,6 +199,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
             scores[name].kept_sum += run.kept_sum
             scores[name].kept_count += run.kept_count
         for name, worker_ in attn.items():
+            scores[name].attn_s += worker_.take_timings()["cpu_attn"]
             if worker_.sparse is not None:
                 touched, eligible = worker_.sparse.take_stats()
                 scores[name].touched += touched
@@ -215,6 +219,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
                "attention": name.split("+")[1] if "+" in name and not is_layered else "exact",
                "kv_policy": "layered" if is_layered else "full",
                "kv_kept_frac": sc.kept_sum / sc.kept_count if is_layered else 1.0,
+               "cpu_attn_s": sc.attn_s,
                "ppl": float(np.exp(sc.nll / sc.count)), "ppl_ref": ppl_ref,
                "kl_mean": sc.kl / sc.count, "top1_agreement": sc.top1 / sc.count,
                "top1_agreement_clear": sc.top1_clear / max(sc.clear, 1), "clear_positions_frac": sc.clear / sc.count,

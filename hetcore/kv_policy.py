@@ -67,6 +67,9 @@ class KVPolicy:
     hold more than budget + slack + a chunk's rows; later chunks then attend only to the rows kept (an
     approximation of the prompt's own attention). Off: a prompt's attention is exact, and it holds every row in
     every layer until its last chunk."""
+    score_pool: int = 1
+    """layered: eviction ranks each row by the mean score of this many rows around it (odd; SnapKV pools with
+    7); 1 ranks by its own."""
     score_decay: float = 1.0
     """layered: each decode step multiplies the scores so far by this before adding its own (1: H2O's plain sum;
     below 1 the recent queries' attention counts more)."""
@@ -83,6 +86,7 @@ class KVPolicy:
             (self.window >= 1 and self.sinks >= 0, "kv_window must be >= 1 and kv_sinks >= 0"),
             (self.observe >= 1 and self.evict_slack >= 1, "kv observe window and evict slack must be >= 1"),
             (0 < self.score_decay <= 1, "kv score decay must be in (0, 1]"),
+            (self.score_pool >= 1 and self.score_pool % 2 == 1, "kv score pool must be an odd count of rows"),
         ]
         for ok, message in checks:
             if not ok:

@@ -126,23 +126,26 @@ def test_observed_attention_matches_numpy():
     np.testing.assert_allclose(scores, ref, atol=1e-5)
 
 
-def plain_keep(scores, budget, sinks, window):
+def plain_keep(scores, budget, sinks, window, pool=1):
     """select_keep, one row at a time."""
     n = len(scores)
+    half = pool // 2
+    scores = [sum(scores[j] for j in range(r - half, r + half + 1) if 0 <= j < n) / pool for r in range(n)]
     fixed = set(range(sinks)) | set(range(n - window, n))
     ranked = sorted((r for r in range(n) if r not in fixed), key=lambda r: (-scores[r], r))
     return sorted(fixed | set(ranked[:budget - len(fixed)]))
 
 
-@pytest.mark.parametrize("n,budget,sinks,window", [(50, 20, 4, 8), (21, 20, 0, 1), (64, 12, 4, 8), (30, 10, 0, 10)])
-def test_select_keep_matches_plain(n, budget, sinks, window):
+@pytest.mark.parametrize("n,budget,sinks,window,pool", [(50, 20, 4, 8, 1), (21, 20, 0, 1, 1), (64, 12, 4, 8, 1),
+                                                        (30, 10, 0, 10, 1), (50, 20, 4, 8, 7), (21, 12, 0, 1, 3)])
+def test_select_keep_matches_plain(n, budget, sinks, window, pool):
     rng = np.random.default_rng(n)
-    scores = rng.random((3, n)).astype(np.float32)
+    scores = (rng.integers(0, 1000, (3, n)) / 1000).astype(np.float32)  # sums exact in float32 and float64
     scores[1, ::3] = 0.5  # ties: the earlier row wins
-    keep = select_keep(scores, budget, sinks, window)
+    keep = select_keep(scores, budget, sinks, window, pool)
     assert keep.shape == (3, budget)
     for h in range(3):
-        assert keep[h].tolist() == plain_keep(scores[h].tolist(), budget, sinks, window)
+        assert keep[h].tolist() == plain_keep(scores[h].tolist(), budget, sinks, window, pool)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -168,11 +171,12 @@ class PlainLayered:
     """The policy on one sparse layer, position lists and float64 NumPy: kept[h] is kv-head h's kept
     positions in order, score[h] their scores."""
 
-    def __init__(self, num_kv_heads, scale, observe, sinks, window, decay=1.0):
+    def __init__(self, num_kv_heads, scale, observe, sinks, window, decay=1.0, pool=1):
         self.k, self.v = {}, {}
         self.kept = [[] for _ in range(num_kv_heads)]
         self.score = [[] for _ in range(num_kv_heads)]
         self.scale, self.observe, self.sinks, self.window, self.decay = scale, observe, sinks, window, decay
+        self.pool = pool
 
     def chunk(self, q, k, v, start, keep_after):
         n, num_heads, _ = q.shape
@@ -203,21 +207,21 @@ class PlainLayered:
                         self.score[kvh][j] += pj
         for h in range(num_kv_heads):
             if keep_after < len(self.kept[h]):
-                keep = plain_keep(self.score[h], keep_after, self.sinks, self.window)
+                keep = plain_keep(self.score[h], keep_after, self.sinks, self.window, self.pool)
                 self.kept[h] = [self.kept[h][j] for j in keep]
                 self.score[h] = [self.score[h][j] for j in keep]
         return out
 
 
-@pytest.mark.parametrize("decay,prefill_evict", [(1.0, False), (0.8, False), (1.0, True)])
-def test_layered_worker_matches_plain_policy(decay, prefill_evict):
+@pytest.mark.parametrize("decay,prefill_evict,pool", [(1.0, False, 1), (0.8, False, 1), (1.0, True, 3)])
+def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool):
     """Two sequences, 2 layers (layer 0 full, layer 1 sparse), chunked prompts then decodes with
     evictions, mixed in steps: every output of the sparse layer as the plain implementation's, the
     full layer's as AttentionWorker's over a plain store."""
     rng = np.random.default_rng(6)
     num_heads, num_kv_heads, d, bs = 4, 2, 64, 4
     policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=3, evict_slack=3,
-                      score_decay=decay, prefill_evict=prefill_evict)
+                      score_decay=decay, prefill_evict=prefill_evict, score_pool=pool)
     layout = policy.layout(2, 1024)
     store = PagedKVStore(layout.slots, num_kv_heads, d, bs, 64, "float32")
     worker = LayeredAttentionWorker(store, d, layout)
@@ -225,7 +229,8 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict):
     scale = d**-0.5
     prompts = {0: [9, 8, 7], 1: [23]}  # chunk sizes of each sequence's prompt (17 > 12 + 3 rows after two)
     rows = {s: SeqRows(layout) for s in prompts}
-    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window, decay) for s in prompts}
+    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window, decay, pool)
+             for s in prompts}
     tables = {0: (list(range(0, 10)), list(range(10, 20))), 1: (list(range(20, 32)), list(range(32, 44)))}
     pos = {s: 0 for s in prompts}
     evicted = 0
