@@ -1,0 +1,141 @@
+"""Layered KV sparsity against the full cache under one fixed KV capacity, through HTTP.
+
+    PYTHONPATH=. python -m benchmarks.bench_kv_policy [--prompt-tokens 1024] [--output-tokens 64] \
+        [--full-seqs 2] [--num-requests 8] [--rate 0.5] [--layered-args "--kv-budget-tokens 128"]
+
+PPIO's shape (long prompts, long outputs, arrivals at a fixed rate) scaled to this model and machine:
+`--num-requests` requests of exactly `--prompt-tokens` + `--output-tokens` tokens are sent by
+`hetserve loadgen synth` (Poisson arrivals at `--rate` requests/s, streamed, greedy, ignore_eos) to
+a `hetserve serve` whose --kv-cache-bytes holds `--full-seqs` such sequences with every layer's KV
+(fp16). The same run is made with --kv-policy full and with --kv-policy layered (`--layered-args`
+give its budget). Chunked prefill is on (--max-num-batched-tokens); prefix caching is on, though
+prompts share no blocks. Reports the peak of concurrently running sequences (/metrics, polled),
+output tok/s, TTFT p50/p99 and TPOT. Prints a table, writes JSON and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.bench_loadgen import free_port
+from benchmarks.common import RESULTS, machine, print_table, start_hetserve, write_json
+
+BYTES_PER_TOKEN_FP16 = 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 kv-heads, head_dim 64: SmolLM2-135M
+
+
+def watch_running(url: str, stop: threading.Event, peaks: dict) -> None:
+    """Poll /metrics until `stop`: the most requests running, and group usage at that moment."""
+    while not stop.is_set():
+        try:
+            text = httpx.get(url + "/metrics", timeout=5).text
+        except httpx.HTTPError:
+            time.sleep(0.2)
+            continue
+        m = re.search(r"^hetserve:num_requests_running (\S+)", text, re.M)
+        running = int(float(m.group(1))) if m else 0
+        if running >= peaks.get("running", 0):
+            peaks["running"] = running
+            peaks["group_bytes"] = {g: float(v) for g, v in
+                                    re.findall(r'^hetserve:kv_cache_group_usage_bytes\{group="(\d+)"\} (\S+)', text, re.M)}
+        m = re.search(r"^hetserve:num_preemptions_total (\S+)", text, re.M)
+        peaks["preemptions"] = int(float(m.group(1))) if m else peaks.get("preemptions", 0)
+        time.sleep(0.2)
+
+
+def run_policy(policy: str, args, capacity: int) -> dict:
+    port = free_port()
+    extra = args.layered_args.split() if policy == "layered" else []
+    proc, ready_s = start_hetserve(port, "--kv-format", "fp16", "--kv-cache-bytes", str(capacity), "--max-num-seqs",
+                                   str(args.max_num_seqs), "--max-num-batched-tokens", str(args.batch_tokens),
+                                   "--kv-policy", policy, *extra)
+    url = f"http://127.0.0.1:{port}"
+    stop, peaks = threading.Event(), {}
+    watcher = threading.Thread(target=watch_running, args=(url, stop, peaks), daemon=True)
+    watcher.start()
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [str(Path(sys.executable).parent / "hetserve"), "loadgen", "synth", "--endpoint", url,
+                   "--num-requests", str(args.num_requests), "--rate", str(args.rate),
+                   "--prompt-dist", "fixed", "--prompt-tokens", str(args.prompt_tokens), str(args.prompt_tokens),
+                   "--output-dist", "fixed", "--output-tokens", str(args.output_tokens), str(args.output_tokens),
+                   "--out", out, "--no-plots", "--no-progress", "--seed", str(args.seed)]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            summary = json.loads((Path(out) / "summary.json").read_text())
+    finally:
+        stop.set()
+        watcher.join()
+        proc.terminate()
+        proc.wait(timeout=60)
+    return {"kv_policy": policy, "server_ready_s": ready_s, "peak_running": peaks.get("running", 0),
+            "preemptions": peaks.get("preemptions", 0), "group_bytes_at_peak": peaks.get("group_bytes", {}),
+            "completed": summary["completed"], "failed": summary["failed"], "duration_s": summary["duration"],
+            "output_tok_s": summary["output_throughput"], "ttft_p50_ms": summary["median_ttft_ms"],
+            "ttft_p99_ms": summary["p99_ttft_ms"], "tpot_mean_ms": summary["mean_tpot_ms"],
+            "tpot_p50_ms": summary["median_tpot_ms"]}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("peak_running", "peak running sequences"), ("output_tok_s", "output tok/s"),
+               ("ttft_p50_ms", "TTFT p50 (ms)"), ("tpot_mean_ms", "TPOT mean (ms)")]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2))
+    for ax, (key, label) in zip(axes, metrics):
+        ax.bar([r["kv_policy"] for r in rows], [r[key] for r in rows], color=["tab:gray", "tab:blue"])
+        ax.set(title=label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--full-seqs", type=int, default=2, help="sequences the KV capacity holds with every layer's KV")
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--rate", type=float, default=0.5, help="mean requests/s (Poisson)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--batch-tokens", type=int, default=256, help="--max-num-batched-tokens (chunked prefill)")
+    p.add_argument("--layered-args", default="--kv-full-layers 3 --kv-budget-tokens 128 --kv-window 64",
+                   help="the layered server's --kv-* options")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="kv_policy.json")
+    args = p.parse_args()
+
+    block = 16
+    per_seq = -(-(args.prompt_tokens + args.output_tokens) // block) * block * BYTES_PER_TOKEN_FP16
+    capacity = args.full_seqs * per_seq
+    rows = []
+    for policy in ("full", "layered"):
+        print(f"kv-policy {policy}: {args.num_requests} requests of {args.prompt_tokens} + {args.output_tokens} "
+              f"tokens at {args.rate}/s, KV capacity {capacity / 2**20:.1f} MiB ...", flush=True)
+        rows.append(run_policy(policy, args, capacity))
+    full, layered = rows
+    ratios = {"peak_running": layered["peak_running"] / max(full["peak_running"], 1),
+              "output_tok_s": layered["output_tok_s"] / full["output_tok_s"],
+              "ttft_p50": layered["ttft_p50_ms"] / full["ttft_p50_ms"]}
+    print_table(rows, ["kv_policy", "peak_running", "preemptions", "completed", "output_tok_s", "ttft_p50_ms",
+                       "ttft_p99_ms", "tpot_mean_ms", "duration_s"])
+    print("layered / full: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    data = {"benchmark": "kv_policy", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip(),
+            "settings": vars(args), "kv_cache_bytes": capacity, "results": rows, "layered_over_full": ratios}
+    path = write_json(args.out, data)
+    plot(rows, RESULTS / Path(args.out).with_suffix(".png").name)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
