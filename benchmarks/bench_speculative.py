@@ -81,8 +81,9 @@ async def one(client: httpx.AsyncClient, url: str, path: str, body: dict) -> dic
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and first is None:
-                first = time.perf_counter()
+            choice = (chunk.get("choices") or [{}])[0]
+            if first is None and (choice.get("text") or choice.get("delta", {}).get("content")):
+                first = time.perf_counter()  # the first token (chat's first chunk only names the role)
     end = time.perf_counter()
     return {"ttft_s": (first or end) - t0, "decode_s": end - (first or end), "tokens": tokens}
 

@@ -111,6 +111,12 @@ class SpecPolicy:
     step_s: dict[int, float] = field(default_factory=dict)
     """The median of each size's samples."""
     seqs: dict[int, _Acceptance] = field(default_factory=dict)
+    outcomes: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
+    """(sequences, with drafts) -> decayed (tokens emitted, seconds) of decode-only steps: the check that the
+    cost model's choices pay in the end."""
+    explore_every: int = 16
+    """While drafting has not paid at a batch size, one step in this many may draft anyway (text changes)."""
+    _blocked_steps: dict[int, int] = field(default_factory=dict)
     unmeasured_row_cost: float = 0.05
     """Extra cost of a row of a step size not measured yet, relative to the nearest smaller one measured: low,
     so that an unmeasured size is tried and measured."""
@@ -123,6 +129,19 @@ class SpecPolicy:
         if proposed:
             self.seqs.setdefault(seq_id, _Acceptance()).observe(accepted, int(accepted < proposed))
 
+    def observe_outcome(self, num_seqs: int, drafted: bool, emitted: int, seconds: float, decay: float = 0.9) -> None:
+        """A decode-only step of num_seqs sequences, with drafts or without, emitted `emitted` tokens in `seconds`."""
+        tokens, secs = self.outcomes.get((num_seqs, drafted), (0.0, 0.0))
+        self.outcomes[num_seqs, drafted] = (tokens * decay + emitted, secs * decay + seconds)
+
+    def drafting_pays(self, num_seqs: int) -> bool:
+        """Steps of num_seqs sequences emitted at least as many tokens a second with drafts as without, lately (or
+        one of the two has not been seen yet)."""
+        with_, without = self.outcomes.get((num_seqs, True)), self.outcomes.get((num_seqs, False))
+        if not with_ or not without:
+            return True
+        return with_[0] / with_[1] >= without[0] / without[1]
+
     def observe_step(self, num_tokens: int, seconds: float, keep: int = 9) -> None:
         kept = self.samples.setdefault(num_tokens, deque(maxlen=keep))
         kept.append(seconds)
@@ -132,6 +151,7 @@ class SpecPolicy:
         """Forget the step times measured (the warm-up's include compiling kernels)."""
         self.samples.clear()
         self.step_s.clear()
+        self.outcomes.clear()
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
@@ -160,10 +180,16 @@ class SpecPolicy:
         Drafts go one at a time to the sequence whose next draft is likeliest to be accepted (the i-th
         draft of a sequence with rate a adds a**i expected tokens); of all totals, the one with the most
         expected tokens per second of step wins (zero drafts included). No drafts until a step of base_tokens
-        tokens has been measured: an estimated baseline could make every draft look worth it."""
+        tokens has been measured: an estimated baseline could make every draft look worth it. And while the steps
+        of base_outputs sequences that drafted have lately emitted fewer tokens a second than those that did not
+        (drafting_pays), drafts go out only one step in explore_every."""
         ks = [0] * len(candidates)
         if not candidates or budget <= 0 or base_tokens not in self.step_s:
             return ks  # a step of this size without drafts is measured first: the baseline drafts must beat
+        if not self.drafting_pays(base_outputs):
+            blocked = self._blocked_steps[base_outputs] = self._blocked_steps.get(base_outputs, 0) + 1
+            if blocked % self.explore_every:
+                return ks
         best_total, best_value = 0, base_outputs / self.cost(base_tokens)
         gained, order = 0.0, []
         heads = [(a, 0, i) for i, (a, avail) in enumerate(candidates) if avail > 0]
