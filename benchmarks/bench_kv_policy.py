@@ -11,6 +11,12 @@ a `hetserve serve` whose --kv-cache-bytes holds `--full-seqs` such sequences wit
 give its budget). Chunked prefill is on (--max-num-batched-tokens); prefix caching is on, though
 prompts share no blocks. Reports the peak of concurrently running sequences (/metrics, polled),
 output tok/s, TTFT p50/p99 and TPOT. Prints a table, writes JSON and a PNG.
+
+    PYTHONPATH=. python -m benchmarks.bench_kv_policy --attention-only [--shapes 8x4000x272,8x8000x1360]
+
+times instead one decode step of the attention worker alone, all 30 layers, B sequences at a context of
+C tokens, a full cache against a layered one whose 27 sparse layers hold K rows (random K/V; no model):
+what a step reads less.
 """
 from __future__ import annotations
 
@@ -44,8 +50,8 @@ def watch_running(url: str, stop: threading.Event, peaks: dict) -> None:
         running = int(float(m.group(1))) if m else 0
         if running >= peaks.get("running", 0):
             peaks["running"] = running
-            peaks["group_bytes"] = {g: float(v) for g, v in
-                                    re.findall(r'^hetserve:kv_cache_group_usage_bytes\{group="(\d+)"\} (\S+)', text, re.M)}
+            usage = re.findall(r'^hetserve:kv_cache_group_usage_bytes\{group="(\d+)"\} (\S+)', text, re.M)
+            peaks["group_bytes"] = {g: float(v) for g, v in usage}
         m = re.search(r"^hetserve:num_preemptions_total (\S+)", text, re.M)
         peaks["preemptions"] = int(float(m.group(1))) if m else peaks.get("preemptions", 0)
         time.sleep(0.2)
@@ -98,6 +104,58 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def attention_steps(shapes: str, repeats: int = 10) -> list[dict]:
+    """ms per decode step of the attention worker (30 layers), full cache against layered, for each
+    BxCxK of `shapes` (B sequences, context C, K rows kept in the sparse layers)."""
+    import numpy as np
+    import torch
+
+    from cpu_attn.kv_store import PagedKVStore
+    from cpu_attn.layered_worker import LayeredAttentionWorker, LayeredChunkLayout
+    from cpu_attn.worker import AttentionWorker, ChunkLayout
+    from hetcore.kv_policy import KVPolicy, KVView
+
+    layers, heads, kv_heads, dim, bs = 30, 9, 3, 64, 16
+    rows = []
+    for shape in shapes.split(","):
+        num_seqs, ctx, kept = (int(x) for x in shape.split("x"))
+        layout = KVPolicy("layered", full_layers=3, budget_tokens=kept, window=64).layout(layers, 8192)
+        groups, per_seq = layout.num_groups, -(-(ctx + 1) // bs)
+        tables = [[tuple(range((g * num_seqs + i) * per_seq, (g * num_seqs + i + 1) * per_seq))
+                   for g in range(groups)] for i in range(num_seqs)]
+        layered = LayeredAttentionWorker(PagedKVStore(layout.slots, kv_heads, dim, bs, groups * num_seqs * per_seq,
+                                                      "float16"), dim, layout)
+        full = AttentionWorker(PagedKVStore(layers, kv_heads, dim, bs, num_seqs * per_seq, "float16"), dim)
+        for i in range(num_seqs):
+            layered._scores[i] = np.zeros((layers, kv_heads, ctx + 1), np.float32)
+        q = torch.randn(num_seqs, heads, dim)
+        k, v = torch.randn(num_seqs, kv_heads, dim), torch.randn(num_seqs, kv_heads, dim)
+        before, after = (kept - 1,) * (groups - 1), (kept,) * (groups - 1)  # one row more, none evicted
+
+        def layered_step():
+            layered.begin_step([LayeredChunkLayout(num_tokens=1, start_pos=ctx, block_table=tables[i][0], seq_id=i,
+                                                   kv_view=KVView(tuple(tables[i][1:]), before, after))
+                                for i in range(num_seqs)])
+            for layer in range(layers):
+                layered.attend(layer, q, k, v)
+
+        def full_step():
+            full.begin_step([ChunkLayout(1, ctx, tables[i][0], i) for i in range(num_seqs)])
+            for layer in range(layers):
+                full.attend(layer, q, k, v)
+
+        row = {"num_seqs": num_seqs, "context_tokens": ctx, "kept_rows": kept}
+        for name, step in (("full", full_step), ("layered", layered_step)):
+            step()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                step()
+            row[f"{name}_ms"] = (time.perf_counter() - t0) / repeats * 1e3
+        row["full_over_layered"] = row["full_ms"] / row["layered_ms"]
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, default=1024)
@@ -111,7 +169,19 @@ def main() -> None:
                    help="the layered server's --kv-* options")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="kv_policy.json")
+    p.add_argument("--attention-only", action="store_true", help="time the attention worker's decode step alone")
+    p.add_argument("--shapes", default="8x1024x272,8x4000x272,8x8000x1360",
+                   help="--attention-only: BxCxK, comma-separated (sequences x context x rows kept)")
     args = p.parse_args()
+    if args.attention_only:
+        rows = attention_steps(args.shapes)
+        print_table(rows, list(rows[0]))
+        path = write_json("kv_policy_attention.json", {
+            "benchmark": "kv_policy_attention", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip(), "settings": vars(args), "results": rows})
+        print(f"wrote {path}")
+        return
 
     block = 16
     per_seq = -(-(args.prompt_tokens + args.output_tokens) // block) * block * BYTES_PER_TOKEN_FP16

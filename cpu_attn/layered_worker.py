@@ -109,15 +109,15 @@ class LayeredAttentionWorker(AttentionWorker):
         plan = self._groups[group - 1]
         sparse = self.layout.is_sparse(group)
         self.store.write(slot, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy())
-        out = torch.empty(q.shape, dtype=q.dtype)
-        if len(plan.decode_rows):
+        if not plan.prefills:  # a decode-only step: every row is a decode row, in order
+            out = torch.from_numpy(self._decode_rows(layer, slot, np.ascontiguousarray(q.numpy(), np.float32), plan,
+                                                     sparse))
+        else:
+            out = torch.empty(q.shape, dtype=q.dtype)
+        if len(plan.decode_rows) and plan.prefills:
             rows = plan.decode_rows
-            qd = np.ascontiguousarray(q[rows].numpy(), np.float32)
-            if sparse:
-                o = self._scored_decode(layer, slot, qd, plan)
-            else:
-                o = self.store.decode_attention(slot, qd, plan.block_tables, plan.seq_lens, self.scale)[0]
-            out[rows] = torch.from_numpy(o)
+            out[rows] = torch.from_numpy(self._decode_rows(layer, slot, np.ascontiguousarray(q[rows].numpy(),
+                                                                                          np.float32), plan, sparse))
         for first, n, before, table, seq_id in plan.prefills:
             out[first:first + n] = self._prefill(layer, slot, q[first:first + n], k[first:first + n],
                                                  v[first:first + n], before, table, seq_id, sparse)
@@ -125,6 +125,12 @@ class LayeredAttentionWorker(AttentionWorker):
             self._evict(layer, slot, seq_id, held, kept, table)
         self.busy_s += time.perf_counter() - t0
         return out.reshape(q.shape[0], -1)
+
+    def _decode_rows(self, layer: int, slot: int, q: np.ndarray, plan: _GroupPlan, sparse: bool) -> np.ndarray:
+        """q: [B, Hq, D] of the plan's decode rows -> their attention output [B, Hq, D]."""
+        if sparse:
+            return self._scored_decode(layer, slot, q, plan)
+        return self.store.decode_attention(slot, q, plan.block_tables, plan.seq_lens, self.scale)[0]
 
     def _scored_decode(self, layer: int, slot: int, q: np.ndarray, plan: _GroupPlan) -> np.ndarray:
         """Exact decode attention over the group's rows; each row's probabilities add to its score."""
