@@ -4,17 +4,18 @@
                                                  occurrence of the sequence's last n tokens
     ks     = SpecPolicy.plan(candidates)         how many drafts each decoding sequence sends
 
-A sequence's decode chunk then carries its drafts (SeqChunk.num_draft); the backend samples the
-target's token at each of their rows and accepts drafts while each equals the token sampled before
-it. Every row is sampled exactly as without speculation (same logits, same per-output-index random
-stream), so the text is the one speculation off gives with the same seed, and only the number of
-steps changes.
+A sequence's decode chunk then carries its drafts (SeqChunk.num_draft), or asks the backend to make
+them (SeqChunk.self_draft, server/self_draft.py); the backend samples the target's token at each of
+their rows and accepts drafts while each equals the token sampled before it. Every row is sampled as
+without speculation (its logits, its output index's random stream), so each emitted token is the one
+the model samples there without speculation; only the number of steps changes.
 
 The policy estimates, per sequence, the probability `a` that a draft token is accepted (from the
 drafts it sent, and for n-gram drafts also from the proposals it did not send, checked against the
 token sampled instead), and from the measured decode step times per number of tokens the cost of
 the extra rows; it sends the drafts that raise the expected tokens per second of the step, and none
-when nothing does (so enabling speculation costs at most the tries that measure it).
+when nothing does. Per batch size it also compares the tokens per second that steps with drafts and
+without have lately given, and drafts only one step in 16 where drafting has not paid.
 """
 from __future__ import annotations
 
@@ -158,15 +159,14 @@ class SpecPolicy:
 
     def cost(self, num_tokens: int) -> float:
         """Seconds of a decode-only step of `num_tokens` tokens: measured, else interpolated between the
-        nearest measured sizes, else the nearest one's plus (or less) unmeasured_row_cost a row."""
+        nearest measured sizes, else the nearest smaller one's plus unmeasured_row_cost a row (plan measures
+        the draft-free size first, so a smaller one is there)."""
         if num_tokens in self.step_s:
             return self.step_s[num_tokens]
         below = max((n for n in self.step_s if n < num_tokens), default=None)
         above = min((n for n in self.step_s if n > num_tokens), default=None)
-        if below is None:  # the mirror image of the extrapolation upwards
-            if above is None:
-                return 1.0
-            return self.step_s[above] * max(0.5, 1 - self.unmeasured_row_cost * (above - num_tokens))
+        if below is None:
+            return self.step_s[above] if above is not None else 1.0
         if above is None:
             return self.step_s[below] * (1 + self.unmeasured_row_cost * (num_tokens - below))
         w = (num_tokens - below) / (above - below)
