@@ -1,6 +1,7 @@
 """Speculative decoding: n-gram drafts, the policy, the scheduler's draft accounting, acceptance, and
 exactness end to end (the text equals the text without speculation, token for token)."""
 import random
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -351,3 +352,46 @@ def test_policy_stops_drafting_where_drafted_steps_emitted_less_and_explores():
     for _ in range(30):
         policy.observe_outcome(1, True, 3.0, 0.030)
     assert policy.drafting_pays(1) and policy.plan(1, 1, [(0.9, 8)], 64) == [4]
+
+
+def binned(tokens, top: list[int]) -> np.ndarray:
+    """Counts of each of `top`'s tokens, then of all the others."""
+    index = {t: i for i, t in enumerate(top)}
+    return np.bincount([index.get(t, len(top)) for t in tokens], minlength=len(top) + 1)
+
+
+def test_speculative_sampling_keeps_the_real_models_distribution():
+    """The real model (fp32), a prompt and one draft token: over 2,000 seeds at temperature 1, the first emitted
+    token follows the model's distribution at the prompt's end, and the second (when the draft was accepted)
+    its distribution after the draft (chi-square over the 9 likeliest tokens and the rest, p > 0.01)."""
+    from gpu_model.loader import resolve_model_dir
+    from hetcore.backend import SeqChunk, StepInput
+    from server.backend_config import BackendConfig
+    from server.hetero import HeteroBackend, flatten, sample_batches
+
+    backend = HeteroBackend(resolve_model_dir(None, Path("~/.cache/hetserve/models").expanduser()),
+                            BackendConfig(kv_format="fp32", kv_capacity_bytes=32 * 2**20, cpu_linear_dtype="float32"))
+    prompt = (504, 3575, 282, 4649, 314)  # "The capital of France is"; the draft: " Paris"
+    params = SamplingParams(temperature=1.0)
+    backend.step(StepInput((SeqChunk(0, prompt[:-1], 0, (0,), None),)))
+    draft = 7042
+    chunk = SeqChunk(0, (prompt[-1], draft), len(prompt) - 1, (0,), params, num_draft=1)
+    batch = flatten(StepInput((chunk,)))
+    backend.attn_worker.begin_step(batch.layouts)
+    logits, _ = backend.model_worker.forward(batch.token_ids, batch.positions, batch.logit_rows,
+                                             backend.attn_worker.attend, batch.chunks)
+    firsts, seconds = [], []
+    for seed in range(2000):
+        seeded = SamplingParams(temperature=1.0, seed=seed)
+        batch.params = [seeded, seeded]
+        out = sample_batches([logits], [batch])
+        emitted = [*out.accepted[0], out.sampled[0]]
+        firsts.append(emitted[0])
+        if len(emitted) > 1:
+            seconds.append(emitted[1])
+    assert len(seconds) > 100  # the draft is accepted often enough to test the second position
+    for observed, row in ((firsts, logits[0]), (seconds, logits[1])):
+        p = row.double().softmax(-1)
+        top = p.topk(9).indices.tolist()
+        expected = np.append(p[top].numpy(), 1 - p[top].sum().item()) * len(observed)
+        assert chisquare_pvalue(binned(observed, top), expected) > 0.01
