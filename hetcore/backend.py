@@ -127,7 +127,7 @@ class SeqChunk:
     each as its row will be sampled, then treat them as the chunk's num_draft drafts."""
     draft_view: tuple[int, int] = (0, 0)
     """With self_draft: (sinks, window): a draft step attends to the sequence's first `sinks` and last `window`
-    tokens only (whole KV blocks: the blocks that hold them)."""
+    tokens only (whole KV blocks: the blocks that hold them); (0, 0): to all of them."""
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ class BackendConfig:
     max_num_seqs: int = 1
     """Most sequences running at once: MagicPIG sets aside room for that many sequences' key centers."""
     kv_policy: KVPolicy = KVPolicy()
+    draft_weight_format: str | None = None
+    """Speculative self-mx: the weight format of a second copy of the model that drafts (None: none)."""
     """How many tokens each layer's KV keeps (hetcore/kv_policy.py; layered needs kv_format fp16 or fp32)."""
 
     def __post_init__(self) -> None:
@@ -78,7 +80,8 @@ class BackendConfig:
                    kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,
                    max_model_len=cfg.max_model_len, oaken_thresholds_path=cfg.oaken_thresholds,
                    oaken_sparse_fraction=cfg.oaken_sparse_fraction, oaken_recent_blocks=recent,
-                   lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs, kv_policy=cfg.kv_policy_config())
+                   lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs, kv_policy=cfg.kv_policy_config(),
+                   draft_weight_format=cfg.speculative_config().draft_weight_format)
 
 
 @dataclass(frozen=True)

@@ -140,8 +140,10 @@ class ServeConfig:
                                 parse=parse_switch)
     speculative_method: str = _opt("off", "speculative decoding: off; ngram (drafts copied from the continuation of "
                                           "the latest earlier occurrence of the sequence's last tokens, prompt "
-                                          "lookup); or self-sparse (the model drafts with attention over "
-                                          "speculative_sinks + speculative_window tokens, executor local); each "
+                                          "lookup); self-sparse (the model drafts with attention over "
+                                          "speculative_sinks + speculative_window tokens); self-mx (a copy of the "
+                                          "model with MXFP4 weights drafts); self-mx-sparse (both; the self "
+                                          "methods need executor local); each "
                                           "emitted token is the one the model samples without speculation; needs "
                                           "kv_format fp16 or fp32 and attention exact; see docs/speculative.md")
     num_speculative_tokens: int = _opt(4, "speculative decoding: most draft tokens a sequence sends per step (1-16); "
@@ -235,9 +237,9 @@ class ServeConfig:
                                                  or self.backend != "hetero"):
             raise ValueError(f"speculative_method {self.speculative_method} needs kv_format fp16 or fp32, attention "
                              "exact and backend hetero (its rejected drafts' KV must not stay in the store)")
-        if self.speculative_method == "self-sparse" and self.executor != "local":
-            raise ValueError("speculative_method self-sparse needs executor local (its draft steps run in the "
-                             "backend's process)")
+        if self.speculative_method.startswith("self") and self.executor != "local":
+            raise ValueError(f"speculative_method {self.speculative_method} needs executor local (its draft steps "
+                             "run in the backend's process)")
         if self.kv_policy_config().is_layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
                                                    or self.speculative_method != "off" or self.backend != "hetero"
                                                    or self.executor != "local"):

@@ -257,6 +257,13 @@ class HeteroBackend(Backend):
         cal = oaken_thresholds(self.model, model_dir, c.oaken_thresholds_path) if c.kv_format == "oaken" else None
         self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_worker = model_worker(self.model, c.lsh, device)
+        self.draft_worker = self.model_worker
+        """What makes the drafts of chunks with self_draft: the model, or a copy in c.draft_weight_format."""
+        if c.draft_weight_format is not None:
+            draft = replace(c, weight_format=c.draft_weight_format).load_model(model_dir, device,
+                                                                                pick_dtype(c.dtype, device))
+            self.draft_worker = model_worker(draft, None, device)
+            log.info("speculative drafts: a copy of the model with %s weights", c.draft_weight_format)
         if c.kv_policy.is_layered:
             self.attn_worker = layered_attention_worker(c, cfg, num_blocks)
         else:
@@ -271,7 +278,7 @@ class HeteroBackend(Backend):
         self.attn_worker.free(inp.freed_seq_ids)
         draft_s = 0.0
         if any(c.self_draft for c in inp.chunks):
-            inp, draft_s = self_drafts(inp, self.model_worker, self.attn_worker, self.kv_spec.block_size)
+            inp, draft_s = self_drafts(inp, self.draft_worker, self.attn_worker, self.kv_spec.block_size)
         b = flatten(inp)
         self.attn_worker.begin_step(b.layouts)
         if not b.token_ids:

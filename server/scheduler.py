@@ -237,7 +237,7 @@ class Scheduler:
             kv_view=self.blocks.advance(seq.seq_id, stop, is_last),
             num_draft=0 if self_draft else len(drafts),
             self_draft=self_draft,
-            draft_view=(spec.draft_sinks, spec.draft_window) if self_draft else (0, 0),
+            draft_view=spec.draft_view if self_draft else (0, 0),
         )
 
     def schedule(self) -> StepInput:

@@ -1,6 +1,7 @@
-"""Drafts the backend makes itself (speculative method self-sparse, as MagicDec and TriForce draft): the
-target model, attending only to a small view of each sequence's KV (its first `sinks` and last `window`
-tokens), proposes the tokens one step at a time; the step then verifies them with the full KV.
+"""Drafts the backend makes itself: the target model attending only to a small view of each sequence's KV
+(its first `sinks` and last `window` tokens; self-sparse, as MagicDec and TriForce draft), or a copy of
+the model with MXFP4 weights (self-mx, with the whole KV or the view), proposes the tokens one step at a
+time; the step then verifies them with the target and the full KV.
 
 A draft step of sequence c at position p is an ordinary one-token decode whose block table is the view:
 the blocks of the sinks, then the blocks of the window,
@@ -28,6 +29,8 @@ def view_layout(c: SeqChunk, j: int, block_size: int) -> ChunkLayout:
     pos = c.start_pos + j
     num_blocks = pos // block_size + 1
     sinks, window = c.draft_view
+    if window <= 0:  # the whole KV
+        return ChunkLayout(1, pos, c.block_table[:num_blocks], c.seq_id)
     head = -(-sinks // block_size)
     tail = num_blocks - max(0, pos - window + 1) // block_size
     if head + tail >= num_blocks:

@@ -23,7 +23,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-SPECULATIVE_METHODS = ("off", "ngram", "self-sparse")
+SPECULATIVE_METHODS = ("off", "ngram", "self-sparse", "self-mx", "self-mx-sparse")
+DRAFT_WEIGHT_FORMAT = "mxfp4"
+"""The weights of the self-mx methods' draft: an MXFP4 copy of the model's linears."""
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -55,6 +57,16 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "off"
+
+    @property
+    def draft_view(self) -> tuple[int, int]:
+        """(sinks, window) of the KV the backend's draft steps attend to; (0, 0): all of it."""
+        return (self.draft_sinks, self.draft_window) if self.method.endswith("sparse") else (0, 0)
+
+    @property
+    def draft_weight_format(self) -> str | None:
+        """The weight format of a separate draft copy of the model (self-mx methods); None: the model drafts."""
+        return DRAFT_WEIGHT_FORMAT if self.method.startswith("self-mx") else None
 
 
 class NgramDrafter:

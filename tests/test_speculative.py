@@ -395,3 +395,29 @@ def test_speculative_sampling_keeps_the_real_models_distribution():
         top = p.topk(9).indices.tolist()
         expected = np.append(p[top].numpy(), 1 - p[top].sum().item()) * len(observed)
         assert chisquare_pvalue(binned(observed, top), expected) > 0.01
+
+
+def test_self_draft_methods_name_their_view_and_weights():
+    from hetcore.backend import SeqChunk
+    from server.self_draft import view_layout
+
+    assert SpecConfig("self-sparse").draft_view == (16, 256) and SpecConfig("self-sparse").draft_weight_format is None
+    assert SpecConfig("self-mx").draft_view == (0, 0) and SpecConfig("self-mx").draft_weight_format == "mxfp4"
+    assert SpecConfig("self-mx-sparse", draft_sinks=4, draft_window=64).draft_view == (4, 64)
+    whole = SeqChunk(0, (5,), 100, tuple(range(50, 58)), GREEDY, self_draft=2, draft_view=(0, 0))
+    assert view_layout(whole, 1, 16).block_table == tuple(range(50, 57)) and view_layout(whole, 1, 16).start_pos == 101
+
+
+@pytest.mark.slow
+def test_self_mx_text_equals_text_without_it(server):
+    """A copy of the model with MXFP4 weights drafts; the fp32 model verifies: its greedy text."""
+    srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
+                                    speculative_method="self-mx", num_speculative_tokens=3))
+    try:
+        for prompt in PROMPTS[:2]:
+            assert complete(srv.url, prompt)["text"] == complete(server.url, prompt)["text"]
+        metrics = httpx.get(srv.url + "/metrics").text
+        sent = [line for line in metrics.splitlines() if line.startswith("hetserve:spec_decode_num_draft_tokens")]
+        assert 'method="self-mx"' in sent[0] and float(sent[0].split()[-1]) > 0
+    finally:
+        srv.close()
