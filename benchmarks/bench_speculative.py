@@ -119,7 +119,7 @@ def cells(args) -> list[tuple[str, int, int, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="off,ngram", type=lambda s: s.split(","))
+    ap.add_argument("--methods", default="off,ngram,self-sparse", type=lambda s: s.split(","))
     ap.add_argument("--kinds", default="chat,grounded,wikitext", type=lambda s: s.split(","))
     ap.add_argument("--contexts", default="256,4096", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--concurrency", default="1,8", type=lambda s: [int(x) for x in s.split(",")])
@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--long-batches", action="store_true", help="also run contexts > 1024 at concurrency > 1")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--serve-args", default="", help="extra `hetserve serve` flags for every method")
+    ap.add_argument("--name", default="bench_speculative", help="results file names (JSON, PNG) without suffix")
     args = ap.parse_args()
 
     from gpu_model.loader import resolve_model_dir
@@ -164,9 +165,9 @@ def main() -> None:
     print_table(results, cols)
     info = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "args": {k: v for k, v in vars(args).items()},
             "rows": results}
-    path = write_json("bench_speculative.json", info)
-    plot(results, RESULTS / "bench_speculative.png")
-    print(f"wrote {path} and {RESULTS / 'bench_speculative.png'}")
+    path = write_json(f"{args.name}.json", info)
+    plot(results, RESULTS / f"{args.name}.png")
+    print(f"wrote {path} and {RESULTS / (args.name + '.png')}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
