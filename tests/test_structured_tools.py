@@ -1,14 +1,19 @@
-"""The openai client against the real server: `parse` with a pydantic model, a tool-calling loop (call ->
-result -> answer), streamed tool calls; and the parsing of tool calls from text, without a model."""
+"""The openai client against the daemon started as `make serve` starts it (`hetserve serve`, default
+configuration, its own process): `parse` with a pydantic model, a tool-calling loop (call -> result ->
+answer), streamed tool calls; and the parsing of tool calls from text, without a model."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from types import SimpleNamespace
 from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
 
 from server.structured import ToolCallStream, Tools, parse_calls, tool_message
+from tests.conftest import free_port, wait_healthy
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city.",
@@ -21,6 +26,27 @@ class Pet(BaseModel):
     name: str = Field(max_length=20)
     kind: Literal["cat", "dog", "bird"]
     age: int = Field(ge=0, le=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`hetserve serve` in its own process with the default configuration (a smaller KV cache beside the
+    other test servers); stopped with SIGTERM."""
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hetserve", "serve", "--port", str(port), "--kv-cache-bytes",
+                                 "256MiB"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(proc, url, log_path, timeout_s=300)
+        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        yield SimpleNamespace(url=url, model_name=name)
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 @pytest.fixture(scope="module")
