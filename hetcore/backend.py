@@ -121,6 +121,9 @@ class SeqChunk:
     sequence's last one. The backend writes their KV, samples at each of the num_draft + 1 last rows (output
     indices output_index, output_index + 1, ...) and accepts drafts while each equals the token sampled before
     it (StepOutput.accepted). Only a decode chunk (one known token) carries drafts."""
+    draft_masks: tuple[TokenMask, ...] = ()
+    """With drafts and allowed_tokens: the tokens row 1, 2, ... may sample (a grammar's masks after the drafts
+    before each row; allowed_tokens is row 0's)."""
     self_draft: int = 0
     """Speculative decoding with drafts the backend makes (a decode chunk, num_draft 0): first draft this many
     tokens one at a time with the model itself, attending only to the KV view `draft_view` names and sampling

@@ -163,7 +163,7 @@ class Engine:
 
     def _add(self, req: EngineRequest) -> None:
         seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), req.sampling, max_tokens=req.max_tokens,
-                       speculate=req.grammar is None)
+                       speculate=req.grammar is None or self.scheduler.cfg.speculative.method == "ngram")
         detok = IncrementalDetokenizer(self.tokenizer.decode, req.stop)
         self._live[seq.seq_id] = _Live(req, seq, detok)
         self.clock.on_arrival(seq.seq_id)

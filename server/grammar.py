@@ -181,26 +181,40 @@ class GrammarMasks:
             if entry is None:
                 chunks.append(c)
                 continue
-            mask = TokenMask()
-            jobs.append((*entry, mask))
-            chunks.append(replace(c, allowed_tokens=mask))
+            masks = tuple(TokenMask() for _ in range(c.num_draft + 1))
+            drafts = c.token_ids[len(c.token_ids) - c.num_draft:] if c.num_draft else ()
+            jobs.append((*entry, masks, drafts))
+            chunks.append(replace(c, allowed_tokens=masks[0], draft_masks=masks[1:]))
         if not jobs:
             return inp
         self._pending = self._pool.submit(self._fill, jobs)
         return replace(inp, chunks=tuple(chunks))
 
-    def _fill(self, jobs: list[tuple[LLMatcher, int, TokenMask]]) -> None:
+    def _fill(self, jobs: list[tuple[LLMatcher, int, tuple[TokenMask, ...], tuple[int, ...]]]) -> None:
+        """Each job's masks: the first from its matcher's state; with drafts, each next one from a copy of the
+        matcher advanced over the drafts before it (after a draft the grammar refuses, the rows copy the last
+        mask: the draft is rejected there anyway)."""
         t0 = time.perf_counter()
-        for matcher, num_words, mask in jobs:
+        for matcher, num_words, masks, drafts in jobs:
             try:
-                words = np.empty(num_words, np.int32)
-                matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-                if matcher.is_error():
-                    mask.fail(matcher.get_error())
-                else:
+                state, words = matcher, None
+                for i, mask in enumerate(masks):
+                    if i and state is not None:
+                        if state is matcher:
+                            state = matcher.deep_copy()
+                        if not state.consume_token(drafts[i - 1]) or state.is_error():
+                            state = None
+                    if state is not None:
+                        words = np.empty(num_words, np.int32)
+                        state.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+                        if state.is_error():
+                            for rest in masks[i:]:
+                                rest.fail(state.get_error())
+                            break
                     mask.fill(words)
             except Exception as exc:  # the sampler must not wait for ever
-                mask.fail(f"{type(exc).__name__}: {exc}")
+                for mask in masks:
+                    mask.fail(f"{type(exc).__name__}: {exc}")
         self.on_mask(time.perf_counter() - t0)
 
     def settle(self) -> None:

@@ -112,8 +112,7 @@ def flatten(inp: StepInput) -> FlatBatch:
         b.positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
         if c.sampling is not None:
             drafts = c.token_ids[len(c.token_ids) - c.num_draft:] if c.num_draft else ()
-            if drafts and c.allowed_tokens is not None:
-                raise ValueError("a chunk with a token mask cannot carry drafts")
+            masks = (c.allowed_tokens, *c.draft_masks) if c.allowed_tokens is not None else (None,) * (c.num_draft + 1)
             b.drafts.append((c.seq_id, drafts))
             for i in range(c.num_draft + 1):  # row i samples the token after drafts[:i]
                 b.sample_rows.append(len(b.token_ids) - 1 - c.num_draft + i)
@@ -121,7 +120,7 @@ def flatten(inp: StepInput) -> FlatBatch:
                 b.output_indices.append(c.output_index + i)
                 b.histories.append(c.output_token_ids + drafts[:i] if c.sampling.has_penalties else ())
                 b.sampled_ids.append(c.seq_id)
-                b.masks.append(c.allowed_tokens)
+                b.masks.append(masks[i])
         b.layouts.append(ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id, c.num_draft))
         if c.kv_view is not None:  # layered KV sparsity: the chunk's rows in the later layer groups too
             b.layouts[-1] = layered_chunk_layout(b.layouts[-1], c)

@@ -421,3 +421,28 @@ def test_self_mx_text_equals_text_without_it(server):
         assert 'method="self-mx"' in sent[0] and float(sent[0].split()[-1]) > 0
     finally:
         srv.close()
+
+
+def test_constrained_requests_speculate_within_their_grammar(server, spec_server):
+    """n-gram drafts for a JSON-schema request: each draft row is sampled under the grammar's mask after the
+    drafts before it, so the output is the one without speculation, and valid."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                        "maxItems": 6}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "Give a name and many color tags, as JSON."}], "max_tokens": 80,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    before = float([line for line in httpx.get(spec_server.url + "/metrics").text.splitlines()
+                    if line.startswith("hetserve:spec_decode_num_draft_tokens")][0].split()[-1])
+    texts = []
+    for srv in (server, spec_server):
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1]
+    import json
+    import jsonschema
+    jsonschema.validate(json.loads(texts[1]), schema)
+    after = float([line for line in httpx.get(spec_server.url + "/metrics").text.splitlines()
+                   if line.startswith("hetserve:spec_decode_num_draft_tokens")][0].split()[-1])
+    assert after > before  # it did speculate
