@@ -220,19 +220,17 @@ def _codegen(q4_1: bool):
                 at = builder.add(builder.mul(_I64(i), num_rows), rows[r])
                 builder.store(lane_total(builder, builder.load(acc)), builder.gep(out.data, [at]))
 
-        with builder.if_else(builder.icmp_signed(">", num_x, _I64(2))) as (many, few):
-            with many:
-                with builder.if_else(builder.icmp_signed(">", num_x, _I64(3))) as (four, three):
-                    with four:
-                        run(4)
-                    with three:
-                        run(3)
-            with few:
-                with builder.if_else(builder.icmp_signed(">", num_x, _I64(1))) as (pair, single):
-                    with pair:
-                        run(2)
-                    with single:
-                        run(1)
+        def dispatch(count):  # run(count) if x has that many rows, else the next smaller count
+            if count == 1:
+                run(1)
+                return
+            with builder.if_else(builder.icmp_signed(">=", num_x, _I64(count))) as (enough, fewer):
+                with enough:
+                    run(count)
+                with fewer:
+                    dispatch(count - 1)
+
+        dispatch(X_ROWS)
         return context.get_dummy_value()
     return codegen
 
