@@ -63,14 +63,19 @@ def prefetch(typingctx, ary, index):
         array = context.make_array(array_type)(context, builder, args[0])
         indices = [context.cast(builder, i, t, types.intp)
                    for i, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_type)), index_type)]
-        pointer = cgutils.get_item_pointer(context, builder, array_type, array, indices, wraparound=False)
-        i32 = ir.IntType(32)
-        byte_pointer = ir.IntType(8).as_pointer()
-        hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer] + [i32] * 3),
-                                              "llvm.prefetch.p0")
-        builder.call(hint, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])  # read, keep in all levels, data cache
+        prefetch_ir(builder, cgutils.get_item_pointer(context, builder, array_type, array, indices, wraparound=False))
         return context.get_dummy_value()
     return types.none(ary, index), codegen
+
+
+def prefetch_ir(builder, pointer, offset=None) -> None:
+    """LLVM IR: the prefetch hint (read, keep in all cache levels, data) for the byte `offset` (an i64 value) past
+    `pointer`, or for `pointer` itself."""
+    i32, byte_pointer = ir.IntType(32), ir.IntType(8).as_pointer()
+    hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer] + [i32] * 3),
+                                          "llvm.prefetch.p0")
+    at = builder.bitcast(pointer, byte_pointer)
+    builder.call(hint, [at if offset is None else builder.gep(at, [offset]), i32(0), i32(3), i32(1)])
 
 
 def host_has(*features: str) -> bool:

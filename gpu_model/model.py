@@ -228,6 +228,19 @@ class LlamaModel(nn.Module):
         out["head"] = head if self.head_weight is None else self.head_weight  # as logits() picks it
         return out
 
+    def step_weight_bytes(self, num_tokens: int) -> int:
+        """The bytes of linear weights a step of `num_tokens` tokens (and as many logits) reads: the block copies
+        where such a step uses them, else the dense weights (bf16 ones where cast_linears made them)."""
+        total = 0
+        for key, weight in self.matmul_weights().items():
+            q = self.quant.get(key)
+            if q is not None and num_tokens <= self.quant_max_tokens:
+                total += q.nbytes
+            else:
+                packed = self.packed.get(key)
+                total += weight.numel() * weight.element_size() if packed is None else packed.numel() * packed.element_size()
+        return total
+
     def attach_quant(self, sd: dict[str, QuantWeight], max_tokens: int, vnni: bool = False) -> None:
         """Use GGUF blocks (Hugging Face names) for steps of at most `max_tokens` tokens. With `vnni` (a CPU
         with AVX512-VNNI) they multiply x rounded to int16 per block (gpu_model/quant_vnni.py, ~2^-16 of

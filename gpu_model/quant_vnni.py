@@ -36,8 +36,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.llvm_ir import c_array, host_has
-from gpu_model.quant import BLOCK, QuantWeight, lane_total
+from cpu_attn.llvm_ir import c_array, host_has, prefetch_ir
+from gpu_model.quant import BLOCK, PREFETCH_BYTES, QuantWeight, lane_total
 
 PAIR = 2 * BLOCK
 ROWS = 4  # weight rows each kernel call dots at once: they share x's loads and give the FMAs independent sums
@@ -68,6 +68,10 @@ class VnniWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return self.qs.shape[0] * ROWS, self.qs.shape[1] * PAIR
+
+    @property
+    def nbytes(self) -> int:
+        return self.scales.nbytes + self.qs.nbytes
 
     def matmul(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
                gated: bool = False) -> torch.Tensor:
@@ -201,6 +205,10 @@ def _codegen(q4_1: bool):
                 builder.store(ir.Constant(_VF, [0.0] * 16), acc)
             with cgutils.for_range(builder, num_pairs) as loop:
                 p = loop.index
+                for array, width in ((qa, qbytes), (sa, 4 * nscales)):  # PREFETCH_BYTES ahead: the next groups follow
+                    ahead = builder.add(at_pair(0, p, width), _I64(PREFETCH_BYTES * width // qbytes))  # bytes
+                    for line in range(0, ROWS * width, 64):
+                        prefetch_ir(builder, array.data, builder.add(ahead, _I64(line)))
                 pair_at = [builder.add(builder.mul(_I64(i), num_pairs), p) for i in range(count)]
                 xs_ = [[_vload(builder, builder.gep(xa.data, [builder.add(builder.mul(at, _I64(PAIR)), _I64(32 * h))]), _VI)
                         for h in (0, 1)] for at in pair_at]

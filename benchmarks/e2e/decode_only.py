@@ -12,6 +12,10 @@ sequence therefore reads a full-length context every step: the work of the decod
 `concurrency` distinct contexts; only the bytes are shared (cache effects: see the README). The
 counterpart for llama.cpp is `llama-batched-bench -pps` (shared prompt), which does the same.
 
+With the local executor each row also gives the step's read bound: the bytes of linear weights a step of
+that many tokens reads (LlamaModel.step_weight_bytes) over the memory read bandwidth measured after the
+runs (benchmarks.common.memory_read_gb_s), and the p50 step over it.
+
 KV block layout of each concurrency's group of sequences (the next group reuses the blocks; block_size
 16, prompt of P = 496 blocks):
 
@@ -135,7 +139,8 @@ def main() -> None:
     from loadgen.prompts import DEFAULT_TEXT, PromptBuilder, TargetTokenizer
     from server.launch import build_engine
     from server.config import add_arguments, from_args
-    from server.hetero import kv_capacity_for
+    from benchmarks.common import memory_read_gb_s
+    from server.hetero import HeteroBackend, kv_capacity_for
 
     serve = argparse.ArgumentParser()
     add_arguments(serve)
@@ -151,6 +156,16 @@ def main() -> None:
     text = PromptBuilder(tok, Path(DEFAULT_TEXT).read_text(encoding="utf-8"), seed=0).build(args.context_tokens).text
     prompt = tok._tok.encode(text, add_special_tokens=True)[:args.context_tokens]
     rows = run(engine.backend, prompt, args.concurrency, args.steps + 2, is_distinct=args.distinct)
+    if isinstance(engine.backend, HeteroBackend):  # the model is in this process: the step's read bound
+        gb_s = memory_read_gb_s()
+        for r in rows:
+            weight_bytes = engine.backend.model.step_weight_bytes(r["concurrency"])
+            bound_ms = 1e3 * weight_bytes / 1e9 / gb_s
+            r.update(weight_mb=round(weight_bytes / 1e6, 1), memory_read_gb_s=round(gb_s, 2),
+                     read_bound_ms=round(bound_ms, 2), p50_step_over_bound=round(r["p50_step_ms"] / bound_ms, 2))
+            print(f"{r['concurrency']} sequences: {r['weight_mb']} MB of weights a step at {r['memory_read_gb_s']} GB/s "
+                  f"(measured now) = {r['read_bound_ms']} ms; p50 step {r['p50_step_ms']:.1f} ms = "
+                  f"{r['p50_step_over_bound']}x that bound", flush=True)
     rows = [{**r, "serve_args": " ".join(serve_args)} for r in rows]
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
