@@ -47,11 +47,14 @@ class ModelWorker:
         return logits, busy_s
 
     @torch.inference_mode()
-    def forward_pipelined(self, batches: Sequence[tuple], send: Callable, recv: Callable) -> tuple[list[torch.Tensor], float]:
+    def forward_pipelined(self, batches: Sequence[tuple], send: Callable, recv: Callable,
+                          on_device: Sequence[bool] = ()) -> tuple[list[torch.Tensor], float]:
         """`forward` over micro-batches [(token_ids, positions, logit_rows, chunks)], layer by layer
         in turn: send(m, layer, q, k, v, codes) hands micro-batch m's attention to the CPU workers
         and recv(m) -> [T, Hq * D] waits for it, so while they attend for one micro-batch this
-        worker runs the other's linears. Returns each one's logits and the seconds outside recv."""
+        worker runs the other's linears. A micro-batch marked in `on_device` is attended on the model's
+        device: its q, k, v are sent as they are, not as CPU float32. Returns each one's logits and the
+        seconds outside recv."""
         t0 = time.perf_counter()
         m, dev = self.model, self.model.device
         xs, ropes = [], []
@@ -62,7 +65,10 @@ class ModelWorker:
         def issue(b: int, i: int) -> None:
             q, k, v = m.pre_attention(i, xs[b], *ropes[b])
             codes = None if self.lsh is None else self.lsh.codes(i, q, k, batches[b][3])
-            send(b, i, self._to_host(q), self._to_host(k), self._to_host(v), codes)
+            if b < len(on_device) and on_device[b]:
+                send(b, i, q, k, v, codes)
+            else:
+                send(b, i, self._to_host(q), self._to_host(k), self._to_host(v), codes)
 
         for b in range(len(batches)):
             issue(b, 0)

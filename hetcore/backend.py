@@ -159,11 +159,13 @@ class StepTimings:
     """Of cpu_attn_s, the layers a sparse attention keeps exact (MagicPIG's dense layers); None without one."""
     cpu_attn_max_s: float | None = None
     """The busiest attention worker's cpu_attn_s (Ray executor); None in one process."""
+    gpu_attn_s: float | None = None
+    """Attention of the sequences whose KV is on the accelerator (--gpu-kv-cache-bytes); None without."""
 
     def parts(self) -> dict[str, float]:
         """Part name -> seconds of the parts measured, named as /metrics' step_time_seconds{part} labels them."""
         parts = {"accelerator": self.accelerator_s, "cpu_attn": self.cpu_attn_s, "cpu_attn_max": self.cpu_attn_max_s,
-                 "cpu_attn_dense": self.cpu_attn_dense_s, "step": self.step_s}
+                 "cpu_attn_dense": self.cpu_attn_dense_s, "gpu_attn": self.gpu_attn_s, "step": self.step_s}
         return {part: seconds for part, seconds in parts.items() if seconds is not None}
 
 
@@ -206,6 +208,9 @@ class KVSpec:
     """Of a block's bytes, the share that is its holder's own state, not the block's KV (MagicPIG's
     codes of its tokens): a sequence that takes n blocks from the prefix cache also holds
     ceil(n * own_share) blocks, never written, for its copy of that state."""
+    first_fit: bool = False
+    """A new sequence goes to the first shard, in id order, with room for the blocks it first asks for (the
+    accelerator's KV pool before the host's), not to the one with the most room."""
     kv_layout: KVLayout | None = None
     """Layered KV sparsity's layer groups: a block id holds one group's rows, each group past the first has
     its own table (None: a block id holds every layer's rows)."""
@@ -264,6 +269,11 @@ class Backend(abc.ABC):
     def live_shards(self) -> set[int]:
         """The CPU attention shards able to take sequences now: by default every shard of kv_spec."""
         return set(range(len(self.kv_spec.shards) or 1))
+
+    def open_shards(self) -> set[int]:
+        """Of the live shards, those new sequences may be placed on now (a backend closes one whose work
+        would slow the step down); by default all of them."""
+        return self.live_shards()
 
     def health(self) -> str:
         """"ok", "degraded" (serving, with a CPU attention worker down) or "down" (not serving)."""

@@ -50,9 +50,11 @@ class BackendConfig:
     max_num_seqs: int = 1
     """Most sequences running at once: MagicPIG sets aside room for that many sequences' key centers."""
     kv_policy: KVPolicy = KVPolicy()
+    """How many tokens each layer's KV keeps (hetcore/kv_policy.py; layered needs kv_format fp16 or fp32)."""
     draft_weight_format: str | None = None
     """Speculative self-mx: the weight format of a second copy of the model that drafts (None: none)."""
-    """How many tokens each layer's KV keeps (hetcore/kv_policy.py; layered needs kv_format fp16 or fp32)."""
+    gpu_kv_cache_bytes: int | None = None
+    """Partial offload: a KV pool of this many bytes on the model's device, filled first (server/offload.py)."""
 
     def __post_init__(self) -> None:
         if self.kv_capacity_bytes <= 0 or self.block_size <= 0 or self.max_num_seqs <= 0:
@@ -81,7 +83,8 @@ class BackendConfig:
                    max_model_len=cfg.max_model_len, oaken_thresholds_path=cfg.oaken_thresholds,
                    oaken_sparse_fraction=cfg.oaken_sparse_fraction, oaken_recent_blocks=recent,
                    lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs, kv_policy=cfg.kv_policy_config(),
-                   draft_weight_format=cfg.speculative_config().draft_weight_format)
+                   draft_weight_format=cfg.speculative_config().draft_weight_format,
+                   gpu_kv_cache_bytes=cfg.gpu_kv_cache_bytes)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,8 @@ class BlockManager:
         """Blocks held for a sequence's own state of the blocks it shared (KVSpec.own_share)."""
         self._shard_of: dict[int, int] = {}
         self.live: set[int] = set(range(len(sizes)))
+        self.open: set[int] = set(range(len(sizes)))
+        """Shards new sequences may be placed on (Backend.open_shards); live ones outside it keep their own."""
         self._layout = spec.kv_layout if spec.kv_layout is not None and spec.kv_layout.is_layered else None
         self._rows: dict[int, SeqRows] = {}
         """Layered: each sequence's rows in groups 1, 2, ... (group 0's rows are its tokens)."""
@@ -135,21 +137,25 @@ class BlockManager:
     def shard_of(self, seq_id: int) -> int | None:
         return self._shard_of.get(seq_id)
 
-    def _shard_for(self, seq_id: int) -> int | None:
+    def _shard_for(self, seq_id: int, need: int) -> int | None:
+        """The sequence's shard; for a new one, where it would go when it asks for `need` blocks first."""
         shard = self._shard_of.get(seq_id)
-        if shard is None and self.live:
-            shard = max(sorted(self.live), key=self._room)
+        candidates = sorted(self.live & self.open)
+        if shard is None and candidates:
+            fits = [s for s in candidates if self._room(s) >= need] if self.spec.first_fit else []
+            shard = fits[0] if fits else max(candidates, key=self._room)
         return shard
 
     def can_hold(self, seq_id: int, num_tokens: int, reserve: int = 0) -> bool:
-        shard = self._shard_for(seq_id)
-        return shard is not None and self.num_missing(seq_id, num_tokens) + reserve <= self._room(shard)
+        need = self.num_missing(seq_id, num_tokens) + reserve
+        shard = self._shard_for(seq_id, need)
+        return shard is not None and need <= self._room(shard)
 
     def allocate(self, seq_id: int, num_tokens: int) -> tuple[int, ...]:
         """Grow `seq_id`'s table to cover `num_tokens`, and take its reserve once due; returns the
         whole table."""
         to_table, to_reserve = self._missing(seq_id, num_tokens)
-        shard = self._shard_for(seq_id)
+        shard = self._shard_for(seq_id, self.num_missing(seq_id, num_tokens))
         room = 0 if shard is None else self._room(shard)
         if self.num_missing(seq_id, num_tokens) > room:
             raise MemoryError(f"sequence {seq_id} needs {self.num_missing(seq_id, num_tokens)} blocks, {room} free "

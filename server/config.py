@@ -128,6 +128,11 @@ class ServeConfig:
                                          "only: an approximation of the prompt's own attention)", parse=parse_switch)
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB, MagicPIG's hash tables included "
                                       "(overrides --kv-cache-fraction)", parse=parse_bytes)
+    gpu_kv_cache_bytes: int | None = _opt(None, "partial offload: KV of this many bytes on the accelerator, e.g. "
+                                          "24GiB; sequences go there first and to the host's KV (--kv-cache-bytes) "
+                                          "once it is full, each step attending both at once (default: none, every "
+                                          "sequence's KV on the host; executor local, exact attention on the "
+                                          "accelerator side)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity (MagicPIG's tables included) as a fraction of total RAM")
     block_size: int = _opt(16, "tokens per KV block")
     max_num_seqs: int = _opt(64, "most requests in the running batch")
@@ -207,6 +212,7 @@ class ServeConfig:
             (self.ray_microbatches in (0, 1, 2), "ray_microbatches must be 0 (auto), 1 or 2"),
             (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
+            (self.gpu_kv_cache_bytes is None or self.gpu_kv_cache_bytes > 0, "gpu_kv_cache_bytes must be positive"),
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
             (self.gguf_blocks_max_tokens is None or self.gguf_blocks_max_tokens >= 0, "gguf_blocks_max_tokens must be >= 0"),
@@ -245,6 +251,11 @@ class ServeConfig:
                                                    or self.executor != "local"):
             raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, speculative_method off, "
                              "backend hetero and executor local (its rows are compacted in a plain paged store)")
+        if self.gpu_kv_cache_bytes is not None and (self.executor != "local" or self.backend != "hetero"
+                                                    or self.speculative_method != "off"
+                                                    or self.kv_policy_config().is_layered):
+            raise ValueError("gpu_kv_cache_bytes needs executor local, backend hetero, speculative_method off and "
+                             "kv_policy full (the accelerator's KV takes exact one-token and prompt rows only)")
         if self.backend not in ("hetero", "sim"):
             raise ValueError(f"backend must be hetero or sim, not {self.backend!r}")
         if self.backend == "sim":

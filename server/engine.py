@@ -183,6 +183,7 @@ class Engine:
 
     def _sync_workers(self) -> None:
         self.blocks.set_live(self.backend.live_shards())
+        self.blocks.open = self.backend.open_shards()
 
     def step(self) -> None:
         inp = self._schedule()

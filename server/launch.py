@@ -28,6 +28,10 @@ def build_engine(cfg: ServeConfig):
         from server.ray_executor import RayBackend
 
         backend: Backend = RayBackend(model_dir, config, RayConfig.from_serve_config(cfg))
+    elif config.gpu_kv_cache_bytes is not None:
+        from server.offload import OffloadBackend
+
+        backend = OffloadBackend(model_dir, config)
     else:
         backend = HeteroBackend(model_dir, config)
     if cfg.backend == "sim":

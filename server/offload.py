@@ -1,0 +1,137 @@
+"""Partial offload (`--gpu-kv-cache-bytes`, local executor): the KV of some sequences on the
+accelerator, the rest on the host, both attended in every step at the same time (NEO's asymmetric
+pipelining).
+
+    block ids [0, Nd)        the accelerator's pool   DeviceAttentionWorker (gpu_model/device_attn.py)
+    block ids [Nd, Nd + Nh)  the host's pool          the CPU attention worker, its store's blocks 0 .. Nh - 1
+
+The pools are two shards of one KVSpec with first_fit: a new sequence goes to the accelerator's pool
+while it has room for the sequence's first blocks, else to the host's, and keeps its shard until it
+ends or is preempted. Each step is two micro-batches, the accelerator-placed sequences and the
+host-placed ones, run layer by layer in turn (ModelWorker.forward_pipelined): the host batch's
+attention runs on a thread of its own (the kernels release the GIL) while this thread runs the other
+batch's linears and attention on the accelerator.
+
+Offload pays only while the host's attention hides behind the accelerator's work. The backend keeps
+the recent steps' host attention time and the accelerator's time of the same steps; while the host
+side took longer (OffloadGuard), the host shard takes no new sequences (Backend.open_shards), so what
+the accelerator cannot hold waits, as it would with the accelerator alone. Sequences already there
+finish where they are.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from cpu_attn.worker import ChunkLayout
+from gpu_model.device_attn import DeviceAttentionWorker
+from hetcore.backend import KVCapacityError, SeqChunk, StepInput, StepOutput, StepTimings
+from server.backend_config import BackendConfig
+from server.hetero import HeteroBackend, flatten, sample_batches
+
+log = logging.getLogger(__name__)
+
+DEVICE, HOST = 0, 1  # the shards
+
+
+class OffloadGuard:
+    """Whether the host shard may take new sequences: closed while, over the last `window` steps that had
+    host-placed sequences, their attention took longer than the accelerator's work of those steps; open
+    again once it takes at most `reopen` of it (hysteresis, so one slow step does not flip it)."""
+
+    def __init__(self, window: int = 8, reopen: float = 0.8):
+        self.steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+        self.reopen = reopen
+        self.is_open = True
+
+    def observe(self, host_attn_s: float, accelerator_s: float) -> None:
+        self.steps.append((host_attn_s, accelerator_s))
+        host, accel = (sum(x) for x in zip(*self.steps))
+        if self.is_open and host > accel:
+            self.is_open = False
+        elif not self.is_open and host <= self.reopen * accel:
+            self.is_open = True
+
+
+class OffloadBackend(HeteroBackend):
+    def __init__(self, model_dir: Path | None, config: BackendConfig, model=None):
+        super().__init__(model_dir, config, model)
+        cfg, dev = self.model_cfg, self.model.device
+        dtype = self.model.dtype
+        per_block = DeviceAttentionWorker.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                          config.block_size, dtype)
+        num_device = config.gpu_kv_cache_bytes // per_block
+        if num_device < 1:
+            raise KVCapacityError(f"--gpu-kv-cache-bytes {config.gpu_kv_cache_bytes} B has no room for one block of "
+                                  f"{per_block} B ({dtype} KV on {dev})")
+        self.num_device_blocks = num_device
+        self.device_attn = DeviceAttentionWorker(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                                                 num_device, dev, dtype)
+        host = self.kv_spec
+        self.kv_spec = replace(host, num_blocks=num_device + host.num_blocks, shards=(num_device, host.num_blocks),
+                               first_fit=True)
+        self.guard = OffloadGuard()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetserve-host-attn")
+        log.info("partial offload: %d blocks of %d tokens on %s (%.1f MiB of %s KV) before the host's %d",
+                 num_device, config.block_size, dev, num_device * per_block / 2**20, dtype, host.num_blocks)
+
+    def open_shards(self) -> set[int]:
+        return {DEVICE, HOST} if self.guard.is_open else {DEVICE}
+
+    def _host_layout(self, c: ChunkLayout) -> ChunkLayout:
+        """The host store's own block ids (the shard starts at num_device_blocks)."""
+        return replace(c, block_table=tuple(b - self.num_device_blocks for b in c.block_table))
+
+    def step(self, inp: StepInput) -> StepOutput:
+        t0 = time.perf_counter()
+        self.model_worker.free(inp.freed_seq_ids)
+        self.attn_worker.free(inp.freed_seq_ids)
+        on_device = [c.block_table[0] < self.num_device_blocks for c in inp.chunks]
+        parts: list[tuple[bool, tuple[SeqChunk, ...]]] = [
+            (where, tuple(c for c, d in zip(inp.chunks, on_device) if d == where)) for where in (True, False)]
+        parts = [(where, chunks) for where, chunks in parts if chunks]
+        if not parts:
+            return StepOutput(sampled={})
+        batches = [flatten(replace(inp, chunks=chunks)) for _, chunks in parts]
+        workers = []
+        for (where, _), b in zip(parts, batches):
+            if where:
+                self.device_attn.begin_step(b.layouts)
+                workers.append(self.device_attn)
+            else:
+                self.attn_worker.begin_step([self._host_layout(c) for c in b.layouts])
+                workers.append(self.attn_worker)
+        pending: dict[int, Future | object] = {}
+
+        def send(m, layer, q, k, v, codes):
+            if workers[m] is self.attn_worker:  # the host's attention on its thread, beside this one's work
+                pending[m] = self._pool.submit(self.attn_worker.attend, layer, q, k, v, codes)
+            else:
+                pending[m] = self.device_attn.attend(layer, q, k, v, codes)
+
+        def recv(m):
+            out = pending.pop(m)
+            return out.result() if isinstance(out, Future) else out
+
+        logits, accel_s = self.model_worker.forward_pipelined(
+            [(b.token_ids, b.positions, b.logit_rows, b.chunks) for b in batches], send, recv,
+            on_device=[where for where, _ in parts])
+        self.model_worker.set_centers(self.attn_worker.take_centers())
+        t1 = time.perf_counter()
+        out = sample_batches(logits, batches)
+        accel_s += time.perf_counter() - t1
+        host = self.attn_worker.take_timings()
+        gpu = self.device_attn.take_timings()["gpu_attn"]
+        if any(not where for where, _ in parts):
+            self.guard.observe(host["cpu_attn"], accel_s)
+        return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=host["cpu_attn"],
+                                                step_s=time.perf_counter() - t0,
+                                                cpu_attn_dense_s=host.get("cpu_attn_dense"), gpu_attn_s=gpu))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        super().close()

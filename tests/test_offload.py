@@ -1,0 +1,103 @@
+"""Partial offload (--gpu-kv-cache-bytes) on the CPU: the accelerator-side attention worker against
+the CPU worker, first-fit placement and the guard, and the whole server with sequences in both pools
+giving the same greedy text as with every sequence on the host. No speed is claimed on a CPU."""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from cpu_attn.kv_store import PagedKVStore
+from cpu_attn.worker import AttentionWorker, ChunkLayout
+from gpu_model.device_attn import DeviceAttentionWorker
+from hetcore.backend import KVSpec
+from server.block_manager import BlockManager
+from server.config import ServeConfig
+from server.offload import OffloadGuard
+from tests.conftest import RunningServer
+from tests.test_preemption import BYTES_PER_BLOCK_FP32, complete
+
+LAYERS, HKV, HQ, D, BS, BLOCKS = 2, 2, 4, 16, 4, 32
+
+
+def _pair():
+    cpu = AttentionWorker(PagedKVStore(LAYERS, HKV, D, BS, BLOCKS, "float32"), D)
+    dev = DeviceAttentionWorker(LAYERS, HKV, D, BS, BLOCKS, "cpu", torch.float32)
+    return cpu, dev
+
+
+def test_device_worker_matches_the_cpu_worker_over_prefill_and_decode_steps():
+    """A prompt in two chunks beside another sequence's decodes, then decode steps of both: every layer's
+    output of the torch worker equals the CPU worker's (exact fp32 stores) to fp32 rounding."""
+    cpu, dev = _pair()
+    g = torch.Generator().manual_seed(0)
+    tables = {0: tuple(range(0, 8)), 1: tuple(range(8, 16))}
+    steps = [[ChunkLayout(7, 0, tables[0], 0), ChunkLayout(5, 0, tables[1], 1)],
+             [ChunkLayout(6, 7, tables[0], 0), ChunkLayout(1, 5, tables[1], 1)]]
+    steps += [[ChunkLayout(1, 13 + i, tables[0], 0), ChunkLayout(1, 6 + i, tables[1], 1)] for i in range(5)]
+    for layouts in steps:
+        rows = sum(c.num_tokens for c in layouts)
+        cpu.begin_step(layouts)
+        dev.begin_step(layouts)
+        for layer in range(LAYERS):
+            q, k, v = (torch.randn(rows, h, D, generator=g) for h in (HQ, HKV, HKV))
+            want = cpu.attend(layer, q, k, v)
+            got = dev.attend(layer, q, k, v)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_first_fit_places_on_the_first_shard_with_room_and_respects_open_shards():
+    spec = KVSpec(block_size=4, num_blocks=12, bytes_per_block=1, shards=(4, 8), first_fit=True)
+    blocks = BlockManager(spec)
+    assert blocks.allocate(1, 12) and blocks.shard_of(1) == 0  # 3 blocks on the accelerator's pool
+    blocks.allocate(2, 8)
+    assert blocks.shard_of(2) == 1  # 2 blocks: 1 left on shard 0, so the host's
+    blocks.allocate(3, 4)
+    assert blocks.shard_of(3) == 0  # 1 block: fits the accelerator's last one
+    blocks.open = {0}
+    assert not blocks.can_hold(4, 8)  # shard 0 full, shard 1 closed to new sequences
+    assert blocks.can_hold(2, 16)  # a sequence already on the closed shard keeps growing there
+    blocks.open = {0, 1}
+    assert blocks.can_hold(4, 8)
+
+
+def test_guard_closes_the_host_shard_while_its_attention_outlasts_the_accelerator():
+    guard = OffloadGuard(window=4, reopen=0.8)
+    for _ in range(4):
+        guard.observe(0.010, 0.020)
+    assert guard.is_open
+    for _ in range(4):
+        guard.observe(0.040, 0.020)
+    assert not guard.is_open
+    for _ in range(3):
+        guard.observe(0.017, 0.020)
+    assert not guard.is_open  # 0.85 of the accelerator's time: not yet
+    guard.observe(0.001, 0.020)
+    assert guard.is_open
+
+
+def test_offload_server_gives_the_host_only_greedy_text(server):
+    """Eight requests at once with room for about two on the accelerator's pool: some run there, the rest on
+    the host, every step attends both; greedy text equals the all-host server's (fp32 KV and linears)."""
+    reference = [complete(server.url, i) for i in range(8)]
+    cfg = ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
+                      gpu_kv_cache_bytes=10 * BYTES_PER_BLOCK_FP32)
+    offload = RunningServer(cfg)
+    try:
+        spec = offload.engine.blocks.spec
+        assert spec.shards[0] == 10 and spec.first_fit
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda i: complete(offload.url, i), range(8)))
+        assert texts == reference
+        assert offload.engine.blocks.used_bytes == 0
+        step = offload.engine.metrics.step
+        seconds = {s.labels["part"]: s.value for m in step.collect() for s in m.samples if s.name.endswith("_sum")}
+        assert seconds["gpu_attn"] > 0 and seconds["cpu_attn"] > 0  # both pools attended
+    finally:
+        offload.close()
+
+
+def test_offload_is_refused_beside_what_it_cannot_serve():
+    with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs executor local"):
+        ServeConfig(gpu_kv_cache_bytes=2**20, executor="ray")
+    with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs"):
+        ServeConfig(gpu_kv_cache_bytes=2**20, speculative_method="ngram")
