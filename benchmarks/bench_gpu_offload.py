@@ -2,7 +2,16 @@
 (hetserve's split) against GPU-only attention: bf16 KV on the GPU, torch SDPA, at the largest
 batch that fits (needs a CUDA device, never runs in CI).
 
-    python -m benchmarks.bench_gpu_offload --context 32768 65536 98304 --batch 4 8 16 --steps 16
+    python -m benchmarks.bench_gpu_offload --context 32768 65536 98304 --batch 4 8 16 --steps 16 \
+        --gpu-kv-gb 0 48 24 --host-extra 0 4 8
+
+Two modes (`--modes`). all-host: every sequence's attention on the host CPUs (`--batch` sequences).
+offload: partial offload (`--gpu-kv-cache-bytes`, server/offload.py): per accelerator KV budget
+(`--gpu-kv-gb`; 0 = what is free, smaller ones emulate a smaller GPU, as MagicPIG did), GPU-only at the
+batch that budget holds, against hetserve with the same budget plus `--host-extra` sequences on the
+host; the split the backend's guard keeps open with the most tok/s is the one it would choose, and its
+ratio to GPU-only is the cell's result. Step parts: gpu_attn (the accelerator's attention as the host
+saw it), cpu_attn (host attention, overlapped), accelerator (everything outside the waits).
 
 The model is Llama-3.1-8B-shaped with random weights (`--shape tiny` is a small shape for a CPU
 smoke run). GPU-only decode costs the same whatever the weights and KV hold (dense attention reads
@@ -37,7 +46,9 @@ from cpu_attn.kv_store import OakenKVStore
 from cpu_attn.magicpig import LshConfig
 from cpu_attn.worker import ChunkLayout
 from gpu_model.config import ModelConfig
+from gpu_model.device_attn import DeviceAttentionWorker
 from gpu_model.model import LlamaModel, rope_inv_freq
+from hetcore.backend import SamplingParams, SeqChunk, StepInput
 from server.hetero import kv_capacity_for
 
 SHAPES = {
@@ -169,6 +180,109 @@ def hetserve_backend(model: LlamaModel, thresholds: Path, context: int, steps: i
     return HeteroBackend(None, config, model=model)
 
 
+def device_bytes_per_seq(cfg: ModelConfig, context: int, steps: int, dtype: torch.dtype) -> int:
+    """The accelerator's paged KV of one sequence decoding `steps` (+ warm-up) past `context` tokens."""
+    blocks = -(-(context + steps + 3) // BLOCK_SIZE)
+    return blocks * DeviceAttentionWorker.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE,
+                                                          dtype)
+
+
+@torch.inference_mode()
+def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device: int, num_host: int, steps: int,
+                   lsh: LshConfig, warmup: int = 2) -> dict:
+    """hetserve with --gpu-kv-cache-bytes room for `num_device` sequences at this context (server/offload.py) and
+    `num_host` more on the host (Oaken + MagicPIG): one random prompt is prefilled on the device (SDPA), its K, V
+    copied into every sequence's blocks (the accelerator's pool for the first num_device, the host's store and
+    tables for the rest), then all decode `steps` steps through the backend -> tok/s, step parts, the guard."""
+    from server.backend_config import BackendConfig
+    from server.offload import OffloadBackend
+
+    cfg, dev, bs = model.cfg, model.device, BLOCK_SIZE
+    n = context // bs * bs
+    own = -(-(n + steps + warmup + 1) // bs)
+    host_seqs = num_host + 1
+    capacity = kv_capacity_for(cfg, "oaken", bs, host_seqs, n + steps + warmup + 3 + 2 * bs, lsh,
+                               recent_blocks=host_seqs)
+    config = BackendConfig(device=dev.type, dtype=str(model.dtype).removeprefix("torch."), kv_format="oaken",
+                           kv_capacity_bytes=capacity, block_size=bs, oaken_thresholds_path=str(thresholds),
+                           oaken_recent_blocks=host_seqs, lsh=lsh, max_num_seqs=num_device + host_seqs,
+                           gpu_kv_cache_bytes=max(1, num_device) * device_bytes_per_seq(cfg, n, steps + warmup,
+                                                                                         model.dtype))
+    backend = OffloadBackend(None, config, model=model)
+    nd = backend.num_device_blocks
+    tables = [tuple(range(j * own, (j + 1) * own)) for j in range(num_device)]
+    tables += [tuple(range(nd + j * own, nd + (j + 1) * own)) for j in range(num_host)]
+    host_ids = list(range(num_device, num_device + num_host))
+    attn, coder = backend.attn_worker, backend.model_worker.lsh
+    attn.begin_step([ChunkLayout(n, 0, tuple(b - nd for b in tables[s][: n // bs]), s) for s in host_ids])
+    x = model.embed(torch.tensor(np.random.default_rng(context).integers(0, cfg.vocab_size, n).tolist(), device=dev))
+    cos, sin = model.rope(torch.arange(n, device=dev))
+    for i in range(cfg.num_layers):
+        q, k, v = model.pre_attention(i, x, cos, sin)
+        for s in range(num_device):  # [n, Hkv, D] -> the sequence's blocks [n / bs, Hkv, bs, D]
+            blocks = torch.tensor(tables[s][: n // bs], device=dev)
+            for cache, t in ((backend.device_attn.k_cache, k), (backend.device_attn.v_cache, v)):
+                cache[i][blocks] = t.reshape(n // bs, bs, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2).to(cache.dtype)
+        if num_host:
+            kr, vr, qr = (t.repeat(num_host, 1, 1) for t in (k, v, q))
+            spans = [(s, 0, n) for s in host_ids]
+            codes = None if coder is None else coder.codes(i, qr, kr, spans)
+            attn.append(i, kr.float().cpu(), vr.float().cpu(), None if codes is None else codes[1])
+        o = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], True)[0]
+        x = model.post_attention(i, x, o)
+    first = int(model.logits(x[-1:]).argmax(-1).item())
+    seqs = list(range(num_device)) + host_ids
+    last, times, parts = {s: first for s in seqs}, [], {}
+    greedy = SamplingParams(temperature=0.0)
+    for step in range(steps + warmup):
+        pos = n + step
+        chunks = tuple(SeqChunk(s, (last[s],), pos, tables[s][: pos // bs + 1], greedy, step) for s in seqs)
+        t0 = time.perf_counter()
+        out = backend.step(StepInput(chunks))
+        _sync(dev)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+            for key, val in out.timings.parts().items():
+                parts.setdefault(key, []).append(val)
+        last.update(out.sampled)
+    guard_open = backend.guard.is_open
+    backend.close()
+    del backend
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    step_s = float(np.mean(times))
+    return {"gpu_seqs": num_device, "host_seqs": num_host, "decode_tok_s": len(seqs) / step_s,
+            "mean_step_ms": 1e3 * step_s, "parts_ms": {k: round(1e3 * float(np.mean(v)), 2) for k, v in parts.items()},
+            "host_shard_open": guard_open}
+
+
+def run_offload(model: LlamaModel, thresholds: Path, context: int, budgets_gb: list[float], host_extra: list[int],
+                steps: int, lsh: LshConfig, reserve_bytes: float, max_gpu_batch: int) -> list[dict]:
+    """Per accelerator KV budget (0: what is free less the reserve): GPU-only at the batch that budget holds, and
+    hetserve's partial offload with that budget plus each number of host sequences; the split the guard keeps
+    open with the most tok/s is the one it would choose."""
+    cfg, dev = model.cfg, model.device
+    per_seq = device_bytes_per_seq(cfg, context, steps + 2, model.dtype)
+    rows = []
+    for gb in budgets_gb:
+        budget = gb * 2**30 if gb else (torch.cuda.mem_get_info(dev)[0] - reserve_bytes if dev.type == "cuda"
+                                        else max_gpu_batch * per_seq)
+        fit = min(max_gpu_batch, int(budget // per_seq))
+        if fit < 1:
+            rows.append({"gpu_kv_gb": gb, "note": f"no room for one {context}-token sequence ({per_seq / 2**30:.1f} GiB)"})
+            continue
+        print(f"context {context}, accelerator KV {gb or 'free'} GiB: GPU-only at batch {fit}, then offload "
+              f"+{host_extra} host sequences", flush=True)
+        gpu_only = gpu_only_decode(model, fit, context, steps)
+        runs = [offload_decode(model, thresholds, context, fit, h, steps, lsh) for h in host_extra]
+        chosen = max((r for r in runs if r["host_shard_open"]), key=lambda r: r["decode_tok_s"], default=None)
+        rows.append({"gpu_kv_gb": gb, "gpu_only": gpu_only, "offload": runs,
+                     "chosen_host_seqs": None if chosen is None else chosen["host_seqs"],
+                     "ratio": None if chosen is None else chosen["decode_tok_s"] / gpu_only["decode_tok_s"]})
+    return rows
+
+
 def run_context(model: LlamaModel, thresholds: Path, context: int, batches: list[int], steps: int, lsh: LshConfig,
                 reserve_bytes: float, max_gpu_batch: int) -> dict:
     import psutil
@@ -218,6 +332,44 @@ def table_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+def offload_rows(offload: list[dict]) -> list[dict]:
+    out = []
+    for c in offload:
+        for b in c["budgets"]:
+            gpu = b.get("gpu_only") or {}
+            for r in b.get("offload", []):
+                p = r["parts_ms"]
+                out.append({"context": c["context"], "gpu_kv_gb": b["gpu_kv_gb"] or "free", "gpu_seqs": r["gpu_seqs"],
+                            "host_seqs": r["host_seqs"], "tok_s": r["decode_tok_s"], "step_ms": r["mean_step_ms"],
+                            "gpu_attn_ms": p.get("gpu_attn"), "cpu_attn_ms": p.get("cpu_attn"),
+                            "accelerator_ms": p.get("accelerator"), "host_shard_open": r["host_shard_open"],
+                            "gpu_only_tok_s": gpu.get("decode_tok_s"),
+                            "ratio": r["decode_tok_s"] / gpu["decode_tok_s"] if gpu else None})
+    return out
+
+
+def plot_offload(offload: list[dict], path: Path) -> Path:
+    """Per (context, budget): the offload split the guard chose, over GPU-only at that budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [(c["context"], b) for c in offload for b in c["budgets"] if b.get("ratio") is not None]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    xs = np.arange(len(cells))
+    ax.bar(xs, [b["ratio"] for _, b in cells], color="tab:blue")
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_xticks(xs, [f"{ctx // 1024}k, {b['gpu_kv_gb'] or 'free'} GiB\n+{b['chosen_host_seqs']} host"
+                       for ctx, b in cells], fontsize=8)
+    ax.set_ylabel("decode tok/s over GPU-only")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib
 
@@ -260,6 +412,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--calibration-windows", type=int, default=8)
     ap.add_argument("--lsh-l", type=int, default=LshConfig.l)
     ap.add_argument("--lsh-min-collisions", type=int, default=LshConfig.min_collisions)
+    ap.add_argument("--modes", nargs="+", choices=["all-host", "offload"], default=["all-host", "offload"],
+                    help="all-host: every sequence's attention on the host (--batch); offload: --gpu-kv-cache-bytes")
+    ap.add_argument("--gpu-kv-gb", type=float, nargs="+", default=[0, 48, 24],
+                    help="offload: accelerator KV budgets in GiB (0: what is free less --gpu-reserve-gb)")
+    ap.add_argument("--host-extra", type=int, nargs="+", default=[0, 4, 8],
+                    help="offload: sequences on the host beside those the budget holds")
     ap.add_argument("--out", default=str(RESULTS / "gpu_offload.json"))
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -273,19 +431,33 @@ def main(argv: list[str] | None = None) -> dict:
     thresholds = out.with_name(out.stem + "_thresholds.json")
     windows = np.random.default_rng(1).integers(0, cfg.vocab_size, (args.calibration_windows, 512)).tolist()
     calibrate(model, windows, context_tokens=max(args.context)).save(thresholds)
-    rows = []
+    rows, offload = [], []
     for context in args.context:
-        print(f"context {context}: prefill on {args.device}, then hetserve batches {args.batch}, then GPU-only", flush=True)
-        rows.append(run_context(model, thresholds, context, args.batch, args.steps, lsh, args.gpu_reserve_gb * 2**30,
-                                args.max_gpu_batch))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "hetserve"}), flush=True)
-    print_table(table_rows(rows), ["context", "hetserve_batch", "hetserve_tok_s", "hetserve_step_ms", "cpu_attn_ms",
-                                   "exact_layers_ms", "keys_touched", "gpu_only_batch", "gpu_only_tok_s", "ratio"])
+        if "all-host" in args.modes:
+            print(f"context {context}: prefill on {args.device}, then hetserve batches {args.batch}, then GPU-only",
+                  flush=True)
+            rows.append(run_context(model, thresholds, context, args.batch, args.steps, lsh,
+                                    args.gpu_reserve_gb * 2**30, args.max_gpu_batch))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "hetserve"}), flush=True)
+        if "offload" in args.modes:
+            offload.append({"context": context, "budgets": run_offload(
+                model, thresholds, context, args.gpu_kv_gb, args.host_extra, args.steps, lsh,
+                args.gpu_reserve_gb * 2**30, args.max_gpu_batch)})
+    if rows:
+        print_table(table_rows(rows), ["context", "hetserve_batch", "hetserve_tok_s", "hetserve_step_ms", "cpu_attn_ms",
+                                       "exact_layers_ms", "keys_touched", "gpu_only_batch", "gpu_only_tok_s", "ratio"])
+    if offload_rows(offload):
+        print_table(offload_rows(offload), ["context", "gpu_kv_gb", "gpu_seqs", "host_seqs", "tok_s", "step_ms",
+                                            "gpu_attn_ms", "cpu_attn_ms", "accelerator_ms", "host_shard_open",
+                                            "gpu_only_tok_s", "ratio"])
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"shape": args.shape, "device": device, "machine": machine(), "torch": torch.__version__,
-              "steps": args.steps, "lsh_l": args.lsh_l, "lsh_min_collisions": args.lsh_min_collisions, "rows": rows}
+              "steps": args.steps, "lsh_l": args.lsh_l, "lsh_min_collisions": args.lsh_min_collisions, "rows": rows,
+              "offload": offload}
     out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out} and {plot(rows, out.with_suffix('.png'))}")
+    plots = ([plot(rows, out.with_suffix(".png"))] if rows else []) + (
+        [plot_offload(offload, out.with_name(out.stem + "_offload.png"))] if offload else [])
+    print(f"wrote {out} and {', '.join(map(str, plots))}")
     return result
 
 

@@ -51,3 +51,23 @@ def test_gpu_prefill_fills_the_store_as_the_cpu_prefill_does(tmp_path):
         # later layers see SDPA's rounding instead of the CPU prefill's: a rare value lands one
         # quantization step away
         assert np.mean(np.abs(k1 - k2) > 1e-3) < 0.01 and np.mean(np.abs(v1 - v2) > 1e-3) < 0.01
+
+
+def test_gpu_offload_benchmark_offload_mode_smoke_run_on_cpu(tmp_path):
+    """The partial-offload cells: GPU-only at the batch each accelerator KV budget holds, and hetserve with that
+    budget plus host sequences (Oaken + MagicPIG), on the CPU at a tiny shape."""
+    from benchmarks import bench_gpu_offload as bench
+
+    out = tmp_path / "offload.json"
+    result = bench.main(["--shape", "tiny", "--device", "cpu", "--context", "1536", "--modes", "offload",
+                         "--gpu-kv-gb", "0.008", "0.0001", "--host-extra", "0", "2", "--steps", "3",
+                         "--calibration-windows", "2", "--max-gpu-batch", "4", "--out", str(out)])
+    assert result["rows"] == [] and out.with_name("offload_offload.png").stat().st_size > 0
+    (cell,) = result["offload"]
+    fits, too_small = cell["budgets"]
+    assert "no room" in too_small["note"]
+    assert fits["gpu_only"]["batch"] == 1 and [r["host_seqs"] for r in fits["offload"]] == [0, 2]
+    for r in fits["offload"]:
+        assert r["gpu_seqs"] == 1 and r["decode_tok_s"] > 0 and r["parts_ms"]["gpu_attn"] > 0
+        assert (r["parts_ms"]["cpu_attn"] > 0) == (r["host_seqs"] > 0)
+    assert fits["chosen_host_seqs"] in (0, 2) and fits["ratio"] > 0
