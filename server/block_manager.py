@@ -71,6 +71,8 @@ class BlockManager:
         self.live: set[int] = set(range(len(sizes)))
         self.open: set[int] = set(range(len(sizes)))
         """Shards new sequences may be placed on (Backend.open_shards); live ones outside it keep their own."""
+        self._placed: dict[int, int | None] = {}
+        """first_fit: the shard can_hold chose for a sequence holding no blocks yet, for its first allocate."""
         self._layout = spec.kv_layout if spec.kv_layout is not None and spec.kv_layout.is_layered else None
         self._rows: dict[int, SeqRows] = {}
         """Layered: each sequence's rows in groups 1, 2, ... (group 0's rows are its tokens)."""
@@ -146,16 +148,23 @@ class BlockManager:
             shard = fits[0] if fits else max(candidates, key=self._room)
         return shard
 
-    def can_hold(self, seq_id: int, num_tokens: int, reserve: int = 0) -> bool:
+    def can_hold(self, seq_id: int, num_tokens: int, reserve: int = 0, place_tokens: int = 0) -> bool:
+        """Whether `seq_id` can grow to `num_tokens` (and `reserve` blocks more). With first_fit, a sequence holding
+        no blocks yet is placed by `place_tokens` (the tokens it will hold, its prompt) too, and the next allocate
+        keeps that shard: a prompt the accelerator's pool cannot hold whole goes to the host's."""
         need = self.num_missing(seq_id, num_tokens) + reserve
-        shard = self._shard_for(seq_id, need)
+        shard = self._shard_for(seq_id, max(need, self.num_missing(seq_id, place_tokens) + reserve))
+        if self.spec.first_fit and seq_id not in self._shard_of:
+            self._placed[seq_id] = shard
         return shard is not None and need <= self._room(shard)
 
     def allocate(self, seq_id: int, num_tokens: int) -> tuple[int, ...]:
         """Grow `seq_id`'s table to cover `num_tokens`, and take its reserve once due; returns the
         whole table."""
         to_table, to_reserve = self._missing(seq_id, num_tokens)
-        shard = self._shard_for(seq_id, self.num_missing(seq_id, num_tokens))
+        shard = self._placed.pop(seq_id, None)
+        if shard is None:
+            shard = self._shard_for(seq_id, self.num_missing(seq_id, num_tokens))
         room = 0 if shard is None else self._room(shard)
         if self.num_missing(seq_id, num_tokens) > room:
             raise MemoryError(f"sequence {seq_id} needs {self.num_missing(seq_id, num_tokens)} blocks, {room} free "
@@ -220,6 +229,7 @@ class BlockManager:
         return block
 
     def free(self, seq_id: int) -> None:
+        self._placed.pop(seq_id, None)
         shard = self._shard_of.pop(seq_id, None)
         if shard is None:
             return

@@ -279,7 +279,7 @@ class Scheduler:
             self._share_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             reserve = self.blocks.admission_reserve(seq.seq_id, seq.num_tokens, n, len(self.running))
-            if not self.blocks.can_hold(seq.seq_id, seq.num_computed + n, reserve):
+            if not self.blocks.can_hold(seq.seq_id, seq.num_computed + n, reserve, place_tokens=seq.num_tokens):
                 self._unshare(seq)
                 n = min(seq.num_tokens, budget)
                 if self.blocks.num_missing(seq.seq_id, seq.num_computed + n) > self.blocks.max_seq_blocks:

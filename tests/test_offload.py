@@ -60,6 +60,19 @@ def test_first_fit_places_on_the_first_shard_with_room_and_respects_open_shards(
     assert blocks.can_hold(4, 8)
 
 
+def test_first_fit_places_a_prompt_by_its_whole_length():
+    """A prompt whose first chunk fits the accelerator's pool but whose whole length does not goes to the host's, and
+    its first allocation follows that choice."""
+    spec = KVSpec(block_size=4, num_blocks=12, bytes_per_block=1, shards=(4, 8), first_fit=True)
+    blocks = BlockManager(spec)
+    assert blocks.can_hold(1, 8, place_tokens=24)  # a 2-block chunk of a 6-block prompt
+    blocks.allocate(1, 8)
+    assert blocks.shard_of(1) == 1
+    assert blocks.can_hold(2, 8, place_tokens=16)  # 4 blocks: the accelerator's pool holds it whole
+    blocks.allocate(2, 8)
+    assert blocks.shard_of(2) == 0
+
+
 def test_guard_closes_the_host_shard_while_its_attention_outlasts_the_accelerator():
     guard = OffloadGuard(window=4, reopen=0.8)
     for _ in range(4):
