@@ -219,10 +219,10 @@ def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device
     cos, sin = model.rope(torch.arange(n, device=dev))
     for i in range(cfg.num_layers):
         q, k, v = model.pre_attention(i, x, cos, sin)
-        for s in range(num_device):  # [n, Hkv, D] -> the sequence's blocks [n / bs, Hkv, bs, D]
-            blocks = torch.tensor(tables[s][: n // bs], device=dev)
+        for s in range(num_device):  # [n, Hkv, D] -> the sequence's slots [Hkv, slot, D] (device_attn.py)
+            slots = (torch.tensor(tables[s][: n // bs], device=dev)[:, None] * bs + torch.arange(bs, device=dev)).flatten()
             for cache, t in ((backend.device_attn.k_cache, k), (backend.device_attn.v_cache, v)):
-                cache[i][blocks] = t.reshape(n // bs, bs, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2).to(cache.dtype)
+                cache[i][:, slots] = t.transpose(0, 1).to(cache.dtype)
         if num_host:
             kr, vr, qr = (t.repeat(num_host, 1, 1) for t in (k, v, q))
             spans = [(s, 0, n) for s in host_ids]

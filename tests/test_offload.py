@@ -26,11 +26,12 @@ def _pair():
 
 
 def test_device_worker_matches_the_cpu_worker_over_prefill_and_decode_steps():
-    """A prompt in two chunks beside another sequence's decodes, then decode steps of both: every layer's
-    output of the torch worker equals the CPU worker's (exact fp32 stores) to fp32 rounding."""
+    """A prompt in two chunks beside another sequence's decodes, then decode steps of both, one sequence on
+    consecutive blocks and one on scattered ones: every layer's output of the torch worker equals the CPU
+    worker's (exact fp32 stores) to fp32 rounding."""
     cpu, dev = _pair()
     g = torch.Generator().manual_seed(0)
-    tables = {0: tuple(range(0, 8)), 1: tuple(range(8, 16))}
+    tables = {0: tuple(range(0, 8)), 1: (20, 9, 31, 8, 12, 3, 27, 15)}  # consecutive blocks (a view), scattered
     steps = [[ChunkLayout(7, 0, tables[0], 0), ChunkLayout(5, 0, tables[1], 1)],
              [ChunkLayout(6, 7, tables[0], 0), ChunkLayout(1, 5, tables[1], 1)]]
     steps += [[ChunkLayout(1, 13 + i, tables[0], 0), ChunkLayout(1, 6 + i, tables[1], 1)] for i in range(5)]
