@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 
@@ -53,6 +54,7 @@ def test_gpu_prefill_fills_the_store_as_the_cpu_prefill_does(tmp_path):
         assert np.mean(np.abs(k1 - k2) > 1e-3) < 0.01 and np.mean(np.abs(v1 - v2) > 1e-3) < 0.01
 
 
+@pytest.mark.slow  # tests/test_offload.py runs the backend itself in the default suite
 def test_gpu_offload_benchmark_offload_mode_smoke_run_on_cpu(tmp_path):
     """The partial-offload cells: GPU-only at the batch each accelerator KV budget holds, and hetserve with that
     budget plus host sequences (Oaken + MagicPIG), on the CPU at a tiny shape."""
