@@ -27,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from cpu_attn.worker import ChunkLayout
 from gpu_model.device_attn import DeviceAttentionWorker
 from hetcore.backend import KVCapacityError, SeqChunk, StepInput, StepOutput, StepTimings
@@ -97,36 +99,33 @@ class OffloadBackend(HeteroBackend):
         if not parts:
             return StepOutput(sampled={})
         batches = [flatten(replace(inp, chunks=chunks)) for _, chunks in parts]
-        workers = []
-        for (where, _), b in zip(parts, batches):
+        on_dev = [where for where, _ in parts]
+        for where, b in zip(on_dev, batches):
             if where:
                 self.device_attn.begin_step(b.layouts)
-                workers.append(self.device_attn)
             else:
                 self.attn_worker.begin_step([self._host_layout(c) for c in b.layouts])
-                workers.append(self.attn_worker)
-        pending: dict[int, Future | object] = {}
+        pending: dict[int, Future | torch.Tensor] = {}
 
         def send(m, layer, q, k, v, codes):
-            if workers[m] is self.attn_worker:  # the host's attention on its thread, beside this one's work
-                pending[m] = self._pool.submit(self.attn_worker.attend, layer, q, k, v, codes)
-            else:
+            if on_dev[m]:
                 pending[m] = self.device_attn.attend(layer, q, k, v, codes)
+            else:  # the host's attention on its thread, beside this one's work
+                pending[m] = self._pool.submit(self.attn_worker.attend, layer, q, k, v, codes)
 
         def recv(m):
             out = pending.pop(m)
             return out.result() if isinstance(out, Future) else out
 
         logits, accel_s = self.model_worker.forward_pipelined(
-            [(b.token_ids, b.positions, b.logit_rows, b.chunks) for b in batches], send, recv,
-            on_device=[where for where, _ in parts])
+            [(b.token_ids, b.positions, b.logit_rows, b.chunks) for b in batches], send, recv, on_device=on_dev)
         self.model_worker.set_centers(self.attn_worker.take_centers())
         t1 = time.perf_counter()
         out = sample_batches(logits, batches)
         accel_s += time.perf_counter() - t1
         host = self.attn_worker.take_timings()
         gpu = self.device_attn.take_timings()["gpu_attn"]
-        if any(not where for where, _ in parts):
+        if not all(on_dev):
             self.guard.observe(host["cpu_attn"], accel_s)
         return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=host["cpu_attn"],
                                                 step_s=time.perf_counter() - t0,
