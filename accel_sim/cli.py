@@ -55,7 +55,7 @@ def register(sub) -> None:
     rp.add_argument("--num-devices", type=int, default=None, help="devices per replica (default: fewest that fit)")
     rp.add_argument("--weight-format", default="auto",
                     help="the simulated weights' format, which sets the bytes a step reads: auto (fp16), bf16, fp32, "
-                         "gguf, mxfp8, mxfp6, mxfp4, mxint8 (default: auto)")
+                         "gguf, mxfp8, mxfp6, mxfp6_e3m2, mxfp4, mxint8 (default: auto)")
     rp.add_argument("--routing", default="least-loaded", help="least-loaded, round-robin or random")
     rp.add_argument("--time-scale", type=float, default=1.0, help="speed-up of arrivals (2 = twice the rate)")
     rp.add_argument("--limit", type=int, default=None, help="first N requests only")

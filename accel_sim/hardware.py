@@ -19,7 +19,7 @@ from accel_sim.models import ModelShape
 DATA_DIR = Path(__file__).with_name("data")
 WEIGHT_BYTES_PER_PARAM = 2  # fp16/bf16 weights on every system (the paper's baselines are KV-only quantized)
 WEIGHT_FORMAT_BITS = {"auto": 16.0, "bf16": 16.0, "fp32": 32.0, "gguf": 5.0, "mxfp8": 8.25, "mxfp6": 6.25,
-                      "mxfp4": 4.25, "mxint8": 8.25}
+                      "mxfp6_e3m2": 6.25, "mxfp4": 4.25, "mxint8": 8.25}
 """Bits per weight of each --weight-format (auto: the systems' fp16; gguf: Q4_1's 5), scales included."""
 
 

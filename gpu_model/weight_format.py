@@ -3,7 +3,7 @@ dense weights with its cache, and packed MX safetensors (`hetserve quantize`).
 
     auto   the loader's default: GGUF blocks where the model has them, `cpu_linear_dtype` linears
     gguf   the GGUF's own Q4_1 / Q8_0 blocks (gpu_model/quant.py) for steps up to the block limit
-    mxfp8, mxfp6, mxfp4, mxint8   OCP MX weights (gpu_model/mx.py) for steps up to the block limit
+    mxfp8, mxfp6, mxfp6_e3m2, mxfp4, mxint8   OCP MX weights (gpu_model/mx.py) for steps up to the block limit
     bf16, fp32   dense linears in that dtype, no blocks
 
 With an MX format the dense copy that larger steps (prefill) multiply by holds the MX values too
@@ -23,8 +23,8 @@ import torch
 
 from gpu_model.mx_weight import ROTATIONS, MXWeight
 
-WEIGHT_FORMATS = ("auto", "gguf", "mxfp8", "mxfp6", "mxfp4", "mxint8", "bf16", "fp32")
-MX_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "mxint8")
+WEIGHT_FORMATS = ("auto", "gguf", "mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8", "bf16", "fp32")
+MX_FORMATS = ("mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8")
 HEAD_CHOICES = ("same", "dense")
 MX_FILE = "mx_weights.safetensors"
 MX_LAYOUT = "1"

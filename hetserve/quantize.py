@@ -15,7 +15,7 @@ def register(sub) -> None:
                                    "to an OCP MX format and write a model directory that `--model DIR` loads: "
                                    "config and tokenizer files, the other tensors dense, the linears packed.")
     p.add_argument("--weight-format", required=True,
-                   help=f"mxfp8, mxfp6, mxfp4 or mxint8 (of {', '.join(WEIGHT_FORMATS)}, the MX ones)")
+                   help=f"mxfp8, mxfp6, mxfp6_e3m2, mxfp4 or mxint8 (of {', '.join(WEIGHT_FORMATS)}, the MX ones)")
     p.add_argument("--out", required=True, help="output directory (created; files of the same names are replaced)")
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models",
@@ -41,8 +41,8 @@ def quantize_command(args: argparse.Namespace) -> None:
     except WeightFormatError as exc:
         raise SystemExit(f"hetserve quantize: {exc}")
     if not wf.is_mx:
-        raise SystemExit(f"hetserve quantize: --weight-format must be an MX format (mxfp8, mxfp6, mxfp4, mxint8), "
-                         f"not {wf.name}")
+        raise SystemExit(f"hetserve quantize: --weight-format must be an MX format (mxfp8, mxfp6, mxfp6_e3m2, mxfp4, "
+                         f"mxint8), not {wf.name}")
     model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
     if (model_dir / MX_FILE).exists():
         raise SystemExit(f"hetserve quantize: {model_dir} is already packed; quantize its source model")

@@ -56,7 +56,7 @@ def parse_layers(text: str | None, name: str) -> tuple[int, ...] | None:
         raise ValueError(f"{name} must be comma-separated layer numbers, not {text!r}") from None
 
 
-WEIGHT_FORMATS = ("auto", "gguf", "mxfp8", "mxfp6", "mxfp4", "mxint8", "bf16", "fp32")  # gpu_model.weight_format's, without torch
+WEIGHT_FORMATS = ("auto", "gguf", "mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8", "bf16", "fp32")  # gpu_model.weight_format's, without torch
 WEIGHT_ROTATIONS = ("none", "hadamard")
 CPU_LINEAR_DTYPES = ("auto", "float32", "bfloat16")
 """Values of `cpu_linear_dtype` (also the CLI choices of calibrate and eval, and benchmarks' HF dtype)."""

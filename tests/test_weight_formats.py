@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("tiny"))[0]
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp6", "mxfp4", "mxint8"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8"])
 def test_load_converts_and_caches(model_dir, tmp_path, fmt):
     model = load_model(model_dir, cpu_linear_dtype="float32", weight_format=WeightFormat(fmt), cache_dir=tmp_path)
     assert sorted(model.quant) == sorted([f"layers.{i}.{k}" for i in range(2) for k in ("qkv", "o", "gate_up", "down")]
@@ -32,7 +32,7 @@ def test_load_converts_and_caches(model_dir, tmp_path, fmt):
     x = torch.randn(3, 64)
     small = model._linear("layers.1.qkv", model.layers[1].qkv.weight, x)
     assert torch.allclose(small, x @ model.layers[1].qkv.weight.T, rtol=1e-5, atol=1e-5)
-    assert weight_bits(model) == {"mxfp8": 8.25, "mxfp6": 6.25, "mxfp4": 4.25, "mxint8": 8.25}[fmt]
+    assert weight_bits(model) == {"mxfp8": 8.25, "mxfp6": 6.25, "mxfp6_e3m2": 6.25, "mxfp4": 4.25, "mxint8": 8.25}[fmt]
     cached = list(tmp_path.glob(f"weight-formats/*/{fmt}-layout*.safetensors"))
     assert len(cached) == 1
     again = load_model(model_dir, cpu_linear_dtype="float32", weight_format=WeightFormat(fmt), cache_dir=tmp_path)
