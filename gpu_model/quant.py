@@ -158,9 +158,9 @@ _VF, _VB = ir.VectorType(_F32, 16), ir.VectorType(ir.IntType(8), 16)
 PREFETCH_BYTES = 4096
 """How far ahead of the weight bytes it reads a decode kernel asks for them (and for their scales, as far ahead in
 that stream): the hardware prefetchers stop at every 4 KiB page and keep few lines in flight. On a 2-core Xeon VM
-(300 MB L3), two threads, one row of x, a step's 30 layers: the integer-dot kernels' o, gate_up and down 175-185 us
-a layer against 220-300 without; these float kernels' seven linears 10.0-12.7 ms against 13.5-15.6 (medians of
-six runs each); 1,024, 2,048 and 8,192 bytes were no better."""
+(300 MB L3), two threads, one row of x, a step's 30 layers in turn: the integer-dot kernels' o, gate_up and down
+147-185 us a layer against 194-300 without (back-to-back runs); these float kernels' linears 12.1 ms a step against
+14.2 (medians of six runs each); 2,048 and 8,192 bytes ahead were in between."""
 
 
 def _load(builder, base, kind, i):
