@@ -68,6 +68,19 @@ def prefetch(typingctx, ary, index):
     return types.none(ary, index), codegen
 
 
+def by_row_count(builder, num_rows, most: int, body) -> None:
+    """LLVM IR: body(count) for count = min(num_rows, most) (num_rows an i64 value >= 1), as a chain of
+    branches from `most` down to 1, so that each count's code is generated for its own constant."""
+    if most == 1:
+        body(1)
+        return
+    with builder.if_else(builder.icmp_signed(">=", num_rows, ir.IntType(64)(most))) as (enough, fewer):
+        with enough:
+            body(most)
+        with fewer:
+            by_row_count(builder, num_rows, most - 1, body)
+
+
 def prefetch_ir(builder, pointer, offset=None) -> None:
     """LLVM IR: the prefetch hint (read, keep in all cache levels, data) for the byte `offset` (an i64 value) past
     `pointer`, or for `pointer` itself."""

@@ -22,7 +22,7 @@ from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.llvm_ir import _llvm_fn, c_array
+from cpu_attn.llvm_ir import _llvm_fn, by_row_count, c_array
 from gpu_model.mx_ir import _I64, _VF, Blocks, hsum, load
 
 # Numba revalidates a cached kernel by its own file only: these kernels are cached apart, under a hash
@@ -95,17 +95,7 @@ def _dot_rows(builder, xa, oa, num_blocks, weights, n0, width, max_rows: int):
                     at = builder.add(builder.mul(_I64(i), out_stride), builder.add(n0, _I64(r)))
                     builder.store(hsum(builder, builder.load(sums[r * count + i])), builder.gep(oa.data, [at]))
 
-    def rows_from(count):
-        if count == 1:
-            body(1)
-            return
-        with builder.if_else(builder.icmp_signed(">=", num_x, _I64(count))) as (enough, fewer):
-            with enough:
-                body(count)
-            with fewer:
-                rows_from(count - 1)
-
-    rows_from(max_rows)
+    by_row_count(builder, num_x, max_rows, body)
 
 
 def _dot4_codegen(fmt: str):

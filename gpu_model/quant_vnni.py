@@ -36,7 +36,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.llvm_ir import c_array, host_has, prefetch_ir
+from cpu_attn.llvm_ir import by_row_count, c_array, host_has, prefetch_ir
 from gpu_model.quant import BLOCK, PREFETCH_BYTES, QuantWeight, lane_total
 
 PAIR = 2 * BLOCK
@@ -228,17 +228,7 @@ def _codegen(q4_1: bool):
                 at = builder.add(builder.mul(_I64(i), num_rows), rows[r])
                 builder.store(lane_total(builder, builder.load(acc)), builder.gep(out.data, [at]))
 
-        def dispatch(count):  # run(count) if x has that many rows, else the next smaller count
-            if count == 1:
-                run(1)
-                return
-            with builder.if_else(builder.icmp_signed(">=", num_x, _I64(count))) as (enough, fewer):
-                with enough:
-                    run(count)
-                with fewer:
-                    dispatch(count - 1)
-
-        dispatch(X_ROWS)
+        by_row_count(builder, num_x, X_ROWS, run)
         return context.get_dummy_value()
     return codegen
 

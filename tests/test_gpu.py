@@ -38,24 +38,8 @@ def test_cuda_magicpig_hashes_on_the_gpu_through_prefill_and_decode(tmp_path):
 def test_cuda_device_attention_matches_the_cpu_worker():
     """Partial offload's accelerator-side attention (bf16 KV on the GPU) against the CPU worker (fp32 store) on
     the same rows: a two-chunk prompt beside another sequence's decodes, then decode steps."""
-    from cpu_attn.kv_store import PagedKVStore
-    from cpu_attn.worker import AttentionWorker, ChunkLayout
     from gpu_model.device_attn import DeviceAttentionWorker
+    from tests.test_offload import BLOCKS, compare_with_cpu_worker
 
-    layers, hkv, hq, d, bs = 2, 2, 8, 64, 16
-    cpu = AttentionWorker(PagedKVStore(layers, hkv, d, bs, 32, "float32"), d)
-    dev = DeviceAttentionWorker(layers, hkv, d, bs, 32, "cuda", torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    tables = {0: tuple(range(0, 8)), 1: (20, 9, 31, 8, 12, 3, 27, 15)}
-    steps = [[ChunkLayout(40, 0, tables[0], 0), ChunkLayout(30, 0, tables[1], 1)],
-             [ChunkLayout(33, 40, tables[0], 0), ChunkLayout(1, 30, tables[1], 1)]]
-    steps += [[ChunkLayout(1, 73 + i, tables[0], 0), ChunkLayout(1, 31 + i, tables[1], 1)] for i in range(4)]
-    for layouts in steps:
-        rows = sum(c.num_tokens for c in layouts)
-        cpu.begin_step(layouts)
-        dev.begin_step(layouts)
-        for layer in range(layers):
-            q, k, v = (torch.randn(rows, h, d, generator=g) for h in (hq, hkv, hkv))
-            want = cpu.attend(layer, q, k, v)
-            got = dev.attend(layer, q.cuda(), k.cuda(), v.cuda()).float().cpu()
-            torch.testing.assert_close(got, want, rtol=0.05, atol=0.03)  # bf16 KV
+    dev = DeviceAttentionWorker(2, 2, 64, 16, BLOCKS, "cuda", torch.bfloat16)
+    compare_with_cpu_worker(dev, 8, (40, 33), 30, 4, 0.05, 0.03)   # bf16 KV

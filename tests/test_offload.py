@@ -19,31 +19,36 @@ from tests.test_preemption import BYTES_PER_BLOCK_FP32, complete
 LAYERS, HKV, HQ, D, BS, BLOCKS = 2, 2, 4, 16, 4, 32
 
 
-def _pair():
-    cpu = AttentionWorker(PagedKVStore(LAYERS, HKV, D, BS, BLOCKS, "float32"), D)
-    dev = DeviceAttentionWorker(LAYERS, HKV, D, BS, BLOCKS, "cpu", torch.float32)
-    return cpu, dev
-
-
-def test_device_worker_matches_the_cpu_worker_over_prefill_and_decode_steps():
-    """A prompt in two chunks beside another sequence's decodes, then decode steps of both, one sequence on
-    consecutive blocks and one on scattered ones: every layer's output of the torch worker equals the CPU
-    worker's (exact fp32 stores) to fp32 rounding."""
-    cpu, dev = _pair()
+def compare_with_cpu_worker(dev: DeviceAttentionWorker, num_q_heads: int, prompt: tuple[int, int], other: int,
+                            decodes: int, rtol: float, atol: float) -> None:
+    """A prompt of prompt[0] + prompt[1] tokens in two chunks beside another sequence's prompt of `other` tokens and
+    its first decode, then `decodes` decode steps of both, one sequence on consecutive blocks (a view) and one on
+    scattered ones: every layer's output of `dev` against the CPU worker's over an fp32 store, within rtol, atol."""
+    num_layers, num_kv_heads, _, head_dim = dev.k_cache.shape
+    cpu = AttentionWorker(PagedKVStore(num_layers, num_kv_heads, head_dim, dev.block_size, BLOCKS, "float32"), head_dim)
     g = torch.Generator().manual_seed(0)
-    tables = {0: tuple(range(0, 8)), 1: (20, 9, 31, 8, 12, 3, 27, 15)}  # consecutive blocks (a view), scattered
-    steps = [[ChunkLayout(7, 0, tables[0], 0), ChunkLayout(5, 0, tables[1], 1)],
-             [ChunkLayout(6, 7, tables[0], 0), ChunkLayout(1, 5, tables[1], 1)]]
-    steps += [[ChunkLayout(1, 13 + i, tables[0], 0), ChunkLayout(1, 6 + i, tables[1], 1)] for i in range(5)]
+    first, second = prompt
+    tables = {0: tuple(range(0, 8)), 1: (20, 9, 31, 8, 12, 3, 27, 15)}
+    steps = [[ChunkLayout(first, 0, tables[0], 0), ChunkLayout(other, 0, tables[1], 1)],
+             [ChunkLayout(second, first, tables[0], 0), ChunkLayout(1, other, tables[1], 1)]]
+    steps += [[ChunkLayout(1, first + second + i, tables[0], 0), ChunkLayout(1, other + 1 + i, tables[1], 1)]
+              for i in range(decodes)]
+    device = dev.k_cache.device
     for layouts in steps:
         rows = sum(c.num_tokens for c in layouts)
         cpu.begin_step(layouts)
         dev.begin_step(layouts)
-        for layer in range(LAYERS):
-            q, k, v = (torch.randn(rows, h, D, generator=g) for h in (HQ, HKV, HKV))
+        for layer in range(num_layers):
+            q, k, v = (torch.randn(rows, h, head_dim, generator=g) for h in (num_q_heads, num_kv_heads, num_kv_heads))
             want = cpu.attend(layer, q, k, v)
-            got = dev.attend(layer, q, k, v)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            got = dev.attend(layer, q.to(device), k.to(device), v.to(device)).float().cpu()
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def test_device_worker_matches_the_cpu_worker_over_prefill_and_decode_steps():
+    """The torch worker equals the CPU worker (exact fp32 stores) to fp32 rounding."""
+    compare_with_cpu_worker(DeviceAttentionWorker(LAYERS, HKV, D, BS, BLOCKS, "cpu", torch.float32), HQ, (7, 6), 5, 5,
+                            1e-5, 1e-5)
 
 
 def test_first_fit_places_on_the_first_shard_with_room_and_respects_open_shards():
