@@ -3,7 +3,8 @@ exchange costs over each channel Ray offers.
 
     python -m benchmarks.bench_executor [--concurrency 1 8 32] [--prompt-tokens 256] [--output-tokens 32] [--out F]
 
-Engines (in this process, no HTTP): `local`; `ray` with 2 CPU attention actors, 1 micro-batch;
+Engines (in this process, no HTTP): `local`; `ray-1process`, the Ray default: one actor holds the model and
+the KV (`--ray-cpu-actors 0`), one step-channel round trip a step; `ray` with 2 CPU attention actors, 1 micro-batch;
 `ray-mb2` the same with the batch split into 2 pipelined micro-batches; `ray-1actor` with one CPU
 attention actor holding all the KV with the machine's cores as its threads. Each concurrency level c
 sends c requests at once (prompts of --prompt-tokens, exactly --output-tokens out, fp32 KV) to
@@ -151,7 +152,8 @@ def main() -> None:
     import ray
 
     ray.init(num_cpus=16, resources={"kv_node": 8}, include_dashboard=False)  # room for both Ray engines' actors
-    engines = {"local": engine_for("local"), "ray": engine_for("ray", 1), "ray-mb2": engine_for("ray", 2),
+    engines = {"local": engine_for("local"), "ray-1process": engine_for("ray", cpu_actors=0),
+               "ray": engine_for("ray", 1), "ray-mb2": engine_for("ray", 2),
                "ray-1actor": engine_for("ray", 1, cpu_actors=1)}
     samples: dict[tuple[str, int], list[dict]] = {}
     ratios: dict[tuple[str, int], list[float]] = {}
@@ -175,7 +177,7 @@ def main() -> None:
                    "vs_local": statistics.median(ratios[name, c]),
                    "accel_ms": statistics.median(s["accelerator"] for s in ss) * 1e3,
                    "cpu_attn_ms": statistics.median(s.get("cpu_attn_max", s["cpu_attn"]) for s in ss) * 1e3}
-            if name != "local":
+            if "cpu_attn_max" in ss[0]:  # CPU attention actors
                 wait = sum(s["step"] - s["accelerator"] for s in ss)
                 row["hidden"] = max(0.0, 1 - wait / sum(s["cpu_attn_max"] for s in ss))
             rows.append(row)

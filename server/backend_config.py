@@ -91,8 +91,8 @@ class BackendConfig:
 class RayConfig:
     address: str | None = None
     """An existing Ray cluster to join, e.g. auto or HEAD_IP:6379 (None: start a local one)."""
-    cpu_actors: int = 1
-    """CPU attention actors, one KV shard each."""
+    cpu_actors: int = 0
+    """CPU attention actors, one KV shard each; 0: the KV in the model actor's process."""
     actor_cpus: int = 0
     """CPUs (and kernel threads) per CPU attention actor (0: the machine's cores divided by cpu_actors)."""
     kv_resource: str = "kv_node"
@@ -101,8 +101,8 @@ class RayConfig:
     """Micro-batches per step, so the model actor computes one while the CPU actors attend another (0: auto)."""
 
     def __post_init__(self) -> None:
-        if self.cpu_actors < 1 or self.actor_cpus < 0 or self.microbatches not in (0, 1, 2):
-            raise ValueError("cpu_actors must be >= 1, actor_cpus >= 0, microbatches 0, 1 or 2")
+        if self.cpu_actors < 0 or self.actor_cpus < 0 or self.microbatches not in (0, 1, 2):
+            raise ValueError("cpu_actors must be >= 0, actor_cpus >= 0, microbatches 0, 1 or 2")
 
     @classmethod
     def from_serve_config(cls, cfg: ServeConfig) -> RayConfig:

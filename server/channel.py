@@ -1,5 +1,7 @@
-"""The per-layer data channel between the model worker and a CPU attention worker: NumPy arrays
-and a small JSON header over one TCP connection, no pickle.
+"""Direct TCP channels between the Ray executor's processes.
+
+The per-layer channel between the model worker and a CPU attention worker: NumPy arrays and a small
+JSON header over one TCP connection, no pickle.
 
     frame = u32 header length | header JSON | array bytes, back to back
     header = {..., "arrays": [[dtype, shape], ...]}
@@ -7,16 +9,23 @@ and a small JSON header over one TCP connection, no pickle.
 One frame per layer and direction; a loopback round trip costs tens of microseconds, where a
 Ray task or a Ray Compiled Graph hop costs about a millisecond on a 2-core machine
 (benchmarks/bench_executor.py, its `exchange` part).
+
+The step channel between the server and a backend actor: one pickled object a frame each way
+(u64 length | pickle), on a connection that first sent the actor's secret token (`connect(token=)`,
+`admit`): a peer that does not know the token never reaches the unpickler.
 """
 from __future__ import annotations
 
+import hmac
 import json
+import pickle
 import socket
 import struct
 
 import numpy as np
 
 _LEN = struct.Struct("<I")
+_LEN64 = struct.Struct("<Q")
 
 
 class ChannelClosed(ConnectionError):
@@ -61,7 +70,36 @@ def recv(sock: socket.socket) -> tuple[dict, list[np.ndarray]]:
     return header, arrays
 
 
-def connect(address: tuple[str, int], timeout_s: float) -> socket.socket:
+def connect(address: tuple[str, int], timeout_s: float, token: bytes = b"") -> socket.socket:
+    """A connection whose reads and writes time out after timeout_s; it first sends `token` (see admit)."""
     sock = socket.create_connection(address, timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if token:
+        sock.sendall(token)
     return sock
+
+
+def admit(sock: socket.socket, token: bytes, timeout_s: float = 10.0) -> bool:
+    """Whether the peer's first bytes are `token` (read within timeout_s); the socket blocks again after."""
+    got = bytearray(len(token))
+    sock.settimeout(timeout_s)
+    try:
+        _read_exact(sock, memoryview(got))
+    except (ConnectionError, OSError):
+        return False
+    sock.settimeout(None)
+    return hmac.compare_digest(bytes(got), token)
+
+
+def send_object(sock: socket.socket, obj) -> None:
+    """One pickled object; only over a connection `admit` accepted."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_LEN64.pack(len(data)) + data)
+
+
+def recv_object(sock: socket.socket):
+    size = bytearray(_LEN64.size)
+    _read_exact(sock, memoryview(size))
+    data = bytearray(_LEN64.unpack(size)[0])
+    _read_exact(sock, memoryview(data))
+    return pickle.loads(data)

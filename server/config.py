@@ -148,7 +148,8 @@ class ServeConfig:
                                           "lookup); self-sparse (the model drafts with attention over "
                                           "speculative_sinks + speculative_window tokens); self-mx (a copy of the "
                                           "model with MXFP4 weights drafts); self-mx-sparse (both; the self "
-                                          "methods need executor local); each "
+                                          "methods need the KV in the model's process: executor local, or ray "
+                                          "with ray_cpu_actors 0); each "
                                           "emitted token is the one the model samples without speculation; needs "
                                           "kv_format fp16 or fp32 and attention exact; see docs/speculative.md")
     num_speculative_tokens: int = _opt(4, "speculative decoding: most draft tokens a sequence sends per step (1-16); "
@@ -158,12 +159,13 @@ class ServeConfig:
     ngram_max: int = _opt(4, "speculative method ngram: longest suffix looked up (the longest found wins)")
     speculative_sinks: int = _opt(16, "speculative method self-sparse: first tokens a draft step attends to")
     speculative_window: int = _opt(256, "speculative method self-sparse: latest tokens a draft step attends to")
-    executor: str = _opt("local", "how workers run: local (one process), or ray (a model actor and CPU attention "
-                                  "actors; a local Ray cluster unless ray_address is given)")
+    executor: str = _opt("local", "how workers run: local (one process), or ray (a model actor, and CPU attention "
+                                  "actors if ray_cpu_actors > 0; a local Ray cluster unless ray_address is given)")
     ray_address: str | None = _opt(None, "ray executor: address of an existing Ray cluster to join, e.g. auto or "
                                          "HEAD_IP:6379 (default: start a local one)")
-    ray_cpu_actors: int = _opt(1, "ray executor: CPU attention actors (one per KV node); the KV capacity is split "
-                                     "among them")
+    ray_cpu_actors: int = _opt(0, "ray executor: CPU attention actors (one per KV node); the KV capacity is split "
+                                     "among them, and each layer's attention is a TCP round trip to them; 0: the "
+                                     "model actor holds the KV and attends in its own process (one node)")
     ray_actor_cpus: int = _opt(0, "ray executor: CPUs (and kernel threads) per CPU attention actor (0: the "
                                   "machine's cores divided by ray_cpu_actors)")
     ray_microbatches: int = _opt(0, "ray executor: split each step's batch into this many micro-batches (1 or 2) "
@@ -208,7 +210,7 @@ class ServeConfig:
             (self.lsh_retrieval in ("head", "group"), f"lsh_retrieval must be head or group, not {self.lsh_retrieval!r}"),
             (1 <= self.lsh_min_collisions <= min(self.lsh_l, 255), "lsh_min_collisions must be in 1 .. min(lsh_l, 255)"),
             (self.executor in ("local", "ray"), f"executor must be local or ray, not {self.executor!r}"),
-            (self.ray_cpu_actors >= 1 and self.ray_actor_cpus >= 0, "ray_cpu_actors must be >= 1, ray_actor_cpus >= 0"),
+            (self.ray_cpu_actors >= 0 and self.ray_actor_cpus >= 0, "ray_cpu_actors must be >= 0, ray_actor_cpus >= 0"),
             (self.ray_microbatches in (0, 1, 2), "ray_microbatches must be 0 (auto), 1 or 2"),
             (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
@@ -243,14 +245,15 @@ class ServeConfig:
                                                  or self.backend != "hetero"):
             raise ValueError(f"speculative_method {self.speculative_method} needs kv_format fp16 or fp32, attention "
                              "exact and backend hetero (its rejected drafts' KV must not stay in the store)")
-        if self.speculative_method.startswith("self") and self.executor != "local":
-            raise ValueError(f"speculative_method {self.speculative_method} needs executor local (its draft steps "
-                             "run in the backend's process)")
+        if self.speculative_method.startswith("self") and not self.kv_beside_model:
+            raise ValueError(f"speculative_method {self.speculative_method} needs executor local, or ray with "
+                             "ray_cpu_actors 0 (its draft steps run where the model and the KV are)")
         if self.kv_policy_config().is_layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
                                                    or self.speculative_method != "off" or self.backend != "hetero"
-                                                   or self.executor != "local"):
+                                                   or not self.kv_beside_model):
             raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, speculative_method off, "
-                             "backend hetero and executor local (its rows are compacted in a plain paged store)")
+                             "backend hetero and executor local or ray with ray_cpu_actors 0 (its rows are compacted "
+                             "in a plain paged store)")
         if self.gpu_kv_cache_bytes is not None and (self.executor != "local" or self.backend != "hetero"
                                                     or self.speculative_method != "off"
                                                     or self.kv_policy_config().is_layered):
@@ -267,6 +270,11 @@ class ServeConfig:
             if self.kv_format != fmt:
                 raise ValueError(f"backend sim with sim_device {self.sim_device} computes with the {fmt} KV format: "
                                  f"pass --kv-format {fmt}")
+
+    @property
+    def kv_beside_model(self) -> bool:
+        """Whether the KV store and the model run in one process (local, or ray without CPU attention actors)."""
+        return self.executor == "local" or self.ray_cpu_actors == 0
 
     def speculative_config(self):
         from server.speculative import SpecConfig

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import replace
 from pathlib import Path
 
 from hetcore.backend import Backend, StepInput, StepOutput, WorkerLost
+from server import channel
 from server.backend_config import BackendConfig, RayConfig
-from server.ray_actors import STEP_TIMEOUT_S, AttentionActor, ModelActor
+from server.ray_actors import STEP_TIMEOUT_S, AttentionActor, BackendActor, ModelActor
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +46,10 @@ class RayBackend(Backend):
     def __init__(self, model_dir: Path, config: BackendConfig, placement: RayConfig = RayConfig()):
         import ray
 
-        from server.hetero import kv_spec, reserve_note
+        from server.hetero import reserve_note
 
         self.config, c, num_actors = config, config, placement.cpu_actors
-        actor_cpus = placement.actor_cpus or max(1, (os.cpu_count() or 1) // num_actors)
+        actor_cpus = placement.actor_cpus or max(1, (os.cpu_count() or 1) // max(1, num_actors))
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             if placement.address:
@@ -57,20 +59,47 @@ class RayBackend(Backend):
                 # Ray starts its workers at nice 15 by default: on a few cores the API process and the
                 # engine thread would then preempt the actors that compute every step
                 ray.init(num_cpus=max(os.cpu_count() or 1, num_actors * actor_cpus + 1), include_dashboard=False,
-                         resources={placement.kv_resource: num_actors} if placement.kv_resource else None,
+                         resources={placement.kv_resource: num_actors} if placement.kv_resource and num_actors else None,
                          _system_config={"worker_niceness": 0})
         self.ray = ray
         use_gpu = c.device == "cuda" or (c.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        model_opts = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu else {})}
+        threads = 0 if placement.address else os.cpu_count() or 1
+        self.model_down = False
+        self._unsent_frees: tuple[int, ...] = ()
+        """Sequences freed while the model actor could not be told (it forwards frees to the CPU actors)."""
+        self._probes: dict = {}
+        if num_actors == 0:  # the KV in the model actor's process: its threads inherit the server's spinning
+            self.model_actor = ray.remote(BackendActor).options(**model_opts, **_restartable()).remote(
+                str(model_dir), c, threads)
+            self.model_cfg = ray.get(self.model_actor.config.remote())
+            self.kv_spec = ray.get(self.model_actor.kv_spec.remote())
+            self.cpu_actors, self.first_blocks, self.down = [], [], set()
+            self._step_sock: socket.socket | None = None
+            self._connect_all()
+            log.info("Ray executor: the model actor holds the KV, %d blocks (%.1f MiB), %s%s", self.kv_spec.num_blocks,
+                     self.kv_spec.num_blocks * self.kv_spec.bytes_per_block / 2**20, c.kv_format,
+                     reserve_note(self.kv_spec))
+        else:
+            self._start_actors(model_dir, placement, model_opts, threads, actor_cpus, use_gpu)
+        cfg = self.model_cfg
+        self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+    def _start_actors(self, model_dir: Path, placement: RayConfig, model_opts: dict, threads: int, actor_cpus: int,
+                      use_gpu: bool) -> None:
+        """The model actor and placement.cpu_actors CPU attention actors, connected."""
+        from server.hetero import kv_spec, reserve_note
+
+        ray, c, num_actors = self.ray, self.config, placement.cpu_actors
         # OpenMP threads that spin-wait after each op would steal the cores the other actors compute on
         # (measured on 2 cores at concurrency 8: an ACTIVE model actor made decode steps 4x slower than local).
         # The CPU actors' threads sleep at once; the model actor's spin ~2,000 turns first, enough to bridge
         # the gaps between one layer's ops but not the wait for attention (2 cores, side by side: 1.15x local
         # against 1.35x fully PASSIVE at concurrency 1, 1.15x against 1.21x at 8, even at 32)
-        model_opts = {"num_cpus": 1, **({"num_gpus": 1} if use_gpu else {}), **_restartable(GOMP_SPINCOUNT="2000")}
-        threads = 0 if placement.address else os.cpu_count() or 1
+        model_opts = {**model_opts, **_restartable(GOMP_SPINCOUNT="2000")}
         microbatches = placement.microbatches or (2 if use_gpu else 1)
         self.model_actor = ray.remote(ModelActor).options(**model_opts).remote(str(model_dir), c, threads, microbatches)
-        cfg = ray.get(self.model_actor.config.remote())
+        cfg = self.model_cfg = ray.get(self.model_actor.config.remote())
         cal = ray.get(self.model_actor.thresholds.remote(c.oaken_thresholds_path)) if c.kv_format == "oaken" else None
         shard = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes // num_actors, c.block_size, c.oaken_sparse_fraction,
                         c.oaken_recent_blocks, c.lsh, c.max_num_seqs)
@@ -83,13 +112,7 @@ class RayBackend(Backend):
                                                                                    actor_cpus)
                            for first in self.first_blocks]
         self.kv_spec = replace(shard, num_blocks=num_blocks * num_actors, shards=(num_blocks,) * num_actors)
-        self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.model_cfg = cfg
         self.down: set[int] = set(range(num_actors))
-        self.model_down = False
-        self._unsent_frees: tuple[int, ...] = ()
-        """Sequences freed while the model actor could not be told (it forwards frees to the CPU actors)."""
-        self._probes: dict = {}
         self._connect_all()
         if self.down:
             raise RuntimeError(f"CPU attention actors {sorted(self.down)} did not start")
@@ -97,6 +120,10 @@ class RayBackend(Backend):
                  num_actors, actor_cpus, num_blocks, num_blocks * per_block / 2**20, c.kv_format, reserve_note(shard))
 
     def _connect_all(self, timeout_s: float = 300.0) -> None:
+        if not self.cpu_actors:  # the backend actor: its step channel
+            address, token = self.ray.get(self.model_actor.address.remote(), timeout=timeout_s)
+            self._step_sock = channel.connect(tuple(address), STEP_TIMEOUT_S, token)
+            return
         addresses = self.ray.get([a.address.remote() for a in self.cpu_actors], timeout=timeout_s)
         self.ray.get(self.model_actor.set_shards.remote(self.first_blocks))
         for s, address in enumerate(addresses):
@@ -133,10 +160,10 @@ class RayBackend(Backend):
 
     def live_shards(self) -> set[int]:
         self._poll()
-        return set() if self.model_down else set(range(len(self.cpu_actors))) - self.down
+        return set() if self.model_down else set(range(len(self.cpu_actors) or 1)) - self.down
 
     def health(self) -> str:
-        if self.model_down or len(self.down) == len(self.cpu_actors):
+        if self.model_down or (self.cpu_actors and len(self.down) == len(self.cpu_actors)):
             return "down"
         return "degraded" if self.down else "ok"
 
@@ -149,6 +176,8 @@ class RayBackend(Backend):
         if self.model_down:
             self._unsent_frees = inp.freed_seq_ids
             raise WorkerLost("the accelerator worker is restarting")
+        if not self.cpu_actors:
+            return self._step_backend_actor(inp)
         try:
             out = self.ray.get(self.model_actor.step.remote(inp), timeout=STEP_TIMEOUT_S)
         except WorkerLost as exc:  # raised in the model actor, after it took the frees; Ray hands it back wrapped
@@ -161,7 +190,22 @@ class RayBackend(Backend):
             raise WorkerLost(f"the accelerator worker died ({type(exc).__name__}); restarting it") from None
         return out
 
+    def _step_backend_actor(self, inp: StepInput) -> StepOutput:
+        try:
+            channel.send_object(self._step_sock, inp)
+            out = channel.recv_object(self._step_sock)
+        except OSError as exc:  # timeouts and a dead actor alike: Ray restarts it, _poll reconnects
+            self._step_sock.close()
+            self.model_down = True
+            self._unsent_frees = inp.freed_seq_ids
+            raise WorkerLost(f"the accelerator worker is lost ({type(exc).__name__}); restarting it") from None
+        if isinstance(out, Exception):
+            raise out
+        return out
+
     def close(self) -> None:
+        if not self.cpu_actors and self._step_sock is not None:
+            self._step_sock.close()
         for a in [self.model_actor, *self.cpu_actors]:
             self.ray.kill(a, no_restart=True)
         if self._owns_ray:

@@ -107,19 +107,24 @@ def test_killed_cpu_actor_requests_recompute_or_fail_cleanly(server, ray_server)
             [complete(server.url, i) for i in range(4)]
 
 
-def test_killed_model_actor_fails_requests_and_comes_back(server, ray_server):
-    """The accelerator worker dies mid-stream: every in-flight stream ends with a clear error,
-    /health says down (503) until Ray has restarted it, then requests succeed again."""
+def kill_model_actor_mid_stream(srv, num_streams: int) -> None:
+    """Kill the model actor (Ray restarts it) while num_streams streams decode: each must end with its error."""
     import ray
 
-    started = [threading.Event() for _ in range(4)]
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(stream, ray_server.url, i, 400, started[i]) for i in range(4)]
+    started = [threading.Event() for _ in range(num_streams)]
+    with ThreadPoolExecutor(num_streams) as pool:
+        futures = [pool.submit(stream, srv.url, i, 400, started[i]) for i in range(num_streams)]
         assert all(e.wait(120) for e in started)
-        ray.kill(ray_server.engine.backend.model_actor, no_restart=False)
+        ray.kill(srv.engine.backend.model_actor, no_restart=False)
         results = [f.result(timeout=300) for f in futures]
     for text, error in results:
         assert error is not None and "accelerator worker" in error, (text, error)
+
+
+def test_killed_model_actor_fails_requests_and_comes_back(server, ray_server):
+    """The accelerator worker dies mid-stream: every in-flight stream ends with a clear error,
+    /health says down (503) until Ray has restarted it, then requests succeed again."""
+    kill_model_actor_mid_stream(ray_server, 4)
     r = httpx.get(ray_server.url + "/health", timeout=5)
     assert (r.status_code, r.json()["status"]) == (503, "down")
     backend = ray_server.engine.backend

@@ -177,6 +177,9 @@ def test_bad_speculative_settings_are_refused_at_start_up():
         ServeConfig(speculative_method="medusa")
     with pytest.raises(ValueError, match="ngram_min"):
         ServeConfig(speculative_method="ngram", ngram_min=5, ngram_max=3)
+    with pytest.raises(ValueError, match="needs executor local, or ray with ray_cpu_actors 0"):
+        ServeConfig(speculative_method="self-sparse", kv_format="fp32", executor="ray", ray_cpu_actors=1)
+    ServeConfig(speculative_method="self-sparse", kv_format="fp32", executor="ray")  # the model's actor holds the KV
 
 
 PASSAGE = ("The mill on the river was built in 1820 by settlers from the east coast. It ground wheat and corn for "
@@ -327,7 +330,7 @@ def test_self_sparse_text_equals_text_without_it(server, sparse_server):
 @pytest.mark.slow
 def test_ngram_on_the_ray_executor_gives_the_text_without_speculation(server):
     srv = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
-                                    executor="ray", speculative_method="ngram"))
+                                    executor="ray", ray_cpu_actors=1, speculative_method="ngram"))
     try:
         for prompt in PROMPTS[:2]:
             assert complete(srv.url, prompt)["text"] == complete(server.url, prompt)["text"]

@@ -52,7 +52,10 @@ class ServerConfig:
 
 CONFIGS = {c.name: c for c in (
     ServerConfig("hetserve-default", "hetserve", (), "hetserve as `make serve` starts it (local executor, defaults)"),
-    ServerConfig("hetserve-ray", "hetserve", ("--executor", "ray"), "hetserve, defaults, Ray executor"),
+    ServerConfig("hetserve-ray", "hetserve", ("--executor", "ray"),
+                 "hetserve, defaults, Ray executor (one actor holds the model and the KV)"),
+    ServerConfig("hetserve-ray-actors", "hetserve", ("--executor", "ray", "--ray-cpu-actors", "1"),
+                 "hetserve, defaults, Ray executor with a CPU attention actor (a TCP round trip a layer)"),
     ServerConfig("hetserve-fp16", "hetserve", ("--kv-format", "fp16"), "hetserve local, fp16 KV, exact attention"),
     ServerConfig("hetserve-oaken", "hetserve", ("--kv-format", "oaken"), "hetserve local, Oaken KV, exact attention"),
     ServerConfig("hetserve-oaken-magicpig", "hetserve",
