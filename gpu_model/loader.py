@@ -40,7 +40,7 @@ GGUF_BLOCKS_MAX_TOKENS = 64
 once per step (gpu_model/quant.py); prefill chunks use the fp32 copy with BLAS (README: Usage)."""
 GGUF_BLOCKS_MAX_TOKENS_BF16 = 5
 """The same beside bf16 linears (oneDNN, AMX) on CPUs with AVX512-VNNI, where the blocks multiply with
-integer dots (gpu_model/quant_vnni.py, four rows of x a pass): one thread of a Xeon with AMX took, for a
+integer dots (gpu_model/quant_vnni.py): one thread of a Xeon with AMX took, for a
 whole decode step at 200 tokens of context, 23 / 36 / 39 / 47 / 57 ms with the blocks and 24 / 35 / 46 /
 46 / 49 ms with bf16 linears at 1 / 4 / 5 / 6 / 8 tokens (CPU time, 2026-11-29). Without VNNI the blocks
 win at 1 token only."""

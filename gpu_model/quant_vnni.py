@@ -4,26 +4,27 @@ The float kernels of gpu_model/quant.py decode every weight to float32 (~10 vect
 block of 32): at one row of x they are bound by the CPU, not by memory. Here each row of x is
 first rounded to int16 per block of 32 (scale dx = max |x| / 32767, round half to even: a relative
 error of 2^-16, where llama.cpp's int8 costs this model 1 % perplexity), and the weights' small
-integers meet it in `vpdpwssd` (32 products of 16-bit integers summed pairwise into 16 int32 lanes):
-about 4.5 vector operations a block. The result is the exact dot product of the rounded x with the
-weights (integers exact; the scales applied in float32):
+integers meet it in `vpdpwssd` (16 int32 lanes, each summing two products of 16-bit integers). The
+result is the exact dot product of the rounded x with the weights (integers exact; the scales
+applied in float32):
 
     out[i, n] = sum_b  d[n, b] * dx[i, b] * (xq[i, b] . q[n, b])  +  m[n, b] * dx[i, b] * sum(xq[i, b])
 
-(Q8_0 has no m term.) Layout: the kernels dot ROWS weight rows at a time (they share x's loads and
-give the FMAs independent sums), so a group of ROWS rows is stored interleaved, pair by pair: the
-kernel reads one sequential stream, which the hardware prefetcher follows (four rows of a few cache
-lines each, read side by side, are four short streams it does not). Per weight row n = ROWS g + r and
-pair p of blocks (2p, 2p + 1), 64 weights in W order, two vectors of 32 16-bit values whose int32 lane
-l (values 2l, 2l + 1) belongs to block 2p + l % 2, so that the pair's scales, loaded as
-(d[2p], d[2p + 1]) and broadcast, line up with the lanes:
+(Q8_0 has no m term.) The 16 lanes are 16 weight rows: a group of ROWS = 16 rows is stored block by
+block, and within a block as 16 vectors V_t whose lane l holds row l's weights 2t, 2t + 1 (as two
+16-bit values); `vpdpwssd(acc, V_t, x pair t broadcast)` adds both products to each row's lane. After
+a block's 16 such steps each lane holds its row's whole integer dot for the block, so the float work
+(convert, scale by d x dx, Q4_1's m term) is four operations a block for 16 rows, and the 16 sums
+are the 16 outputs, stored as one vector. The vectors come straight from the GGUF bytes:
 
-    W position u = 32 half + t:  block 2p + (t // 2) % 2,  weight 16 half + 2 (t // 4) + t % 2
-    Q4_1 qs [G, P, ROWS, 32] u8: byte t holds W position t (low nibble) and 32 + t (high nibble)
-    Q8_0 qs [G, P, ROWS, 64] i8: W itself
-    scales [G, P, ROWS, 4] f32: d[2p], d[2p + 1], m[2p], m[2p + 1]  (Q8_0: [G, P, ROWS, 2], d only)
+    Q4_1 qs [G, NB, 8, 32] u8: [g, b, t, 2l + e] = GGUF byte 2t + e of row 16 g + l's block b, which holds
+         weight 2t + e (low nibble, V_t) and 2t + 16 + e (high nibble, V_t+8): one load widened to 16 bits
+         gives V_t (& 15) and V_t+8 (>> 4)
+    Q8_0 qs [G, NB, 16, 32] i8: [g, b, t, 2l + e] = weight 2t + e of row 16 g + l's block b
+    scales [G, NB, 2 | 1, 16] f32: d, then Q4_1's m, of the group's 16 rows
 
-x is rounded into the same order (`round_x`), so lanes multiply matching values.
+A group's weights are one sequential stream, read once per pass; the rows of x go X_ROWS at a time,
+sharing the widened weights (a second pass over a group finds them in L1).
 """
 from __future__ import annotations
 
@@ -37,18 +38,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.llvm_ir import by_row_count, c_array, host_has, prefetch_ir
-from gpu_model.quant import BLOCK, PREFETCH_BYTES, QuantWeight, lane_total
+from gpu_model.quant import BLOCK, PREFETCH_BYTES, QuantWeight
 
-PAIR = 2 * BLOCK
-ROWS = 4  # weight rows each kernel call dots at once: they share x's loads and give the FMAs independent sums
-X_ROWS = 4  # rows of x each kernel call dots with them: they share the weights' loads and widening
-
-
-def w_order() -> tuple[np.ndarray, np.ndarray]:
-    """For each of a pair's 64 W positions: (block within the pair, weight index within the block)."""
-    u = np.arange(PAIR)
-    half, t = u // 32, u % 32
-    return (t // 2) % 2, 16 * half + 2 * (t // 4) + t % 2
+ROWS = 16  # weight rows a group: one per lane
+X_ROWS = 8  # rows of x each pass over a group's weights takes
 
 
 def is_available() -> bool:
@@ -58,16 +51,15 @@ def is_available() -> bool:
 
 @dataclass(frozen=True)
 class VnniWeight:
-    """Q4_1 or Q8_0 blocks in the layout above, scales (and Q4_1's mins) in float32, which the kernels
-    broadcast straight from memory (float16 would take three more vector operations a pair)."""
+    """Q4_1 or Q8_0 blocks in the layout above, scales (and Q4_1's mins) in float32, loaded as vectors."""
 
     kind: str
-    scales: np.ndarray  # [G, P, ROWS, 4 | 2] float32
-    qs: np.ndarray  # [G, P, ROWS, 32] uint8 (Q4_1) or [G, P, ROWS, 64] int8 (Q8_0)
+    scales: np.ndarray  # [G, NB, 2 | 1, ROWS] float32
+    qs: np.ndarray  # [G, NB, 8, 32] uint8 (Q4_1) or [G, NB, 16, 32] int8 (Q8_0)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qs.shape[0] * ROWS, self.qs.shape[1] * PAIR
+        return self.qs.shape[0] * ROWS, self.qs.shape[1] * BLOCK
 
     @property
     def nbytes(self) -> int:
@@ -81,24 +73,17 @@ class VnniWeight:
 
     @staticmethod
     def fits(w: QuantWeight) -> bool:
-        return w.shape[0] % ROWS == 0 and w.shape[1] % PAIR == 0
+        return w.shape[0] % ROWS == 0
 
     @staticmethod
     def from_blocks(w: QuantWeight) -> "VnniWeight":
         n, nb = w.scales.shape
-        assert nb % 2 == 0, "the kernels read blocks in pairs"
-        blk, idx = w_order()
-        if w.kind == "q4_1":  # byte t: the GGUF byte holding weight idx[t] (low nibble) and idx[t] + 16 (high)
-            qs = w.qs.reshape(n, nb // 2, 2, 16)[:, :, blk[:32], idx[:32]]
-            scales = np.concatenate([w.scales.reshape(n, -1, 2), w.mins.reshape(n, -1, 2)], axis=-1)
-        else:
-            qs = w.qs.reshape(n, nb // 2, 2, BLOCK)[:, :, blk, idx]
-            scales = w.scales.reshape(n, -1, 2)
-
-        def grouped(a: np.ndarray) -> np.ndarray:  # [N, P, c] -> [G, P, ROWS, c]
-            return np.ascontiguousarray(a.reshape(n // ROWS, ROWS, nb // 2, -1).swapaxes(1, 2))
-
-        return VnniWeight(w.kind, grouped(scales.astype(np.float32)), grouped(qs))
+        g = n // ROWS
+        # [N, NB, 2T] -> [G, l, NB, T, e] -> [G, NB, T, l, e]: byte (t, 2l + e) is row l's byte 2t + e
+        qs = w.qs.reshape(g, ROWS, nb, -1, 2).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1, 2 * ROWS)
+        parts = [w.scales] if w.kind == "q8_0" else [w.scales, w.mins]
+        scales = np.stack([p.astype(np.float32).reshape(g, ROWS, nb).transpose(0, 2, 1) for p in parts], axis=2)
+        return VnniWeight(w.kind, np.ascontiguousarray(scales), np.ascontiguousarray(qs))
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
@@ -123,110 +108,110 @@ def _input_row(x, i, norm, eps, gated, row):
 
 
 @njit(cache=True, nogil=True)
-def round_x(x, norm, eps, gated, src, xq, dx):
-    """x: [M, K] float32 (or [M, 2K] gate | up) -> the input row (_input_row) rounded per pair p of blocks:
-    xq[i, p] (64 int16 in W order: W position u is input value 64 p + src[u]); dx[i, p, :16] each lane's
-    block's scale max |v| / 32767, dx[i, p, 16:] the pair's two blocks' dx * sum(xq) then zeros (Q4_1's
-    m term). A block with a non-finite value gets scale NaN."""
-    width = xq.shape[1] * PAIR
+def round_row(x, i, norm, eps, gated, xq, dx, dsum):
+    """Row i of x: [M, K] float32 (or [M, 2K] gate | up) -> the input row (_input_row) rounded per block of 32: xq[i]
+    int16, dx[i] each block's scale max |v| / 32767, dsum[i] dx * sum(xq) (Q4_1's m term). A block with a
+    non-finite value gets scale NaN."""
+    width = xq.shape[1]
     row = np.empty(width, np.float32)
-    q = np.empty(width, np.int16)
-    dx[:, :, 16:] = 0.0
-    for i in range(x.shape[0]):
-        _input_row(x, i, norm, eps, gated, row)
-        for b in range(width // BLOCK):
-            amax = np.float32(0.0)
-            for j in range(b * BLOCK, (b + 1) * BLOCK):
-                amax = max(amax, abs(row[j]))
-            scale = amax / np.float32(32767.0) if np.isfinite(amax) else np.float32(np.nan)
-            total = np.float32(0.0)
-            for j in range(b * BLOCK, (b + 1) * BLOCK):
-                v = np.rint(row[j] / scale) if scale > 0 else np.float32(0.0)  # NaN scale: zeros, the NaN is in dx
-                q[j] = np.int16(v)
-                total += v
-            dx[i, b // 2, 16 + b % 2] = scale * total
-            for lane in range(b % 2, 16, 2):
-                dx[i, b // 2, lane] = scale
-        for p in range(xq.shape[1]):
-            for u in range(PAIR):
-                xq[i, p, u] = q[PAIR * p + src[u]]
+    _input_row(x, i, norm, eps, gated, row)
+    for b in range(width // BLOCK):
+        amax = np.float32(0.0)
+        for j in range(b * BLOCK, (b + 1) * BLOCK):
+            amax = max(amax, abs(row[j]))
+        scale = amax / np.float32(32767.0) if np.isfinite(amax) else np.float32(np.nan)
+        total = np.float32(0.0)
+        for j in range(b * BLOCK, (b + 1) * BLOCK):
+            v = np.rint(row[j] / scale) if scale > 0 else np.float32(0.0)  # NaN scale: zeros, the NaN is in dx
+            xq[i, j] = np.int16(v)
+            total += v
+        dx[i, b] = scale
+        dsum[i, b] = scale * total
 
 
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-_VF, _VI = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
+_VF, _VI = ir.VectorType(_F32, ROWS), ir.VectorType(_I32, ROWS)
 
 
 def _vload(builder, pointer, kind, align=1):
     return builder.load(builder.bitcast(pointer, kind.as_pointer()), align=align)
 
 
+def _splat(builder, scalar, kind):
+    """kind's vector with every lane = scalar."""
+    one = builder.insert_element(ir.Constant(kind, ir.Undefined), scalar, _I32(0))
+    return builder.shuffle_vector(one, one, ir.Constant(_VI, [0] * ROWS))
+
+
 def _codegen(q4_1: bool):
-    """LLVM IR of out[i, ROWS g + r] for the one to X_ROWS rows i of x and the ROWS weight rows of group g (formula
-    in the module docstring): per pair of blocks, each weight row's 64 weights are widened to 16 bits once
-    (Q4_1: two nibbles) and meet each row of x in two multiply-adds of 16-bit pairs; the int32 lanes go to
-    float32 and into a vector sum per (weight row, row of x), scaled by the pair's d x dx (plus, Q4_1,
-    m x dx * sum(xq) in lanes 0 and 1)."""
+    """LLVM IR of out[i, ROWS g : ROWS (g + 1)] for the one to X_ROWS rows i of x and the weight rows of group g
+    (module docstring): per block, the 16 vectors V_t widened once, then per row of x 16 vpdpwssd with its
+    pairs of values broadcast (in up to four independent chains), converted, scaled by d x dx and added (plus,
+    Q4_1, m x dsum) to the row's sum vector, which is the group's 16 outputs."""
     def codegen(context, builder, signature, args):
-        xa, da, sa, qa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in range(4))
-        out = context.make_array(signature.args[5])(context, builder, args[5])
-        group = args[4]
-        num_x, num_pairs, _ = cgutils.unpack_tuple(builder, xa.shape, 3)
-        num_rows = builder.mul(cgutils.unpack_tuple(builder, qa.shape, 4)[0], _I64(ROWS))
-        qbytes, nscales = (32, 4) if q4_1 else (64, 2)
+        xa, da, ma, sa, qa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in range(5))
+        out = context.make_array(signature.args[6])(context, builder, args[6])
+        group = args[5]
+        num_x, width = cgutils.unpack_tuple(builder, xa.shape, 2)
+        num_blocks = cgutils.unpack_tuple(builder, da.shape, 2)[1]
+        num_out = cgutils.unpack_tuple(builder, out.shape, 2)[1]
+        loads, nscales = (8, 2) if q4_1 else (16, 1)  # 32-byte loads of a block; scale vectors
+        block_bytes, scale_floats = 32 * loads, ROWS * nscales
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI] * 3),
                                              "llvm.x86.avx512.vpdpwssd.512")
-        rows = [builder.add(builder.mul(group, _I64(ROWS)), _I64(r)) for r in range(ROWS)]
-        first = builder.mul(group, num_pairs)  # the group's first pair
-
-        def at_pair(r, p, width):  # offset of row r's pair p in [G, P, ROWS, width]
-            return builder.mul(builder.add(builder.mul(builder.add(first, p), _I64(ROWS)), _I64(r)), _I64(width))
         b32, w32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 32)
-        pmadd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [w32, w32]), "llvm.x86.avx512.pmaddw.d.512")
-
-        def weights(r, p):  # the pair's 64 weights as two vectors of 32 16-bit values
-            at = at_pair(r, p, qbytes)
-            if q4_1:  # widen the bytes once, then take the nibbles
-                q = builder.zext(_vload(builder, builder.gep(qa.data, [at]), b32), w32)
-                halves = (builder.and_(q, ir.Constant(w32, [15] * 32)), builder.lshr(q, ir.Constant(w32, [4] * 32)))
-                return [builder.bitcast(h, _VI) for h in halves]
-            return [builder.bitcast(builder.sext(_vload(builder, builder.gep(qa.data, [builder.add(at, _I64(32 * h))]), b32),
-                                                 w32), _VI) for h in (0, 1)]
-
-        def pair_scales(r, p):  # (d[2p], d[2p + 1]) and (m[2p], m[2p + 1]) repeated over the 16 lanes
-            at = at_pair(r, p, nscales)
-            two = ir.VectorType(_F32, 2)
-            pairs = [_vload(builder, builder.gep(sa.data, [builder.add(at, _I64(k))]), two, 4) for k in range(0, nscales, 2)]
-            return [builder.shuffle_vector(v, v, ir.Constant(_VI, [0, 1] * 8)) for v in pairs]
+        first = builder.mul(group, num_blocks)  # the group's first block
+        i16p = ir.IntType(16).as_pointer()
 
         def run(count):
-            sums = {(r, i): cgutils.alloca_once(builder, _VF) for r in range(ROWS) for i in range(count)}  # registers
-            for acc in sums.values():
-                builder.store(ir.Constant(_VF, [0.0] * 16), acc)
-            with cgutils.for_range(builder, num_pairs) as loop:
-                p = loop.index
-                for array, width in ((qa, qbytes), (sa, 4 * nscales)):  # PREFETCH_BYTES ahead: the next groups follow
-                    ahead = builder.add(at_pair(0, p, width), _I64(PREFETCH_BYTES * width // qbytes))  # bytes
-                    for line in range(0, ROWS * width, 64):
-                        prefetch_ir(builder, array.data, builder.add(ahead, _I64(line)))
-                pair_at = [builder.add(builder.mul(_I64(i), num_pairs), p) for i in range(count)]
-                xs_ = [[_vload(builder, builder.gep(xa.data, [builder.add(builder.mul(at, _I64(PAIR)), _I64(32 * h))]), _VI)
-                        for h in (0, 1)] for at in pair_at]
-                dxs = [[_vload(builder, builder.gep(da.data, [builder.add(builder.mul(at, _I64(32)), _I64(16 * h))]), _VF, 4)
-                        for h in (0, 1)] for at in pair_at]
-                for r in range(ROWS):
-                    w, dm = weights(r, p), pair_scales(r, p)
-                    for i in range(count):
-                        t = builder.call(pmadd, [builder.bitcast(w[0], w32), builder.bitcast(xs_[i][0], w32)])
-                        products = builder.sitofp(builder.call(dot, [t, w[1], xs_[i][1]]), _VF)
-                        acc = sums[r, i]
-                        total = builder.call(fma, [products, builder.fmul(dm[0], dxs[i][0]), builder.load(acc)])
-                        if q4_1:
-                            total = builder.call(fma, [dm[1], dxs[i][1], total])
-                        builder.store(total, acc)
-            for (r, i), acc in sums.items():
-                at = builder.add(builder.mul(_I64(i), num_rows), rows[r])
-                builder.store(lane_total(builder, builder.load(acc)), builder.gep(out.data, [at]))
+            sums = [cgutils.alloca_once(builder, _VF) for _ in range(count)]  # registers
+            for acc in sums:
+                builder.store(ir.Constant(_VF, [0.0] * ROWS), acc)
+            chains = max(1, 4 // count)
+            with cgutils.for_range(builder, num_blocks) as loop:
+                b = loop.index
+                at = builder.add(first, b)
+                q_at, s_at = builder.mul(at, _I64(block_bytes)), builder.mul(at, _I64(scale_floats))
+                for array, offset, size, step in ((qa, q_at, 1, block_bytes), (sa, s_at, 4, 4 * scale_floats)):
+                    ahead = PREFETCH_BYTES * step // block_bytes  # bytes ahead in this stream: the next groups follow
+                    byte = builder.mul(offset, _I64(size))
+                    for line in range(0, step, 64):
+                        prefetch_ir(builder, array.data, builder.add(byte, _I64(ahead + line)))
+                vs = [None] * 16
+                for k in range(loads):
+                    raw = _vload(builder, builder.gep(qa.data, [builder.add(q_at, _I64(32 * k))]), b32)
+                    if q4_1:
+                        q = builder.zext(raw, w32)
+                        vs[k] = builder.bitcast(builder.and_(q, ir.Constant(w32, [15] * 32)), _VI)
+                        vs[k + 8] = builder.bitcast(builder.lshr(q, ir.Constant(w32, [4] * 32)), _VI)
+                    else:
+                        vs[k] = builder.bitcast(builder.sext(raw, w32), _VI)
+                svec = [_vload(builder, builder.gep(sa.data, [builder.add(s_at, _I64(ROWS * k))]), _VF, 4)
+                        for k in range(nscales)]
+                for i in range(count):
+                    row_x = builder.mul(_I64(i), width)
+                    block_x = builder.add(row_x, builder.mul(b, _I64(BLOCK)))
+                    partial = [ir.Constant(_VI, [0] * ROWS)] * chains
+                    for t in range(16):
+                        pair = builder.load(builder.bitcast(builder.gep(xa.data, [builder.add(block_x, _I64(2 * t))]),
+                                                            _I32.as_pointer()), align=2)
+                        partial[t % chains] = builder.call(dot, [partial[t % chains], vs[t], _splat(builder, pair, _VI)])
+                    total = partial[0]
+                    for extra in partial[1:]:
+                        total = builder.add(total, extra)
+                    d_at = builder.add(builder.mul(_I64(i), num_blocks), b)
+                    dxi = builder.load(builder.gep(da.data, [d_at]))
+                    acc = builder.call(fma, [builder.sitofp(total, _VF), builder.fmul(svec[0], _splat(builder, dxi, _VF)),
+                                             builder.load(sums[i])])
+                    if q4_1:
+                        dsi = builder.load(builder.gep(ma.data, [d_at]))
+                        acc = builder.call(fma, [svec[1], _splat(builder, dsi, _VF), acc])
+                    builder.store(acc, sums[i])
+            for i, acc in enumerate(sums):
+                at = builder.add(builder.mul(_I64(i), num_out), builder.mul(group, _I64(ROWS)))
+                ptr = builder.bitcast(builder.gep(out.data, [at]), _VF.as_pointer())
+                builder.store(builder.load(acc), ptr, align=4)
 
         by_row_count(builder, num_x, X_ROWS, run)
         return context.get_dummy_value()
@@ -234,44 +219,47 @@ def _codegen(q4_1: bool):
 
 
 @intrinsic
-def _rows(typingctx, xq, dx, scales, qs, group, out):
-    """out[i, ROWS group + r] for the one to X_ROWS rows of xq (_codegen); Q4_1 weights (qs uint8) or Q8_0 (int8)."""
+def _rows(typingctx, xq, dx, dsum, scales, qs, group, out):
+    """out[i, ROWS group : ROWS (group + 1)] for the one to X_ROWS rows of xq (_codegen); Q4_1 weights (qs uint8)
+    or Q8_0 (int8)."""
     q4_1 = c_array(qs, 4, types.uint8)
-    checks = (c_array(xq, 3, types.int16), c_array(dx, 3, types.float32), c_array(scales, 4, types.float32),
-              q4_1 or c_array(qs, 4, types.int8), isinstance(group, types.Integer), c_array(out, 2, types.float32))
+    checks = (c_array(xq, 2, types.int16), c_array(dx, 2, types.float32), c_array(dsum, 2, types.float32),
+              c_array(scales, 4, types.float32), q4_1 or c_array(qs, 4, types.int8), isinstance(group, types.Integer),
+              c_array(out, 2, types.float32))
     if not all(checks):
         return None
-    return types.none(xq, dx, scales, qs, group, out), _codegen(q4_1)
+    return types.none(xq, dx, dsum, scales, qs, group, out), _codegen(q4_1)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def matvec_rounded(xq, dx, scales, qs, out):
-    """out = x @ W.T for x rounded into xq, dx (round_x): a group of ROWS weight rows at a time in parallel (in
-    the parallel function this is inlined into), the rows of x X_ROWS at a time (one pass over a group's weights
-    for four rows of x took 0.64 ms a layer against 0.80 for two passes of two, one thread of a Xeon with
-    AVX512-VNNI; eight rows 0.98 against 1.48)."""
+def matvec_rounded(xq, dx, dsum, scales, qs, out):
+    """out = x @ W.T for x rounded into xq, dx, dsum (round_row): a group of ROWS weight rows at a time in parallel
+    (in the parallel function this is inlined into), the rows of x X_ROWS at a time."""
     for g in prange(qs.shape[0]):
         for i in range(0, xq.shape[0], X_ROWS):
-            _rows(xq[i:i + X_ROWS], dx[i:i + X_ROWS], scales, qs, g, out[i:i + X_ROWS])
+            _rows(xq[i:i + X_ROWS], dx[i:i + X_ROWS], dsum[i:i + X_ROWS], scales, qs, g, out[i:i + X_ROWS])
 
 
 @njit(cache=True, nogil=True, inline="always")
-def matvec(x, norm, eps, gated, src, scales, qs, out):
-    """out = (x, normed or gated as round_x says) @ W.T."""
-    num_pairs = qs.shape[1]
-    xq = np.empty((x.shape[0], num_pairs, PAIR), np.int16)
-    dx = np.empty((x.shape[0], num_pairs, 32), np.float32)
-    round_x(x, norm, eps, gated, src, xq, dx)
-    matvec_rounded(xq, dx, scales, qs, out)
+def matvec(x, norm, eps, gated, scales, qs, out):
+    """out = (x, normed or gated as round_row says) @ W.T."""
+    num_blocks = qs.shape[1]
+    xq = np.empty((x.shape[0], num_blocks * BLOCK), np.int16)
+    dx = np.empty((x.shape[0], num_blocks), np.float32)
+    dsum = np.empty((x.shape[0], num_blocks), np.float32)
+    if x.shape[0] == 1:  # a parallel region costs more than one row
+        round_row(x, 0, norm, eps, gated, xq, dx, dsum)
+    else:  # the gate's exp is scalar: ~70 us a layer's down projection at 5 rows on one thread
+        for i in prange(x.shape[0]):
+            round_row(x, i, norm, eps, gated, xq, dx, dsum)
+    matvec_rounded(xq, dx, dsum, scales, qs, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matvec(x, norm, eps, gated, src, scales, qs, out):
-    matvec(x, norm, eps, gated, src, scales, qs, out)
+def _matvec(x, norm, eps, gated, scales, qs, out):
+    matvec(x, norm, eps, gated, scales, qs, out)
 
 
-SRC = (BLOCK * w_order()[0] + w_order()[1]).astype(np.int64)
-"""round_x's src: the input value of each W position within a pair."""
 NO_NORM = np.empty(0, np.float32)
 
 
@@ -281,5 +269,5 @@ def vnni_matmul(x: np.ndarray, w: VnniWeight, norm: np.ndarray | None = None, ep
     `norm`, x is first RMS-normalized and scaled by it (rms_norm with `eps`); with `gated`, x is [M, 2K]
     gate | up and the input is silu(gate) * up."""
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _matvec(x, NO_NORM if norm is None else norm, eps, gated, SRC, w.scales, w.qs, out)
+    _matvec(x, NO_NORM if norm is None else norm, eps, gated, w.scales, w.qs, out)
     return out
