@@ -38,12 +38,12 @@ QUANT_FILE = "gguf_blocks.safetensors"
 GGUF_BLOCKS_MAX_TOKENS = 64
 """Steps of at most this many tokens (decode batches) multiply by the GGUF's own blocks, decoded
 once per step (gpu_model/quant.py); prefill chunks use the fp32 copy with BLAS (README: Usage)."""
-GGUF_BLOCKS_MAX_TOKENS_BF16 = 5
+GGUF_BLOCKS_MAX_TOKENS_BF16 = 16
 """The same beside bf16 linears (oneDNN, AMX) on CPUs with AVX512-VNNI, where the blocks multiply with
-integer dots (gpu_model/quant_vnni.py): one thread of a Xeon with AMX took, for a
-whole decode step at 200 tokens of context, 23 / 36 / 39 / 47 / 57 ms with the blocks and 24 / 35 / 46 /
-46 / 49 ms with bf16 linears at 1 / 4 / 5 / 6 / 8 tokens (CPU time, 2026-11-29). Without VNNI the blocks
-win at 1 token only."""
+integer dots (gpu_model/quant_vnni.py): on a 2-core Xeon VM with AMX a step's linears (30 layers and the
+head) took 21 / 25 / 38 / 46 / 72 ms with the blocks and 49 / 55 / 58 / 54 / 69 ms with bf16 linears at
+6 / 8 / 12 / 16 / 24 tokens; a decode step of 8 sequences at 256 tokens of context 36 against 75 ms, of 16
+sequences 79 against 76 (2026-11-29). Without VNNI the blocks win at 1 token only."""
 MX_MAX_TOKENS = 64
 """Steps of at most this many tokens multiply by MX weights (gpu_model/mx_kernels.py) by default with
 float32 dense linears; with bf16 ones (oneDNN, AMX) MX_MAX_TOKENS_BF16, past which the bf16 copy of
