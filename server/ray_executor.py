@@ -1,5 +1,11 @@
-"""The hetero backend on Ray (`--executor ray`): the model worker and N CPU attention workers as
-Ray actors, on one machine or across a cluster.
+"""The hetero backend on Ray (`--executor ray`), in one of two shapes.
+
+With `cpu_actors` 0 (the default), one BackendActor holds the model and the whole KV (the local
+executor's backend, server.hetero.HeteroBackend); each step goes to it over the step channel
+(server.channel: StepInput out, StepOutput back, after the actor's token), one round trip a step.
+
+With N >= 1, the model worker and N CPU attention workers are Ray actors, on one machine or across
+a cluster:
 
     engine thread ──Ray call per step──> ModelActor (linears, LSH codes, sampler; num_gpus=1)
                                             │  per layer: q, k, v (+ codes) out, o back,
