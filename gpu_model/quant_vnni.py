@@ -162,7 +162,6 @@ def _codegen(q4_1: bool):
                                              "llvm.x86.avx512.vpdpwssd.512")
         b32, w32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 32)
         first = builder.mul(group, num_blocks)  # the group's first block
-        i16p = ir.IntType(16).as_pointer()
 
         def run(count):
             sums = [cgutils.alloca_once(builder, _VF) for _ in range(count)]  # registers

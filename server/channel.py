@@ -79,6 +79,19 @@ def connect(address: tuple[str, int], timeout_s: float, token: bytes = b"") -> s
     return sock
 
 
+def serve(listener: socket.socket, handle) -> None:
+    """Accept connections one at a time, forever: handle(conn) on each until its peer goes away (a peer that
+    reconnects gets the next accept)."""
+    while True:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            try:
+                handle(conn)
+            except (ConnectionError, OSError):
+                pass
+
+
 def admit(sock: socket.socket, token: bytes, timeout_s: float = 10.0) -> bool:
     """Whether the peer's first bytes are `token` (read within timeout_s); the socket blocks again after."""
     got = bytearray(len(token))

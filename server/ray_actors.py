@@ -63,15 +63,11 @@ class AttentionActor:
 
     def _serve(self) -> None:
         _set_threads(self.threads)  # Numba's thread count is per calling thread: this one runs the kernels
+        channel.serve(self._listener, self._attend_until_closed)
+
+    def _attend_until_closed(self, conn: socket.socket) -> None:
         while True:
-            conn, _ = self._listener.accept()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with conn:
-                try:
-                    while True:
-                        self._handle(conn, *channel.recv(conn))
-                except (ConnectionError, OSError):
-                    pass  # the model actor went away or reconnects
+            self._handle(conn, *channel.recv(conn))
 
     def _handle(self, conn: socket.socket, h: dict, arrays: list[np.ndarray]) -> None:
         from cpu_attn.worker import ChunkLayout
@@ -141,22 +137,18 @@ class BackendActor:
     def _serve(self) -> None:
         if self.threads:
             _set_threads(self.threads)
+        channel.serve(self._listener, self._step_until_closed)
+
+    def _step_until_closed(self, conn: socket.socket) -> None:
+        if not channel.admit(conn, self.token):
+            log.warning("step channel: refused a connection without the token")
+            return
         while True:
-            conn, _ = self._listener.accept()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with conn:
-                if not channel.admit(conn, self.token):
-                    log.warning("step channel: refused a connection without the token")
-                    continue
-                try:
-                    while True:
-                        out = self._step(channel.recv_object(conn))
-                        try:
-                            channel.send_object(conn, out)
-                        except (pickle.PicklingError, TypeError, AttributeError):  # an exception that does not pickle
-                            channel.send_object(conn, RuntimeError(f"{type(out).__name__}: {out}"))
-                except (ConnectionError, OSError):
-                    pass  # the server went away or reconnects
+            out = self._step(channel.recv_object(conn))
+            try:
+                channel.send_object(conn, out)
+            except (pickle.PicklingError, TypeError, AttributeError):  # an exception that does not pickle
+                channel.send_object(conn, RuntimeError(f"{type(out).__name__}: {out}"))
 
     def _step(self, inp: StepInput) -> StepOutput | Exception:
         self.trimmer.maybe_release()  # what the previous steps freed (server/memory.py)
