@@ -64,14 +64,22 @@ class Engine:
         self._num_unread_adds = 0
         """Submitted requests still in the inbox: they count as waiting (admission control reads it)."""
         self._adds_lock = threading.Lock()
+        self._backend_closed, self._close_lock = False, threading.Lock()
 
     # ---- called from any thread
     def run(self, on_started: Callable[[], None] = lambda: None) -> None:
         """Run the loop on the calling thread until stop(): the thread that built the backend
-        (server.launch.start_engine). on_started() is called once this thread is the engine's."""
+        (server.launch.start_engine). on_started() is called once this thread is the engine's.
+
+        The backend is closed on this thread when the loop ends: processes a backend started may die
+        with the thread that started them (Ray's local cluster is spawned with PR_SET_PDEATHSIG), and
+        must still be there while the backend shuts them down."""
         self._thread = threading.current_thread()
         on_started()
-        self._loop()
+        try:
+            self._loop()
+        finally:
+            self._close_backend()
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -99,7 +107,13 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.grammars.close()
-        self.backend.close()
+        self._close_backend()  # when run() never ran, or its thread is stuck in a step
+
+    def _close_backend(self) -> None:
+        with self._close_lock:
+            closed, self._backend_closed = self._backend_closed, True
+        if not closed:
+            self.backend.close()
 
     def health(self) -> str:
         """ok; degraded (serving, with a CPU attention worker down); down (not serving)."""

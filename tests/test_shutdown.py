@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import free_port, wait_healthy
 
@@ -72,10 +73,12 @@ def test_sigterm_drains_then_cancels_and_exits_zero(tmp_path):
     assert any(rec.get("request_id") and rec.get("path") == "/v1/completions" for rec in lines)
 
 
-def test_ray_executor_runs_at_normal_priority_and_ctrl_c_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_ray_executor_runs_at_normal_priority_and_stops_every_process(tmp_path, stop):
     """`hetserve serve --executor ray`: the actors run at the server's own nice level (Ray's default 15 let
     the API process preempt them), and Ctrl-C (SIGINT to the whole process group, as a terminal sends it)
-    stops every process the daemon started, Ray's agents included."""
+    or SIGTERM to the server alone (as `kill`, systemd or Kubernetes send it) stops every process the
+    daemon started, Ray's agents included, and the server exits 0."""
     import os
 
     import psutil
@@ -96,10 +99,33 @@ def test_ray_executor_runs_at_normal_priority_and_ctrl_c_leaves_no_process(tmp_p
                   or "AttentionActor" in " ".join(p.cmdline())]
         assert actors, [p.cmdline() for p in started]
         assert {p.nice() for p in actors} == {psutil.Process(proc.pid).nice()}
-        os.killpg(proc.pid, signal.SIGINT)
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
         gone, alive = psutil.wait_procs(started, timeout=10)
         assert not alive, [(p.pid, p.cmdline()) for p in alive if p.is_running()]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_engine_closes_its_backend_on_the_thread_that_built_it():
+    """A backend may own processes that die with the thread that started them (Ray spawns its local
+    cluster with PR_SET_PDEATHSIG): Engine.stop() lets the engine thread close the backend before it
+    exits, not the caller after the join."""
+    from server.config import ServeConfig
+    from server.launch import start_engine
+
+    engine, _, _ = start_engine(ServeConfig(kv_format="fp32", kv_cache_bytes=16 * 2**20, max_num_seqs=2))
+    closed_on, close = [], engine.backend.close
+
+    def recording_close() -> None:
+        closed_on.append(threading.current_thread().name)
+        close()
+
+    engine.backend.close = recording_close
+    engine.stop()
+    engine.stop()  # a second stop does not close it again
+    assert closed_on == ["hetserve-engine"]
