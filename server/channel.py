@@ -11,8 +11,8 @@ Ray task or a Ray Compiled Graph hop costs about a millisecond on a 2-core machi
 (benchmarks/bench_executor.py, its `exchange` part).
 
 The step channel between the server and a backend actor: one pickled object a frame each way
-(u64 length | pickle), on a connection that first sent the actor's secret token (`connect(token=)`,
-`admit`): a peer that does not know the token never reaches the unpickler.
+(u64 length | pickle), on a connection that first sent the actor's secret token and got one byte back
+(`connect(token=)`, `admit`): a peer that does not know the token never reaches the unpickler.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import numpy as np
 
 _LEN = struct.Struct("<I")
 _LEN64 = struct.Struct("<Q")
+_ADMITTED = b"\x01"
 
 
 class ChannelClosed(ConnectionError):
@@ -71,11 +72,18 @@ def recv(sock: socket.socket) -> tuple[dict, list[np.ndarray]]:
 
 
 def connect(address: tuple[str, int], timeout_s: float, token: bytes = b"") -> socket.socket:
-    """A connection whose reads and writes time out after timeout_s; it first sends `token` (see admit)."""
+    """A connection whose reads and writes time out after timeout_s; with a `token`, it first sends it and
+    waits for the peer to admit it (see admit): ChannelClosed if the peer refuses it."""
     sock = socket.create_connection(address, timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if token:
-        sock.sendall(token)
+        got = bytearray(len(_ADMITTED))
+        try:
+            sock.sendall(token)
+            _read_exact(sock, memoryview(got))
+        except OSError:
+            sock.close()
+            raise
     return sock
 
 
@@ -93,15 +101,19 @@ def serve(listener: socket.socket, handle) -> None:
 
 
 def admit(sock: socket.socket, token: bytes, timeout_s: float = 10.0) -> bool:
-    """Whether the peer's first bytes are `token` (read within timeout_s); the socket blocks again after."""
+    """Whether the peer's first bytes are `token` (read within timeout_s); if so, the peer is told so (one
+    byte) and the socket blocks again."""
     got = bytearray(len(token))
     sock.settimeout(timeout_s)
     try:
         _read_exact(sock, memoryview(got))
     except (ConnectionError, OSError):
         return False
+    if not hmac.compare_digest(bytes(got), token):
+        return False
     sock.settimeout(None)
-    return hmac.compare_digest(bytes(got), token)
+    sock.sendall(_ADMITTED)
+    return True
 
 
 def send_object(sock: socket.socket, obj) -> None:

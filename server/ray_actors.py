@@ -110,19 +110,24 @@ def split(chunks, n: int) -> list[list]:
 class BackendActor:
     """The model worker and the whole KV cache in one process: server.hetero.HeteroBackend in an actor, no
     per-layer exchange. Steps come over the step channel (server.channel: a Ray call costs ~2.4 ms a step on
-    2 cores, a loopback frame tens of microseconds): StepInput in, StepOutput (or the step's exception) out."""
+    2 cores, a loopback frame tens of microseconds): StepInput in, StepOutput (or the step's exception) out.
+
+    serve_steps() runs the channel on the actor's main thread, the thread that loaded the model: from a
+    second thread the steps took ~20 % longer at one sequence (OpenMP regions started from another thread
+    than the start-up's pay more, see server.launch.start_engine). It never returns, so it is the last
+    call the actor takes (a sync actor runs one method at a time)."""
 
     def __init__(self, model_dir: str, config: BackendConfig, threads: int):
         import ray
 
         from server.hetero import HeteroBackend
 
-        self.threads = threads  # set by the channel thread, which runs the steps (_serve)
+        if threads:
+            _set_threads(threads)
         self.backend = HeteroBackend(Path(model_dir), config)
         self.trimmer = Trimmer()
         self.token = secrets.token_bytes(16)
         self._listener = socket.create_server((ray.util.get_node_ip_address(), 0))
-        threading.Thread(target=self._serve, name="step-channel", daemon=True).start()
 
     def config(self):
         return self.backend.model_cfg
@@ -134,9 +139,7 @@ class BackendActor:
         """Where the step channel listens, and the token a connection must send first."""
         return self._listener.getsockname()[:2], self.token
 
-    def _serve(self) -> None:
-        if self.threads:
-            _set_threads(self.threads)
+    def serve_steps(self) -> None:
         channel.serve(self._listener, self._step_until_closed)
 
     def _step_until_closed(self, conn: socket.socket) -> None:

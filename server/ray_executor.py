@@ -127,8 +127,10 @@ class RayBackend(Backend):
 
     def _connect_all(self, timeout_s: float = 300.0) -> None:
         if not self.cpu_actors:  # the backend actor: its step channel
-            address, token = self.ray.get(self.model_actor.address.remote(), timeout=timeout_s)
-            self._step_sock = channel.connect(tuple(address), STEP_TIMEOUT_S, token)
+            address, self._step_token = self.ray.get(self.model_actor.address.remote(), timeout=timeout_s)
+            self._step_address = tuple(address)
+            self._serving = self.model_actor.serve_steps.remote()  # until the actor dies; connect waits for it
+            self._step_sock = channel.connect(self._step_address, STEP_TIMEOUT_S, self._step_token)
             return
         addresses = self.ray.get([a.address.remote() for a in self.cpu_actors], timeout=timeout_s)
         self.ray.get(self.model_actor.set_shards.remote(self.first_blocks))
@@ -141,6 +143,10 @@ class RayBackend(Backend):
         from ray.exceptions import RayError
 
         if self.model_down:
+            if not self.cpu_actors and self._reconnect_step_channel():
+                self.model_down = False
+                log.warning("accelerator worker is back")
+                return
             probe = self._probes.setdefault("model", self.model_actor.config.remote())
             if self.ray.wait([probe], timeout=0)[0]:
                 del self._probes["model"]
@@ -163,6 +169,22 @@ class RayBackend(Backend):
                     log.warning("CPU attention worker %d is back", s)
                 except (RayError, OSError) as exc:
                     log.warning("CPU attention worker %d not back yet: %s", s, exc)
+
+    def _reconnect_step_channel(self, timeout_s: float = 1.0) -> bool:
+        """Whether the backend actor, alive, took a new step connection (after a broken one); a restarted
+        actor listens elsewhere and runs serve_steps only once _connect_all has asked it to."""
+        if self.ray.wait([self._serving], timeout=0)[0]:  # serve_steps ended: the actor died
+            try:
+                self.ray.get(self._serving)
+            except self.ray.exceptions.RayError:
+                pass
+            return False
+        try:
+            self._step_sock = channel.connect(self._step_address, timeout_s, self._step_token)
+        except OSError:
+            return False
+        self._step_sock.settimeout(STEP_TIMEOUT_S)
+        return True
 
     def live_shards(self) -> set[int]:
         self._poll()

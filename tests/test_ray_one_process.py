@@ -44,10 +44,49 @@ def test_step_channel_admits_only_the_token_and_carries_objects():
                 a.shutdown(socket.SHUT_WR)  # a peer that stops early
             assert channel.admit(b, b"secret-token-16b", timeout_s=5) is admitted
             if admitted:
+                assert a.recv(1) == b"\x01"  # connect() waits for it
                 step = {"chunks": [1, 2, 3], "error": ValueError("bad")}
                 channel.send_object(a, step)
                 got = channel.recv_object(b)
                 assert got["chunks"] == [1, 2, 3] and isinstance(got["error"], ValueError)
+
+
+def test_connect_is_refused_without_the_token():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = listener.getsockname()[:2]
+        with ThreadPoolExecutor(1) as pool:
+            for token, admitted in ((b"secret-token-16b", True), (b"wrong-token-16by", False)):
+                def accept_one():
+                    conn, _ = listener.accept()
+                    with conn:
+                        ok = channel.admit(conn, b"secret-token-16b", timeout_s=5)
+                        if ok:
+                            channel.send_object(conn, "hello")
+                        return ok
+                verdict = pool.submit(accept_one)
+                if admitted:
+                    with channel.connect(address, 5, token) as sock:
+                        assert channel.recv_object(sock) == "hello"
+                else:
+                    with pytest.raises(channel.ChannelClosed):
+                        channel.connect(address, 5, token)
+                assert verdict.result(timeout=10) is admitted
+
+
+def test_broken_step_connection_to_a_live_actor_reconnects(server, one_process_server):
+    """The connection breaks while the actor lives (its step loop is busy in serve_steps, so no Ray call
+    reaches it): the server reconnects to the same actor, without a restart, and serves again."""
+    backend = one_process_server.engine.backend
+    serving = backend._serving
+    backend._step_sock.shutdown(socket.SHUT_RDWR)
+    r = httpx.post(one_process_server.url + "/v1/completions", json=body(0, 4), timeout=120)
+    assert r.status_code in (200, 500, 503), r.text  # the request that met the broken connection may fail
+    deadline = time.monotonic() + 30
+    while httpx.get(one_process_server.url + "/health", timeout=5).json()["status"] != "ok":
+        assert time.monotonic() < deadline, "the step channel did not reconnect"
+        time.sleep(0.2)
+    assert complete(one_process_server.url, 2) == complete(server.url, 2)
+    assert backend._serving is serving  # the same actor: reconnected, not restarted
 
 
 def test_killed_backend_actor_fails_requests_and_comes_back(server, one_process_server):
