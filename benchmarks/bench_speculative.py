@@ -1,5 +1,5 @@
-"""Speculative decoding against none, through HTTP, as a user runs it: `hetserve serve` (the default
-configuration) once per method, the same requests sent to each.
+"""Speculative decoding against none, through HTTP, as a user runs it: one `hetserve serve` (the default
+configuration) per method, all running at once, the same requests sent to each in turn.
 
     python -m benchmarks.bench_speculative                      # the standard grid, ~15 min on 2 cores
     python -m benchmarks.bench_speculative --contexts 256 --concurrency 1
@@ -7,7 +7,8 @@ configuration) once per method, the same requests sent to each.
 Cells: text kind (chat: answers to chat questions; grounded: rewriting a given WikiText passage, which
 the answer quotes; wikitext: plain continuation) x context (prompt tokens; chat prompts are their own
 length) x streams x temperature. Each cell sends `concurrency` requests at once, `--rounds` times, every
-request with its own prompt; a request streams up to `--output-tokens` tokens (wikitext: exactly that
+request with its own prompt; each round's batch goes to every method's server in turn (the order rotating
+by round), the others idle meanwhile, so that the machine's drift (a busy neighbour) falls on all alike; a request streams up to `--output-tokens` tokens (wikitext: exactly that
 many, ignore_eos). Per cell: output tok/s over the cell's wall time, decode tok/s per stream (tokens after
 the first over the time after the first), TTFT p50, and the drafts' acceptance from the server's /metrics.
 Table, JSON and PNG in benchmarks/results/.
@@ -137,23 +138,33 @@ def main() -> None:
 
     tokenizer = Tokenizer(resolve_model_dir(None, Path("~/.cache/hetserve/models").expanduser()), ())
     grid = cells(args)
-    results = []
-    for method in args.methods:
-        proc, ready_s = start_hetserve(args.port, "--speculative-method", method, *args.serve_args.split())
-        url = f"http://127.0.0.1:{args.port}"
-        print(f"{method}: ready in {ready_s:.0f} s; {len(grid)} cells", flush=True)
-        try:
-            for i, (kind, context, c, t) in enumerate(grid):
-                reqs = requests_for(kind, context, c * args.rounds, tokenizer, args.output_tokens, t)
-                before = read_counters(url)
-                done, wall = asyncio.run(run_cell(url, reqs, c))
-                spec = speculation_summary(before, read_counters(url))
-                row = {"method": method, "kind": kind, "context": context, "streams": c, "temperature": t,
-                       **cell_metrics(done, wall), "acceptance": spec.get("spec_decode_acceptance_rate"),
-                       "accept_len": spec.get("spec_decode_mean_acceptance_length")}
-                results.append(row)
-                print(f"  [{i + 1}/{len(grid)}] {kind} {context} x{c} T={t}: {row['output_tok_s']:.1f} tok/s", flush=True)
-        finally:
+    results, servers = [], {}
+    try:
+        for j, method in enumerate(args.methods):
+            proc, ready_s = start_hetserve(args.port + j, "--speculative-method", method, *args.serve_args.split())
+            servers[method] = (proc, f"http://127.0.0.1:{args.port + j}")
+            print(f"{method}: ready in {ready_s:.0f} s", flush=True)
+        for i, (kind, context, c, t) in enumerate(grid):
+            reqs = requests_for(kind, context, c * args.rounds, tokenizer, args.output_tokens, t)
+            before = {m: read_counters(url) for m, (_, url) in servers.items()}
+            done, wall = {m: [] for m in servers}, dict.fromkeys(servers, 0.0)
+            for r in range(args.rounds):
+                first = r % len(args.methods)
+                for m in args.methods[first:] + args.methods[:first]:
+                    got, seconds = asyncio.run(run_cell(servers[m][1], reqs[r * c:(r + 1) * c], c))
+                    done[m] += got
+                    wall[m] += seconds
+            cell = []
+            for m, (_, url) in servers.items():
+                spec = speculation_summary(before[m], read_counters(url))
+                cell.append({"method": m, "kind": kind, "context": context, "streams": c, "temperature": t,
+                             **cell_metrics(done[m], wall[m]), "acceptance": spec.get("spec_decode_acceptance_rate"),
+                             "accept_len": spec.get("spec_decode_mean_acceptance_length")})
+            results += cell
+            print(f"  [{i + 1}/{len(grid)}] {kind} {context} x{c} T={t}: "
+                  + ", ".join(f"{r['method']} {r['output_tok_s']:.1f}" for r in cell) + " tok/s", flush=True)
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(60)
     base = {(r["kind"], r["context"], r["streams"], r["temperature"]): r for r in results if r["method"] == "off"}
