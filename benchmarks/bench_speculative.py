@@ -8,9 +8,10 @@ Cells: text kind (chat: answers to chat questions; grounded: rewriting a given W
 the answer quotes; wikitext: plain continuation) x context (prompt tokens; chat prompts are their own
 length) x streams x temperature. Each cell sends `concurrency` requests at once, `--rounds` times, every
 request with its own prompt; each round's batch goes to every method's server in turn (the order rotating
-by round), the others idle meanwhile, so that the machine's drift (a busy neighbour) falls on all alike; a request streams up to `--output-tokens` tokens (wikitext: exactly that
-many, ignore_eos). Per cell: output tok/s over the cell's wall time, decode tok/s per stream (tokens after
-the first over the time after the first), TTFT p50, and the drafts' acceptance from the server's /metrics.
+by round), the others idle meanwhile, so that the machine's drift (a busy neighbour) falls on all alike.
+A request streams up to `--output-tokens` tokens (wikitext: exactly that many, ignore_eos). Per cell:
+output tok/s over the cell's wall time, decode tok/s per stream (tokens after the first over the time
+after the first), TTFT p50, and the drafts' acceptance from the server's /metrics.
 Table, JSON and PNG in benchmarks/results/.
 """
 from __future__ import annotations

@@ -173,10 +173,12 @@ class RayBackend(Backend):
     def _reconnect_step_channel(self, timeout_s: float = 1.0) -> bool:
         """Whether the backend actor, alive, took a new step connection (after a broken one); a restarted
         actor listens elsewhere and runs serve_steps only once _connect_all has asked it to."""
+        from ray.exceptions import RayError
+
         if self.ray.wait([self._serving], timeout=0)[0]:  # serve_steps ended: the actor died
             try:
-                self.ray.get(self._serving)
-            except self.ray.exceptions.RayError:
+                self.ray.get(self._serving)  # its error, taken: Ray would log it as unhandled
+            except RayError:
                 pass
             return False
         try:
