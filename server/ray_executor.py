@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -75,13 +74,14 @@ class RayBackend(Backend):
         self._unsent_frees: tuple[int, ...] = ()
         """Sequences freed while the model actor could not be told (it forwards frees to the CPU actors)."""
         self._probes: dict = {}
+        """Key -> the pending Ray call that tells whether an actor is back (one at a time: a call queued behind
+        a busy actor's serve_steps never runs)."""
         if num_actors == 0:  # the KV in the model actor's process: its threads inherit the server's spinning
             self.model_actor = ray.remote(BackendActor).options(**model_opts, **_restartable()).remote(
                 str(model_dir), c, threads)
             self.model_cfg = ray.get(self.model_actor.config.remote())
             self.kv_spec = ray.get(self.model_actor.kv_spec.remote())
             self.cpu_actors, self.first_blocks, self.down = [], [], set()
-            self._step_sock: socket.socket | None = None
             self._connect_all()
             log.info("Ray executor: the model actor holds the KV, %d blocks (%.1f MiB), %s%s", self.kv_spec.num_blocks,
                      self.kv_spec.num_blocks * self.kv_spec.bytes_per_block / 2**20, c.kv_format,
@@ -147,7 +147,7 @@ class RayBackend(Backend):
                 self.model_down = False
                 log.warning("accelerator worker is back")
                 return
-            probe = self._probes.setdefault("model", self.model_actor.config.remote())
+            probe = self._probe("model", self.model_actor.config)
             if self.ray.wait([probe], timeout=0)[0]:
                 del self._probes["model"]
                 try:
@@ -160,7 +160,7 @@ class RayBackend(Backend):
                     log.warning("accelerator worker not back yet: %s", exc)
             return
         for s in sorted(self.down):
-            probe = self._probes.setdefault(s, self.cpu_actors[s].address.remote())
+            probe = self._probe(s, self.cpu_actors[s].address)
             if self.ray.wait([probe], timeout=0)[0]:
                 del self._probes[s]
                 try:
@@ -169,6 +169,12 @@ class RayBackend(Backend):
                     log.warning("CPU attention worker %d is back", s)
                 except (RayError, OSError) as exc:
                     log.warning("CPU attention worker %d not back yet: %s", s, exc)
+
+    def _probe(self, key, method):
+        """The pending call of `method` under `key`, made only if none is pending."""
+        if key not in self._probes:
+            self._probes[key] = method.remote()
+        return self._probes[key]
 
     def _reconnect_step_channel(self, timeout_s: float = 1.0) -> bool:
         """Whether the backend actor, alive, took a new step connection (after a broken one); a restarted
@@ -234,7 +240,7 @@ class RayBackend(Backend):
         return out
 
     def close(self) -> None:
-        if not self.cpu_actors and self._step_sock is not None:
+        if not self.cpu_actors:
             self._step_sock.close()
         for a in [self.model_actor, *self.cpu_actors]:
             self.ray.kill(a, no_restart=True)
