@@ -7,7 +7,9 @@ and the 1-sequence matmuls' bytes/s against the machine's measured read bandwidt
 
 Perplexity: each window is prefilled in one pass (causal attention in torch), so every matmul runs
 the dense copy, which holds the format's own values (gpu_model/weight_format.py); the dense linears
-run float32, so only the weights differ from the reference. A decode step: embeddings, every layer
+run float32, so only the weights differ from the reference. Speed: each format as `hetserve serve
+--weight-format F` runs it (`--cpu-linear-dtype auto`: beside bf16 linears on AMX CPUs, where GGUF and
+MX blocks multiply with integer dots). A decode step: embeddings, every layer
 (attention over `--context` cached tokens per sequence, in torch) and the LM head, for a batch of
 single tokens; the matmuls take the format's kernel. Prints a table; writes
 benchmarks/results/weight_formats.json and weight_formats.png.
@@ -181,13 +183,16 @@ def main() -> None:
     rows = []
     for label in args.formats:
         wf = parse_format(label)
-        # gguf as `serve --weight-format gguf` runs it (bf16 linears beside it on AMX CPUs: VNNI blocks)
-        linear = {"bf16": "bfloat16", "gguf": "auto"}.get(wf.name, "float32")
+        # quality beside float32 dense linears, so that only the weights differ from the reference; speed as
+        # `serve --weight-format F` runs it (bf16 linears beside the blocks on AMX CPUs: integer-dot kernels)
+        linear = {"bf16": "bfloat16", "fp32": "float32"}.get(wf.name, "auto")
         model = load_model(model_dir, cpu_linear_dtype=linear, weight_format=wf)
         # fp32 and gguf hold the dense weights' very values in every matmul: the reference itself
         same = wf.name in ("fp32", "gguf")
-        row = {"format": label, "weight_bits": weight_bits(model), "matmul_mb": matmul_bytes(model) / 1e6,
-               **(dense_quality if same else quality(model, ref, windows)[0])}
+        scored = dense_quality if same else quality(
+            model if linear != "auto" else load_model(model_dir, cpu_linear_dtype="float32", weight_format=wf),
+            ref, windows)[0]
+        row = {"format": label, "weight_bits": weight_bits(model), "matmul_mb": matmul_bytes(model) / 1e6, **scored}
         for b in args.batches:
             row[f"step_ms_{b}"], row[f"step_min_ms_{b}"] = decode_step_ms(model, b, args.context, args.repeats)
         row["matmuls_1_ms"] = matmuls_ms(model, args.repeats)

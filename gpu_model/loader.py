@@ -26,6 +26,7 @@ from gpu_model.config import ModelConfig
 from gpu_model.model import LlamaModel, rope_inv_freq
 from gpu_model.quant import load_quant, read_gguf_quant, save_quant
 from gpu_model.quant_vnni import is_available as has_vnni
+from gpu_model.quant_vnni import mx_available
 from gpu_model.weight_format import (MX_FILE, WeightFormat, WeightFormatError, attach, cache_path, dense_with_mx,
                                      tied_head_values)
 
@@ -191,8 +192,13 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     if bf16:
         model.cast_linears(torch.bfloat16, pack=cpu_has_native_bf16())
     if mx_weights is not None:
-        default = MX_MAX_TOKENS_BF16 if bf16 else MX_MAX_TOKENS
-        attach(model, mx_weights, default if gguf_blocks_max_tokens is None else gguf_blocks_max_tokens)
+        # beside bf16 linears, integer dots where this CPU has them for the format (as the GGUF blocks)
+        vnni = bf16 and has_vnni()
+        if vnni and mx_available(wf.name) and wf.rotation == "none":
+            default = GGUF_BLOCKS_MAX_TOKENS_BF16
+        else:
+            default = MX_MAX_TOKENS_BF16 if bf16 else MX_MAX_TOKENS
+        attach(model, mx_weights, default if gguf_blocks_max_tokens is None else gguf_blocks_max_tokens, vnni=vnni)
         return model
     if wf.name in ("fp32", "bf16"):
         return model

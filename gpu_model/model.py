@@ -266,6 +266,13 @@ class LlamaModel(nn.Module):
         head = sd.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
         if head is not None:
             self.quant["head"] = layout(head)
+        self.attach_blocks({}, max_tokens)
+
+    def attach_blocks(self, blocks: dict[str, BlockWeight], max_tokens: int) -> None:
+        """Add block weights (matmul keys: layers.3.qkv, ..., head) and use them for steps of at most `max_tokens`
+        tokens; a layer whose four linears are all in the integer-dot layout runs them in two calls
+        (gpu_model/cpu_decode.py)."""
+        self.quant.update(blocks)
         self.quant_max_tokens = max_tokens
         layers = [tuple(self.quant.get(f"layers.{i}.{name}") for name in LINEARS) for i in range(self.cfg.num_layers)]
         self.decode_weights = [DecodeWeights(*ws) if all(isinstance(w, VnniWeight) for w in ws) else None

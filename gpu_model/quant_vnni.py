@@ -23,6 +23,19 @@ are the 16 outputs, stored as one vector. The vectors come straight from the GGU
     Q8_0 qs [G, NB, 16, 32] i8: [g, b, t, 2l + e] = weight 2t + e of row 16 g + l's block b
     scales [G, NB, 2 | 1, 16] f32: d, then Q4_1's m, of the group's 16 rows
 
+MX weights (gpu_model/mx.py) take the same route: an element is I x 2^-k with I a small integer (mxfp4
+2 x E2M1, |I| <= 12, k = 1; mxfp6 8 x E2M3, |I| <= 60, k = 3; mxint8 the code, k = 6), so a block's dot
+is again exact in integers and its scale 2^(s - 127 - k) is applied in float32. Their codes keep their
+bits per weight, scales included (4.25 / 6.25 / 8.25), in the same vector order:
+
+    mxint8 qs [G, NB, 16, 32] i8: as Q8_0
+    mxfp4  qs [G, NB, 8, 32] u8: as Q4_1, each nibble an E2M1 code; V_t = sext(pshufb(table, nibbles))
+    mxfp6  qs [G, NB, 12, 32] u8: [.., 0:8, :] the low nibbles of the 6-bit codes as mxfp4's; [.., 8:12, :]
+           viewed as [8, 16]: row t's byte j holds the top two code bits of the four nibbles of bytes j
+           and j + 16 of row t (bits 0-1: j's low, 2-3: j's high, 4-5: j + 16's low, 6-7: j + 16's high);
+           the 6-bit codes are looked up in a 64-byte table (vpermb, AVX512-VBMI)
+    scales [G, NB, 1, 16] u8: E8M0 of the group's 16 rows
+
 A group's weights are one sequential stream, read once per pass; the rows of x go X_ROWS at a time,
 sharing the widened weights (a second pass over a group finds them in L1).
 """
@@ -38,10 +51,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.llvm_ir import by_row_count, c_array, host_has, prefetch_ir
+from gpu_model import mx
 from gpu_model.quant import BLOCK, PREFETCH_BYTES, QuantWeight
 
 ROWS = 16  # weight rows a group: one per lane
 X_ROWS = 8  # rows of x each pass over a group's weights takes
+
+
+MX_KINDS = {"mxfp4": 1, "mxfp6": 3, "mxint8": 6}
+"""The MX formats these kernels take, with k: element = I x 2^-k (module docstring)."""
 
 
 def is_available() -> bool:
@@ -49,13 +67,19 @@ def is_available() -> bool:
     return host_has("avx512vnni", "avx512bw")
 
 
+def mx_available(fmt: str) -> bool:
+    """Whether this CPU runs MX format `fmt` here (mxfp6 also needs AVX512-VBMI's byte table lookups)."""
+    return fmt in MX_KINDS and is_available() and (fmt != "mxfp6" or host_has("avx512vbmi"))
+
+
 @dataclass(frozen=True)
 class VnniWeight:
     """Q4_1 or Q8_0 blocks in the layout above, scales (and Q4_1's mins) in float32, loaded as vectors."""
 
     kind: str
-    scales: np.ndarray  # [G, NB, 2 | 1, ROWS] float32
-    qs: np.ndarray  # [G, NB, 8, 32] uint8 (Q4_1) or [G, NB, 16, 32] int8 (Q8_0)
+    """q4_1, q8_0, or an MX_KINDS format."""
+    scales: np.ndarray  # [G, NB, 2 | 1, ROWS] float32; MX: [G, NB, 1, ROWS] uint8 E8M0
+    qs: np.ndarray  # [G, NB, 8, 32] uint8 (Q4_1, mxfp4), [G, NB, 16, 32] int8 (Q8_0, mxint8), [G, NB, 12, 32] uint8 (mxfp6)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,6 +88,10 @@ class VnniWeight:
     @property
     def nbytes(self) -> int:
         return self.scales.nbytes + self.qs.nbytes
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / (self.shape[0] * self.shape[1])
 
     def matmul(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
                gated: bool = False) -> torch.Tensor:
@@ -84,6 +112,37 @@ class VnniWeight:
         parts = [w.scales] if w.kind == "q8_0" else [w.scales, w.mins]
         scales = np.stack([p.astype(np.float32).reshape(g, ROWS, nb).transpose(0, 2, 1) for p in parts], axis=2)
         return VnniWeight(w.kind, np.ascontiguousarray(scales), np.ascontiguousarray(qs))
+
+    @staticmethod
+    def from_mx(fmt: str, codes: np.ndarray, scales: np.ndarray) -> VnniWeight | None:
+        """An MX weight (mx.py's codes [N, NB, B] and scales [N, NB]) in the layout above; None where these
+        kernels cannot give its values: N not a multiple of ROWS, or a scale of 255 (NaN) or of 0 in a block
+        with nonzero codes (the kernels build 2^(s - 127) as float32 bits, which has no 2^-127)."""
+        n, nb = scales.shape
+        if fmt not in MX_KINDS or n % ROWS:
+            return None
+        values = mx.unpack(codes, mx.get_format(fmt)).astype(np.uint8)  # [N, NB, 32]
+        magnitude = values & {"mxint8": 0xFF, "mxfp6": 0x1F, "mxfp4": 0x7}[fmt]
+        if (scales == mx.SCALE_NAN).any() or ((scales == 0) & magnitude.any(axis=2)).any():
+            return None
+        g = n // ROWS
+
+        def vectors(block_bytes: np.ndarray) -> np.ndarray:  # [N, NB, 2T] -> [G, NB, T, 32], as from_blocks
+            return block_bytes.reshape(g, ROWS, nb, -1, 2).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1, 2 * ROWS)
+
+        def nibbles(v: np.ndarray, bits: int) -> np.ndarray:  # byte j = v_j | v_{j+16} << bits
+            return v[..., :16] | v[..., 16:] << bits
+
+        if fmt == "mxint8":
+            qs = vectors(values).view(np.int8)
+        else:
+            qs = vectors(nibbles(values & 15, 4))
+            if fmt == "mxfp6":
+                pairs = vectors(nibbles(values >> 4, 2))  # [G, NB, 8, 32]: byte p's two nibbles' top bits
+                high = (pairs[..., :16] | pairs[..., 16:] << 4).reshape(g, nb, 4, 2 * ROWS)
+                qs = np.concatenate([qs, high], axis=2)
+        s = scales.reshape(g, ROWS, nb).transpose(0, 2, 1)[:, :, None, :]
+        return VnniWeight(fmt, np.ascontiguousarray(s), np.ascontiguousarray(qs))
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
@@ -143,11 +202,67 @@ def _splat(builder, scalar, kind):
     return builder.shuffle_vector(one, one, ir.Constant(_VI, [0] * ROWS))
 
 
-def _codegen(q4_1: bool):
+def _mx_table(fmt: str) -> list[int]:
+    """I = element x 2^k of every code of `fmt` (16 or 64 entries), as bytes (-0 as 0)."""
+    values = mx.element_values(mx.get_format(fmt)) * 2 ** MX_KINDS[fmt]
+    return [int(v) & 0xFF for v in values]
+
+
+def _weight_vectors(builder, kind: str, qa, q_at):
+    """LLVM IR: the 16 vectors V_t of the block at element q_at of qs (module docstring), as <16 x i32>."""
+    b16, b32, b64 = (ir.VectorType(ir.IntType(8), n) for n in (16, 32, 64))
+    w32 = ir.VectorType(ir.IntType(16), 32)
+    c32 = lambda v: ir.Constant(b32, [v] * 32)  # noqa: E731
+    vs = [None] * 16
+    at = lambda offset: builder.gep(qa.data, [builder.add(q_at, _I64(offset))])  # noqa: E731
+    if kind in ("q8_0", "mxint8"):
+        for k in range(16):
+            vs[k] = builder.bitcast(builder.sext(_vload(builder, at(32 * k), b32), w32), _VI)
+        return vs
+    if kind == "mxfp4":
+        table = ir.Constant(b32, _mx_table(kind) * 2)  # pshufb looks up within each 16-byte half
+        shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(b32, [b32, b32]),
+                                                 "llvm.x86.avx2.pshuf.b")
+    elif kind == "mxfp6":
+        table = ir.Constant(b64, _mx_table(kind))
+        lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(b64, [b64, b64]),
+                                                "llvm.x86.avx512.permvar.qi.512")
+    for k in range(8):
+        raw = _vload(builder, at(32 * k), b32)
+        if kind == "q4_1":
+            q = builder.zext(raw, w32)
+            vs[k] = builder.bitcast(builder.and_(q, ir.Constant(w32, [15] * 32)), _VI)
+            vs[k + 8] = builder.bitcast(builder.lshr(q, ir.Constant(w32, [4] * 32)), _VI)
+            continue
+        low, high = builder.and_(raw, c32(15)), builder.lshr(raw, c32(4))
+        if kind == "mxfp4":
+            ints = [builder.call(shuffle, [table, low]), builder.call(shuffle, [table, high])]
+        else:
+            top16 = _vload(builder, at(256 + 16 * k), b16)  # byte j: the top bits of bytes j and j + 16
+            pairs = builder.and_(builder.shuffle_vector(top16, builder.lshr(top16, ir.Constant(b16, [4] * 16)),
+                                                        ir.Constant(ir.VectorType(_I32, 32), list(range(32)))), c32(15))
+            low = builder.or_(low, builder.shl(builder.and_(pairs, c32(3)), c32(4)))
+            high = builder.or_(high, builder.shl(builder.lshr(pairs, c32(2)), c32(4)))
+            both = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+            looked = builder.call(lookup, [table, both])
+            ints = [builder.shuffle_vector(looked, looked, ir.Constant(ir.VectorType(_I32, 32), list(range(h, h + 32))))
+                    for h in (0, 32)]
+        vs[k], vs[k + 8] = (builder.bitcast(builder.sext(v, w32), _VI) for v in ints)
+    return vs
+
+
+_BLOCK_BYTES = {"q4_1": 256, "q8_0": 512, "mxfp4": 256, "mxfp6": 384, "mxint8": 512}
+"""Bytes of qs a block of a group of ROWS rows takes."""
+
+
+def _codegen(kind: str):
     """LLVM IR of out[i, ROWS g : ROWS (g + 1)] for the one to X_ROWS rows i of x and the weight rows of group g
     (module docstring): per block, the 16 vectors V_t widened once, then per row of x 16 vpdpwssd with its
     pairs of values broadcast (in up to four independent chains), converted, scaled by d x dx and added (plus,
-    Q4_1, m x dsum) to the row's sum vector, which is the group's 16 outputs."""
+    Q4_1, m x dsum) to the row's sum vector, which is the group's 16 outputs. MX: d = 2^(s - 127) from the
+    E8M0 byte moved into a float's exponent, dx times 2^-k."""
+    is_mx = kind in MX_KINDS
+
     def codegen(context, builder, signature, args):
         xa, da, ma, sa, qa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in range(5))
         out = context.make_array(signature.args[6])(context, builder, args[6])
@@ -155,12 +270,12 @@ def _codegen(q4_1: bool):
         num_x, width = cgutils.unpack_tuple(builder, xa.shape, 2)
         num_blocks = cgutils.unpack_tuple(builder, da.shape, 2)[1]
         num_out = cgutils.unpack_tuple(builder, out.shape, 2)[1]
-        loads, nscales = (8, 2) if q4_1 else (16, 1)  # 32-byte loads of a block; scale vectors
-        block_bytes, scale_floats = 32 * loads, ROWS * nscales
+        block_bytes = _BLOCK_BYTES[kind]
+        nscales = 2 if kind == "q4_1" else 1  # scale vectors a block
+        scale_bytes = ROWS * (1 if is_mx else 4 * nscales)  # of a block in scales
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI] * 3),
                                              "llvm.x86.avx512.vpdpwssd.512")
-        b32, w32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 32)
         first = builder.mul(group, num_blocks)  # the group's first block
 
         def run(count):
@@ -171,23 +286,21 @@ def _codegen(q4_1: bool):
             with cgutils.for_range(builder, num_blocks) as loop:
                 b = loop.index
                 at = builder.add(first, b)
-                q_at, s_at = builder.mul(at, _I64(block_bytes)), builder.mul(at, _I64(scale_floats))
-                for array, offset, size, step in ((qa, q_at, 1, block_bytes), (sa, s_at, 4, 4 * scale_floats)):
+                q_at = builder.mul(at, _I64(block_bytes))
+                s_at = builder.mul(at, _I64(scale_bytes if is_mx else ROWS * nscales))  # elements of scales
+                for array, offset, size, step in ((qa, q_at, 1, block_bytes),
+                                                  (sa, s_at, 1 if is_mx else 4, scale_bytes)):
                     ahead = PREFETCH_BYTES * step // block_bytes  # bytes ahead in this stream: the next groups follow
                     byte = builder.mul(offset, _I64(size))
                     for line in range(0, step, 64):
                         prefetch_ir(builder, array.data, builder.add(byte, _I64(ahead + line)))
-                vs = [None] * 16
-                for k in range(loads):
-                    raw = _vload(builder, builder.gep(qa.data, [builder.add(q_at, _I64(32 * k))]), b32)
-                    if q4_1:
-                        q = builder.zext(raw, w32)
-                        vs[k] = builder.bitcast(builder.and_(q, ir.Constant(w32, [15] * 32)), _VI)
-                        vs[k + 8] = builder.bitcast(builder.lshr(q, ir.Constant(w32, [4] * 32)), _VI)
-                    else:
-                        vs[k] = builder.bitcast(builder.sext(raw, w32), _VI)
-                svec = [_vload(builder, builder.gep(sa.data, [builder.add(s_at, _I64(ROWS * k))]), _VF, 4)
-                        for k in range(nscales)]
+                vs = _weight_vectors(builder, kind, qa, q_at)
+                if is_mx:
+                    e8m0 = builder.zext(_vload(builder, builder.gep(sa.data, [s_at]), ir.VectorType(ir.IntType(8), ROWS)), _VI)
+                    svec = [builder.bitcast(builder.shl(e8m0, ir.Constant(_VI, [23] * ROWS)), _VF)]
+                else:
+                    svec = [_vload(builder, builder.gep(sa.data, [builder.add(s_at, _I64(ROWS * k))]), _VF, 4)
+                            for k in range(nscales)]
                 for i in range(count):
                     row_x = builder.mul(_I64(i), width)
                     block_x = builder.add(row_x, builder.mul(b, _I64(BLOCK)))
@@ -201,9 +314,11 @@ def _codegen(q4_1: bool):
                         total = builder.add(total, extra)
                     d_at = builder.add(builder.mul(_I64(i), num_blocks), b)
                     dxi = builder.load(builder.gep(da.data, [d_at]))
+                    if is_mx:
+                        dxi = builder.fmul(dxi, ir.Constant(_F32, 2.0 ** -MX_KINDS[kind]))
                     acc = builder.call(fma, [builder.sitofp(total, _VF), builder.fmul(svec[0], _splat(builder, dxi, _VF)),
                                              builder.load(sums[i])])
-                    if q4_1:
+                    if kind == "q4_1":
                         dsi = builder.load(builder.gep(ma.data, [d_at]))
                         acc = builder.call(fma, [svec[1], _splat(builder, dsi, _VF), acc])
                     builder.store(acc, sums[i])
@@ -217,17 +332,33 @@ def _codegen(q4_1: bool):
     return codegen
 
 
+def _codegen_mx_bytes(context, builder, signature, args):
+    """_codegen of mxfp6 (qs [G, NB, 12, 32]) or mxfp4 (qs [G, NB, 8, 32]), chosen by qs's shape."""
+    qa = context.make_array(signature.args[4])(context, builder, args[4])
+    planes = cgutils.unpack_tuple(builder, qa.shape, 4)[2]
+    with builder.if_else(builder.icmp_signed("==", planes, _I64(12))) as (fp6, fp4):
+        with fp6:
+            _codegen("mxfp6")(context, builder, signature, args)
+        with fp4:
+            _codegen("mxfp4")(context, builder, signature, args)
+    return context.get_dummy_value()
+
+
 @intrinsic
 def _rows(typingctx, xq, dx, dsum, scales, qs, group, out):
-    """out[i, ROWS group : ROWS (group + 1)] for the one to X_ROWS rows of xq (_codegen); Q4_1 weights (qs uint8)
-    or Q8_0 (int8)."""
-    q4_1 = c_array(qs, 4, types.uint8)
+    """out[i, ROWS group : ROWS (group + 1)] for the one to X_ROWS rows of xq (_codegen); the kind from the arrays'
+    types: float32 scales with Q4_1 weights (qs uint8) or Q8_0 (int8); uint8 scales with mxint8 (qs int8), or
+    mxfp4 / mxfp6 (qs uint8, told apart by its shape)."""
+    u8 = c_array(qs, 4, types.uint8)
+    mx_scales = c_array(scales, 4, types.uint8)
     checks = (c_array(xq, 2, types.int16), c_array(dx, 2, types.float32), c_array(dsum, 2, types.float32),
-              c_array(scales, 4, types.float32), q4_1 or c_array(qs, 4, types.int8), isinstance(group, types.Integer),
-              c_array(out, 2, types.float32))
+              mx_scales or c_array(scales, 4, types.float32), u8 or c_array(qs, 4, types.int8),
+              isinstance(group, types.Integer), c_array(out, 2, types.float32))
     if not all(checks):
         return None
-    return types.none(xq, dx, dsum, scales, qs, group, out), _codegen(q4_1)
+    if mx_scales:
+        return types.none(xq, dx, dsum, scales, qs, group, out), _codegen_mx_bytes if u8 else _codegen("mxint8")
+    return types.none(xq, dx, dsum, scales, qs, group, out), _codegen("q4_1" if u8 else "q8_0")
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from gpu_model.mx_weight import ROTATIONS, MXWeight
+from gpu_model.quant import BlockWeight
+from gpu_model.quant_vnni import MX_KINDS, VnniWeight, mx_available
 
 WEIGHT_FORMATS = ("auto", "gguf", "mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8", "bf16", "fp32")
 MX_FORMATS = ("mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxint8")
@@ -196,10 +198,21 @@ def dense_with_mx(sd: dict[str, torch.Tensor], model_dir: Path, wf: WeightFormat
     return wf, weights
 
 
-def attach(model, weights: dict[str, MXWeight], max_tokens: int) -> None:
-    """Multiply steps of at most `max_tokens` tokens by `weights` (Hugging Face names)."""
-    model.quant.update(fused(weights, model.cfg.num_layers))
-    model.quant_max_tokens = max_tokens
+def vnni_layout(w: MXWeight) -> VnniWeight | None:
+    """w in the integer-dot layout (gpu_model/quant_vnni.py) where this CPU runs its format so and it is not
+    rotated; else None."""
+    if w.rotation != "none" or w.in_features % 32 or not mx_available(w.fmt):
+        return None
+    return VnniWeight.from_mx(w.fmt, w.codes, w.scales)
+
+
+def attach(model, weights: dict[str, MXWeight], max_tokens: int, vnni: bool = False) -> None:
+    """Multiply steps of at most `max_tokens` tokens by `weights` (Hugging Face names); with `vnni`, by the
+    integer-dot kernels (x rounded to int16 per block of 32) where vnni_layout takes a weight."""
+    blocks: dict[str, BlockWeight] = {}
+    for key, w in fused(weights, model.cfg.num_layers).items():
+        blocks[key] = (vnni_layout(w) if vnni else None) or w
+    model.attach_blocks(blocks, max_tokens)
     tied_head_values(model, weights)
 
 
@@ -225,7 +238,8 @@ def weight_bits(model) -> float:
     total_bits = total = 0.0
     for key, w in model.matmul_weights().items():
         q = model.quant.get(key) if model.quant_max_tokens > 0 else None
-        bits = (q.bits_per_weight if isinstance(q, MXWeight) else nominal[q.kind]) if q is not None \
+        bits = (q.bits_per_weight if isinstance(q, MXWeight) or q.kind in MX_KINDS else nominal[q.kind]) \
+            if q is not None \
             else 8 * w.element_size()
         total_bits += bits * w.numel()
         total += w.numel()

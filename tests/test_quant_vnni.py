@@ -1,13 +1,14 @@
-"""GGUF blocks with integer dot products: against a NumPy twin of the kernel's arithmetic (x rounded to
-int16 per block, exact integer dots, float scales), and against the exact product within the rounding's
-stated bound."""
+"""GGUF blocks and MX weights with integer dot products: against a NumPy twin of the kernel's arithmetic (x
+rounded to int16 per block, exact integer dots, float scales), and against the exact product within the
+rounding's stated bound."""
 import numpy as np
 import pytest
 import torch
 
 from gpu_model.model import rms_norm
 from gpu_model.quant import from_gguf_rows
-from gpu_model.quant_vnni import VnniWeight, is_available, vnni_matmul
+from gpu_model.mx_weight import MXWeight
+from gpu_model.quant_vnni import VnniWeight, is_available, mx_available, vnni_matmul
 from tests.test_quant import random_blocks
 
 pytestmark = pytest.mark.skipif(not is_available(), reason="this CPU has no AVX512-VNNI")
@@ -21,12 +22,34 @@ def rounded(v: np.ndarray) -> np.ndarray:
     return (q * scale.astype(np.float64)).reshape(v.shape)
 
 
+KINDS = ["q4_1", "q8_0", "mxfp4", "mxfp6", "mxint8"]
+
+
+class MXBlocks:
+    """An MX weight with the dequantize() of QuantWeight: its exact values."""
+
+    def __init__(self, w: MXWeight):
+        self.mx, self.shape = w, w.shape
+
+    def dequantize(self) -> np.ndarray:
+        return self.mx.decode()
+
+
 def weights(kind: str, num_rows: int, num_blocks: int, seed: int):
-    w = from_gguf_rows(random_blocks(kind, num_rows, num_blocks, np.random.default_rng(seed)), kind)
+    rng = np.random.default_rng(seed)
+    if kind.startswith("mx"):
+        if not mx_available(kind):
+            pytest.skip(f"this CPU has no integer-dot kernel for {kind}")
+        # rows of unlike sizes, some blocks' values far apart (small and large scales in one row)
+        dense = rng.standard_normal((num_rows, 32 * num_blocks)) * np.exp(rng.normal(0, 2, (num_rows, num_blocks))
+                                                                          ).repeat(32, axis=1)
+        w = MXWeight.encode(dense.astype(np.float32), kind)
+        return MXBlocks(w), VnniWeight.from_mx(kind, w.codes, w.scales)
+    w = from_gguf_rows(random_blocks(kind, num_rows, num_blocks, rng), kind)
     return w, VnniWeight.from_blocks(w)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("num_x", [1, 2, 3, 5, 8, 11])  # one to eight rows a pass, two passes
 def test_matches_numpy_twin_and_bound(kind, num_x):
     w, packed = weights(kind, num_rows=48, num_blocks=5, seed=num_x)
@@ -43,7 +66,7 @@ def test_matches_numpy_twin_and_bound(kind, num_x):
     assert (np.abs(got - x.astype(np.float64) @ dense.T) <= bound * 1.01 + 1e-6).all()
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("num_x", [2, 3, 4, 9])
 def test_rows_do_not_depend_on_their_partners(kind, num_x):
     """x's rows go through the kernel one to eight at a time: each row's products are the same bits alone."""
@@ -54,7 +77,7 @@ def test_rows_do_not_depend_on_their_partners(kind, num_x):
         np.testing.assert_array_equal(together[i], vnni_matmul(x[i:i + 1], packed)[0])
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_norm_and_gate_fused_into_the_rounding(kind):
     """norm: the matmul of rms_norm(x) * norm; gated: of silu(gate) * up; each as the unfused kernel gives it
     on the same input computed in torch, to float32 rounding."""
@@ -84,6 +107,29 @@ def test_only_whole_groups_of_rows_fit():
     rng = np.random.default_rng(0)
     assert not VnniWeight.fits(from_gguf_rows(random_blocks("q8_0", 24, 2, rng), "q8_0"))  # not whole groups of 16
     assert VnniWeight.fits(from_gguf_rows(random_blocks("q4_1", 32, 3, rng), "q4_1"))  # any number of blocks
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6", "mxint8"])
+def test_mx_layout_keeps_the_bits_per_weight(fmt):
+    _, packed = weights(fmt, num_rows=32, num_blocks=6, seed=0)
+    assert packed.kind == fmt and packed.bits_per_weight == MXWeight.encode(np.ones((1, 32), np.float32), fmt).bits_per_weight
+
+
+def test_mx_weights_the_kernels_cannot_give_stay_out():
+    """A NaN scale (255), or a zero scale (2^-127) in a block with nonzero codes, or rows not in whole groups:
+    from_mx answers None, and the float MX kernels keep those weights."""
+    w = MXWeight.encode(np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32), "mxfp4")
+    assert VnniWeight.from_mx("mxfp4", w.codes, w.scales) is not None
+    assert VnniWeight.from_mx("mxfp4", w.codes[:24], w.scales[:24]) is None
+    nan = w.scales.copy()
+    nan[3, 1] = 255
+    assert VnniWeight.from_mx("mxfp4", w.codes, nan) is None
+    tiny = w.scales.copy()
+    tiny[5, 0] = 0
+    assert VnniWeight.from_mx("mxfp4", w.codes, tiny) is None
+    zeros = MXWeight.encode(np.zeros((16, 64), np.float32), "mxfp4")  # scale 0, codes 0: zeros either way
+    assert not vnni_matmul(np.ones((1, 64), np.float32), VnniWeight.from_mx("mxfp4", zeros.codes, zeros.scales)).any()
+    assert VnniWeight.from_mx("mxfp8", w.codes, w.scales) is None  # no integer-dot kernel for FP8
 
 
 def test_default_model_layer_matches_the_float_kernels():

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_model.loader import ModelLoadError, load_model
+from gpu_model.loader import GGUF_BLOCKS_MAX_TOKENS_BF16, ModelLoadError, load_model
 from gpu_model.mx_weight import MXWeight
+from gpu_model.quant_vnni import VnniWeight, mx_available
 from gpu_model.weight_format import MX_FILE, WeightFormat, WeightFormatError, load_packed, save_packed, weight_bits
 from server.config import ServeConfig
 from tests.test_model import greedy_through_backend, tiny_model_dir
@@ -37,6 +38,25 @@ def test_load_converts_and_caches(model_dir, tmp_path, fmt):
     assert len(cached) == 1
     again = load_model(model_dir, cpu_linear_dtype="float32", weight_format=WeightFormat(fmt), cache_dir=tmp_path)
     assert np.array_equal(again.quant["layers.1.qkv"].codes, qkv.codes)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6", "mxint8"])
+def test_beside_bf16_linears_mx_multiplies_with_integer_dots(model_dir, tmp_path, fmt):
+    """As the GGUF blocks: steps of up to 16 tokens through gpu_model/quant_vnni.py, a layer's linears in two
+    calls, the format's bits kept; the products those of the exact MX values to x's int16 rounding."""
+    if not mx_available(fmt):
+        pytest.skip(f"this CPU has no integer-dot kernel for {fmt}")
+    model = load_model(model_dir, cpu_linear_dtype="bfloat16", weight_format=WeightFormat(fmt), cache_dir=tmp_path)
+    assert model.quant_max_tokens == GGUF_BLOCKS_MAX_TOKENS_BF16
+    for key, w in model.quant.items():  # the tiny model's head has 101 rows, not whole groups of 16
+        assert isinstance(w, VnniWeight) and w.kind == fmt if key != "head" else isinstance(w, MXWeight)
+    assert all(d is not None for d in model.decode_weights)
+    assert weight_bits(model) == {"mxfp6": 6.25, "mxfp4": 4.25, "mxint8": 8.25}[fmt]
+    x = torch.randn(3, 64)
+    cached = load_model(model_dir, cpu_linear_dtype="float32", weight_format=WeightFormat(fmt), cache_dir=tmp_path)
+    w = torch.from_numpy(cached.quant["layers.1.qkv"].decode())
+    got = model._linear("layers.1.qkv", model.layers[1].qkv.weight, x)
+    assert ((got - x @ w.T).abs().max() / (x @ w.T).abs().max()).item() < 1e-4
 
 
 def test_dense_head_and_rotation(model_dir, tmp_path):
