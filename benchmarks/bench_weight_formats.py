@@ -1,6 +1,8 @@
 """Weight formats of the linear layers on the bundled model, in one run: bits per weight, bytes,
 WikiText-2 perplexity and KL against dense fp32 weights, decode step time at 1 / 8 / 32 sequences,
-and the 1-sequence matmuls' bytes/s against the machine's measured read bandwidth.
+and the 1-sequence matmuls' bytes/s against the machine's measured read bandwidth: through every
+linear as a step calls them (per-call costs included), and the kernel alone on all layers' gate_up
+weights stacked into one call.
 
     python -m benchmarks.bench_weight_formats [--formats gguf mxfp4 ...] [--num-windows 16]
         [--window-tokens 1024] [--batches 1 8 32] [--repeats 15]
@@ -26,6 +28,8 @@ import torch
 from benchmarks.common import RESULTS, machine, print_table, times_ms, write_json
 from gpu_model.loader import load_model, resolve_model_dir
 from gpu_model.mx_weight import MXWeight
+from gpu_model.quant import QuantWeight
+from gpu_model.quant_vnni import VnniWeight
 from gpu_model.weight_format import WeightFormat, weight_bits
 from cpu_attn.calibrate import text_windows
 from gpu_model.tokenizer import Tokenizer
@@ -113,6 +117,31 @@ def matmuls_ms(model, repeats: int) -> float:
     return 1e3 * best
 
 
+def stacked_weight(model):
+    """Every layer's gate_up matmul as one weight (rows stacked), in the kernel a 1-token step uses for it, and its
+    bytes: one call reads it all, so per-call costs vanish and the kernel's own read rate shows."""
+    keys = [f"layers.{i}.gate_up" for i in range(model.cfg.num_layers)]
+    parts = [model.quant.get(k) if model.quant_max_tokens > 0 else None for k in keys]
+    first = parts[0]
+    if isinstance(first, VnniWeight):
+        w = VnniWeight(first.kind, np.concatenate([p.scales for p in parts]), np.concatenate([p.qs for p in parts]))
+    elif isinstance(first, MXWeight):
+        w = MXWeight.concat(parts)
+    elif first is not None:
+        w = QuantWeight.concat(parts)
+    else:
+        dense = torch.cat([model.matmul_weights()[k] for k in keys])
+        return (lambda x: torch.nn.functional.linear(x.to(dense.dtype), dense)), dense.numel() * dense.element_size()
+    return w.matmul, w.nbytes
+
+
+def kernel_gb_s(model, repeats: int) -> float:
+    """GB/s of one token through stacked_weight, best of `repeats` calls."""
+    matmul, num_bytes = stacked_weight(model)
+    x = torch.randn(1, model.cfg.hidden_size)
+    return num_bytes / 1e9 / (min(times_ms(lambda: matmul(x), repeats)) / 1e3)
+
+
 def numba_read_gb_s(num_bytes: int = 2**30) -> float:
     """Read bandwidth of a parallel Numba sum over a large float32 array (all threads), best of 3."""
     from numba import njit, prange
@@ -198,6 +227,8 @@ def main() -> None:
         row["matmuls_1_ms"] = matmuls_ms(model, args.repeats)
         row["matmul_gb_s"] = row["matmul_mb"] / row["matmuls_1_ms"]
         row["of_numba_read"] = row["matmul_gb_s"] / mach["numba_read_gb_s"]
+        row["kernel_gb_s"] = kernel_gb_s(model, 4 * args.repeats)
+        row["kernel_of_read"] = row["kernel_gb_s"] / mach["numba_read_gb_s"]
         rows.append(row)
         print(f"{label} done", flush=True)
     base = dense_quality["ppl"]
@@ -210,7 +241,7 @@ def main() -> None:
           f"read bandwidth: numpy {mach['memory_read_gb_s']} GB/s, numba {mach['numba_read_gb_s']} GB/s")
     steps = [f"step_ms_{b}" for b in args.batches]
     print_table(rows, ["format", "weight_bits", "matmul_mb", "ppl", "ppl_change_pct", "kl_mean", *steps,
-                       "step_1_vs_gguf", "matmuls_1_ms", "matmul_gb_s", "of_numba_read"])
+                       "step_1_vs_gguf", "matmuls_1_ms", "matmul_gb_s", "of_numba_read", "kernel_gb_s", "kernel_of_read"])
     path = write_json(f"{args.out}.json", {"machine": mach, "num_windows": len(windows), "threads": args.threads,
                                            "window_tokens": args.window_tokens, "context": args.context,
                                            "ppl_dense": base, "rows": rows})
