@@ -47,8 +47,10 @@ head) took 21 / 25 / 38 / 46 / 72 ms with the blocks and 49 / 55 / 58 / 54 / 69 
 sequences 79 against 76 (2026-11-29). Without VNNI the blocks win at 1 token only."""
 MX_MAX_TOKENS = 64
 """Steps of at most this many tokens multiply by MX weights (gpu_model/mx_kernels.py) by default with
-float32 dense linears; with bf16 ones (oneDNN, AMX) MX_MAX_TOKENS_BF16, past which the bf16 copy of
-the same values is faster (docs/weight-formats.md)."""
+float32 dense linears. Beside bf16 ones (oneDNN, AMX) mxfp4, mxfp6 and mxint8 take the integer-dot
+kernels where the CPU has them (gpu_model/quant_vnni.py), up to GGUF_BLOCKS_MAX_TOKENS_BF16 as the GGUF
+blocks; the float MX kernels up to MX_MAX_TOKENS_BF16, past which the bf16 copy of the same values is
+faster (docs/weight-formats.md)."""
 MX_MAX_TOKENS_BF16 = 2
 
 
@@ -161,9 +163,8 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
 
     `weight_format` (gpu_model/weight_format.py) picks the linears' format: auto keeps the above;
     gguf, bf16 and fp32 force one; an MX format converts the dense weights (cached under
-    `cache_dir`) and serves steps of at most `gguf_blocks_max_tokens` (default MX_MAX_TOKENS, or
-    MX_MAX_TOKENS_BF16 with bf16 linears) tokens with the MX kernels, the dense copy holding the same
-    values. A directory written by `hetserve
+    `cache_dir`) and serves steps of at most `gguf_blocks_max_tokens` tokens (default: MX_MAX_TOKENS's
+    rules) with the MX kernels, the dense copy holding the same values. A directory written by `hetserve
     quantize` loads its own MX weights."""
     wf = weight_format or WeightFormat()
     cfg = ModelConfig.from_dir(model_dir)
