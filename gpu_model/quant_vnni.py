@@ -208,16 +208,18 @@ def _mx_table(fmt: str) -> list[int]:
     return [int(v) & 0xFF for v in values]
 
 
-def _weight_vectors(builder, kind: str, qa, q_at):
-    """LLVM IR: the 16 vectors V_t of the block at element q_at of qs (module docstring), as <16 x i32>."""
+def _weight_vectors(builder, kind: str, qa, q_at, ks):
+    """LLVM IR: the vectors V_k and V_k+8 (k in ks, a part of 0..7) of the block at element q_at of qs (module
+    docstring), as <16 x i32>; the other entries None."""
     b16, b32, b64 = (ir.VectorType(ir.IntType(8), n) for n in (16, 32, 64))
     w32 = ir.VectorType(ir.IntType(16), 32)
     c32 = lambda v: ir.Constant(b32, [v] * 32)  # noqa: E731
     vs = [None] * 16
     at = lambda offset: builder.gep(qa.data, [builder.add(q_at, _I64(offset))])  # noqa: E731
     if kind in ("q8_0", "mxint8"):
-        for k in range(16):
-            vs[k] = builder.bitcast(builder.sext(_vload(builder, at(32 * k), b32), w32), _VI)
+        for k in ks:
+            for t in (k, k + 8):
+                vs[t] = builder.bitcast(builder.sext(_vload(builder, at(32 * t), b32), w32), _VI)
         return vs
     if kind == "mxfp4":
         table = ir.Constant(b32, _mx_table(kind) * 2)  # pshufb looks up within each 16-byte half
@@ -227,7 +229,7 @@ def _weight_vectors(builder, kind: str, qa, q_at):
         table = ir.Constant(b64, _mx_table(kind))
         lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(b64, [b64, b64]),
                                                 "llvm.x86.avx512.permvar.qi.512")
-    for k in range(8):
+    for k in ks:
         raw = _vload(builder, at(32 * k), b32)
         if kind == "q4_1":
             q = builder.zext(raw, w32)
@@ -282,7 +284,7 @@ def _codegen(kind: str):
             sums = [cgutils.alloca_once(builder, _VF) for _ in range(count)]  # registers
             for acc in sums:
                 builder.store(ir.Constant(_VF, [0.0] * ROWS), acc)
-            chains = max(1, 4 // count)
+            chains = 2 if count <= 4 else 1
             with cgutils.for_range(builder, num_blocks) as loop:
                 b = loop.index
                 at = builder.add(first, b)
@@ -294,7 +296,18 @@ def _codegen(kind: str):
                     byte = builder.mul(offset, _I64(size))
                     for line in range(0, step, 64):
                         prefetch_ir(builder, array.data, builder.add(byte, _I64(ahead + line)))
-                vs = _weight_vectors(builder, kind, qa, q_at)
+                partials = [[ir.Constant(_VI, [0] * ROWS)] * chains for _ in range(count)]
+                # half a block's vectors at a time: 8 live V_t leave registers for up to X_ROWS rows' sums
+                for ks in ((0, 1, 2, 3), (4, 5, 6, 7)):
+                    vs = _weight_vectors(builder, kind, qa, q_at, ks)
+                    for i in range(count):
+                        block_x = builder.add(builder.mul(_I64(i), width), builder.mul(b, _I64(BLOCK)))
+                        partial = partials[i]
+                        for n, t in enumerate(k + h for h in (0, 8) for k in ks):
+                            at_x = builder.gep(xa.data, [builder.add(block_x, _I64(2 * t))])
+                            pair = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=2)
+                            partial[n % chains] = builder.call(dot, [partial[n % chains], vs[t],
+                                                                     _splat(builder, pair, _VI)])
                 if is_mx:
                     e8m0 = builder.zext(_vload(builder, builder.gep(sa.data, [s_at]), ir.VectorType(ir.IntType(8), ROWS)), _VI)
                     svec = [builder.bitcast(builder.shl(e8m0, ir.Constant(_VI, [23] * ROWS)), _VF)]
@@ -302,15 +315,8 @@ def _codegen(kind: str):
                     svec = [_vload(builder, builder.gep(sa.data, [builder.add(s_at, _I64(ROWS * k))]), _VF, 4)
                             for k in range(nscales)]
                 for i in range(count):
-                    row_x = builder.mul(_I64(i), width)
-                    block_x = builder.add(row_x, builder.mul(b, _I64(BLOCK)))
-                    partial = [ir.Constant(_VI, [0] * ROWS)] * chains
-                    for t in range(16):
-                        pair = builder.load(builder.bitcast(builder.gep(xa.data, [builder.add(block_x, _I64(2 * t))]),
-                                                            _I32.as_pointer()), align=2)
-                        partial[t % chains] = builder.call(dot, [partial[t % chains], vs[t], _splat(builder, pair, _VI)])
-                    total = partial[0]
-                    for extra in partial[1:]:
+                    total = partials[i][0]
+                    for extra in partials[i][1:]:
                         total = builder.add(total, extra)
                     d_at = builder.add(builder.mul(_I64(i), num_blocks), b)
                     dxi = builder.load(builder.gep(da.data, [d_at]))
