@@ -13,9 +13,12 @@ from server.config import (CPU_LINEAR_DTYPES, KV_FORMATS, WEIGHT_FORMATS, WEIGHT
 def register(sub) -> None:
     """Add `calibrate` and `eval` to the `hetserve` subparsers `sub`. They load a model, so they set
     `run`, not `func`: hetserve.cli.main runs them under its one-line model errors, as it does serve."""
-    p_cal = sub.add_parser("calibrate", help="profile Oaken KV quantization thresholds for a model",
+    p_cal = sub.add_parser("calibrate", help="profile Oaken KV quantization thresholds (or attention entropy) for a "
+                                             "model",
                            description="Run windows of text through the model and save per-layer Oaken "
-                                       "thresholds for K and V next to the model cache.")
+                                       "thresholds for K and V next to the model cache; with --attention-profile, "
+                                       "each layer's attention entropy, from which layered KV sparsity picks the "
+                                       "layers that keep every token.")
     add_calibrate_arguments(p_cal)
     p_cal.set_defaults(run=_logged(calibrate_command))
     p_eval = sub.add_parser("eval", help="perplexity and fidelity of KV formats through the serving path",
@@ -36,14 +39,20 @@ def _logged(command):
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file or safetensors directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--model-cache-dir", default="~/.cache/hetserve/models", help="where dequantized GGUF weights are cached")
+    from cpu_attn.attention_profile import PROFILE_WINDOW_TOKENS, PROFILE_WINDOWS
     from cpu_attn.calibrate import CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT, INNER_RATIO, OUTER_RATIO
 
     p.add_argument("--text", default=str(DEFAULT_TEXT),
                    help="text file to calibrate on (default: WikiText-2 valid; never the test split used for scoring)")
-    p.add_argument("--num-windows", type=int, default=CALIBRATION_WINDOWS,
-                   help=f"windows of text to run (default: {CALIBRATION_WINDOWS})")
-    p.add_argument("--window-tokens", type=int, default=CALIBRATION_WINDOW_TOKENS,
-                   help=f"tokens per window (default: {CALIBRATION_WINDOW_TOKENS})")
+    p.add_argument("--num-windows", type=int,
+                   help=f"windows of text to run (default: {CALIBRATION_WINDOWS}; {PROFILE_WINDOWS} with "
+                        "--attention-profile)")
+    p.add_argument("--window-tokens", type=int,
+                   help=f"tokens per window (default: {CALIBRATION_WINDOW_TOKENS}; {PROFILE_WINDOW_TOKENS} with "
+                        "--attention-profile)")
+    p.add_argument("--attention-profile", action="store_true",
+                   help="measure each layer's attention entropy instead, and write attention_profile.json, from "
+                        "which layered KV sparsity chooses --kv-full-layers (docs/kv-policy.md)")
     p.add_argument("--outer-ratio", type=float, default=OUTER_RATIO,
                    help=f"share of values in the outer group (default: {OUTER_RATIO})")
     p.add_argument("--inner-ratio", type=float, default=INNER_RATIO,
@@ -74,7 +83,7 @@ def add_cpu_linear_dtype(p: argparse.ArgumentParser) -> None:
 def calibrate_command(args: argparse.Namespace) -> None:
     import torch
 
-    from cpu_attn.calibrate import calibrate, text_windows, thresholds_file
+    from cpu_attn.calibrate import CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, calibrate, text_windows, thresholds_file
     from gpu_model.loader import load_model, resolve_model_dir
     from gpu_model.tokenizer import Tokenizer
 
@@ -84,6 +93,11 @@ def calibrate_command(args: argparse.Namespace) -> None:
     model_dir = resolve_model_dir(args.model, Path(args.model_cache_dir).expanduser())
     model = load_model(model_dir, dtype=getattr(torch, args.dtype), cpu_linear_dtype=args.cpu_linear_dtype)
     ids = Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text.read_text())
+    if args.attention_profile:
+        _attention_profile_command(args, model, model_dir, ids)
+        return
+    args.num_windows = args.num_windows or CALIBRATION_WINDOWS
+    args.window_tokens = args.window_tokens or CALIBRATION_WINDOW_TOKENS
     windows = text_windows(ids, args.num_windows, args.window_tokens)
     result = calibrate(model, windows, args.outer_ratio, args.inner_ratio, args.key_smoothing, args.key_centering,
                        args.value_smoothing, args.context_tokens, rotate=args.rotate)
@@ -95,6 +109,26 @@ def calibrate_command(args: argparse.Namespace) -> None:
     print("layer  K: outer_lo inner_lo inner_hi outer_hi   V: outer_lo inner_lo inner_hi outer_hi")
     for layer in range(v.shape[0]):
         print(f"{layer:5d}  " + "  ".join(" ".join(f"{t:8.3f}" for t in v[layer, kv]) for kv in (0, 1)))
+
+
+def _attention_profile_command(args: argparse.Namespace, model, model_dir: Path, ids: list[int]) -> None:
+    import numpy as np
+
+    from cpu_attn.attention_profile import (BROAD, PROFILE_FILE, PROFILE_OBSERVE, PROFILE_WINDOW_TOKENS,
+                                            PROFILE_WINDOWS, attention_entropy, full_layers_from_entropy, save_profile)
+    from cpu_attn.calibrate import text_windows
+
+    tokens = min(args.window_tokens or PROFILE_WINDOW_TOKENS, model.cfg.max_position_embeddings)
+    windows = text_windows(ids, args.num_windows or PROFILE_WINDOWS, tokens)
+    entropy = attention_entropy(model, windows)
+    out = Path(args.out) if args.out else model_dir / PROFILE_FILE
+    save_profile(out, entropy, len(windows), tokens, PROFILE_OBSERVE)
+    count, median = full_layers_from_entropy(entropy), float(np.median(entropy))
+    print(f"{len(windows)} windows x {tokens} tokens of {Path(args.text).name}, the last {PROFILE_OBSERVE} queries "
+          f"of each; attention entropy per layer (nats), median {median:.2f}, broad from {BROAD * median:.2f}:")
+    for layer, e in enumerate(entropy):
+        print(f"{layer:5d}  {e:6.3f}  {'broad' if e >= BROAD * median else ''}")
+    print(f"--kv-full-layers {count} (the leading broad layers); profile written to {out}")
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -229,7 +263,7 @@ def eval_command(args: argparse.Namespace) -> None:
     from cpu_attn.magicpig import LshConfig
     from evaluation.evaluate import evaluate
     from hetcore.kv_policy import kv_policy_from_args
-    from server.hetero import oaken_thresholds
+    from server.hetero import kv_full_layers, oaken_thresholds
 
     formats = [f.strip() for f in args.kv_format.split(",") if f.strip()]
     unknown = [f for f in formats if f not in KV_FORMATS]
@@ -248,6 +282,8 @@ def eval_command(args: argparse.Namespace) -> None:
     tok = Tokenizer(model_dir, model.cfg.eos_token_ids)
     try:
         kv_policy = kv_policy_from_args(args)
+        if kv_policy.is_layered and kv_policy.full_layers is None:
+            kv_policy = kv_policy.with_full_layers(kv_full_layers(model, model_dir))
         lsh = None if args.attention == "exact" else LshConfig(args.lsh_k, args.lsh_l, args.lsh_sinks, args.lsh_window,
                                                                dense, args.lsh_min_context, retrieval=args.lsh_retrieval,
                                                                min_collisions=args.lsh_min_collisions,

@@ -25,7 +25,7 @@ layer and kv-head is the r-th kept token, not position r. Rules (SeqRows):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KV_POLICIES = ("full", "layered")
 BUDGET_SCHEDULES = ("flat", "pyramid")
@@ -44,8 +44,9 @@ class KVPolicy:
 
     kind: str = "full"
     """full (every layer keeps every token) or layered (full_layers keep all, the rest a budget)."""
-    full_layers: int = 3
-    """layered: the first layers that keep every token."""
+    full_layers: int | None = 3
+    """layered: the first layers that keep every token; None: chosen from the model's attention profile
+    (cpu_attn/attention_profile.py) by whoever loads the model, with `with_full_layers`, before `layout`."""
     budget_tokens: int | None = None
     """layered: rows a sparse layer keeps per sequence (None: budget_ratio)."""
     budget_ratio: float | None = None
@@ -96,11 +97,16 @@ class KVPolicy:
     def is_layered(self) -> bool:
         return self.kind == "layered"
 
+    def with_full_layers(self, count: int) -> KVPolicy:
+        return replace(self, full_layers=count)
+
     def layout(self, num_layers: int, max_model_len: int) -> KVLayout:
         """The groups of a model of `num_layers` layers; refuses settings that cannot hold (one line each)."""
         if not self.is_layered:
             return KVLayout(num_layers, num_layers, (None,), self)
         n = self.full_layers
+        if n is None:
+            raise KVPolicyError("kv_full_layers is not chosen yet (with_full_layers, from the attention profile)")
         if not 1 <= n <= num_layers:
             raise KVPolicyError(f"kv_full_layers {n} is outside 1..{num_layers} (the model has {num_layers} layers)")
         if self.budget_tokens is not None and self.budget_tokens > max_model_len:
@@ -230,8 +236,10 @@ def add_kv_policy_arguments(p) -> None:
     p.add_argument("--kv-policy", choices=KV_POLICIES, default=d.kind,
                    help="full: every layer keeps every token; layered: the first --kv-full-layers keep all, the others "
                         "a budget of sinks, a recent window and the highest-scoring tokens (default: full)")
-    p.add_argument("--kv-full-layers", type=int, default=d.full_layers,
-                   help=f"layered: the first layers that keep every token (default: {d.full_layers})")
+    p.add_argument("--kv-full-layers", type=int,
+                   help="layered: the first layers that keep every token (default: the leading layers of broad "
+                        "attention in the model's attention profile, `hetserve calibrate --attention-profile`, "
+                        "measured on first use)")
     p.add_argument("--kv-budget-tokens", type=int, help="layered: tokens a sparse layer keeps per sequence")
     p.add_argument("--kv-budget-ratio", type=float,
                    help="layered: tokens a sparse layer keeps, as a share of the prompt (default: 0.25 when "

@@ -114,7 +114,9 @@ class ServeConfig:
                                   "every token, the others a budget of sinks, a recent window and the tokens with "
                                   "the most attention (scored at the prompt's end, accumulated while decoding); "
                                   "needs kv_format fp16 or fp32, attention exact; see docs/kv-policy.md")
-    kv_full_layers: int = _opt(3, "kv_policy layered: the first layers that keep every token")
+    kv_full_layers: int | None = _opt(None, "kv_policy layered: the first layers that keep every token (default: the "
+                                            "leading layers of broad attention in the model's attention profile, "
+                                            "`hetserve calibrate --attention-profile`, measured on first use)")
     kv_budget_tokens: int | None = _opt(None, "kv_policy layered: tokens each other layer keeps per sequence")
     kv_budget_ratio: float | None = _opt(None, "kv_policy layered: tokens each other layer keeps, as a share of "
                                                "the sequence's prompt (default: 0.25 unless kv_budget_tokens)")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_attn.attention_profile import model_full_layers
 from cpu_attn.calibrate import (CALIBRATION_VERSION, CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, DEFAULT_TEXT,
                                 SPARSE_FRACTION, OakenThresholds, calibrate, text_windows, thresholds_file)
 from cpu_attn.kv_store import OakenKVStore, bytes_per_block, make_store
@@ -56,6 +57,17 @@ def oaken_thresholds(model, model_dir: Path, path: str | None) -> OakenThreshold
     result.save(cached)
     log.info("Oaken thresholds saved to %s", cached)
     return result
+
+
+def kv_full_layers(model, model_dir: Path | None) -> int:
+    """Layered KV sparsity's full layers for `model`, from its attention profile (cpu_attn/attention_profile.py)."""
+    if model_dir is None:
+        raise ValueError("kv_policy layered on a model built in memory needs kv_full_layers (no attention profile)")
+    from gpu_model.tokenizer import Tokenizer
+
+    count = model_full_layers(model, model_dir, lambda text: Tokenizer(model_dir, model.cfg.eos_token_ids).encode(text))
+    log.info("layered KV: the first %d layers keep every token (the model's attention profile)", count)
+    return count
 
 
 def pick_device(device: str) -> str:
@@ -247,6 +259,8 @@ class HeteroBackend(Backend):
         self.model_dir = model_dir
         self.model = model if model is not None else c.load_model(model_dir, device, pick_dtype(c.dtype, device))
         cfg = self.model_cfg = self.model.cfg
+        if c.kv_policy.is_layered and c.kv_policy.full_layers is None:
+            c = self.config = replace(c, kv_policy=c.kv_policy.with_full_layers(kv_full_layers(self.model, model_dir)))
         if c.kv_policy.is_layered:
             self.kv_spec = layered_kv_spec(c, cfg)
         else:
