@@ -20,7 +20,7 @@ import torch
 
 from cpu_attn.kernels import attention_scratch, split_parts
 from cpu_attn.kv_policy import (accumulate_probs, compact_rows, observed_attention, paged_decode_attention_scored,
-                                select_keep)
+                                pooled, select_keep)
 from cpu_attn.kv_store import PagedKVStore
 from cpu_attn.prefill import prefill_attention
 from cpu_attn.worker import AttentionWorker, ChunkLayout
@@ -42,7 +42,7 @@ class _GroupPlan:
     block_tables: np.ndarray  # [B, max_blocks] int32
     seq_lens: np.ndarray  # [B] int32: rows attended, the new one included
     prefills: list[tuple[int, int, int, tuple[int, ...], int]]  # (first row, num_tokens, rows_before, table, seq_id)
-    evictions: list[tuple[int, int, int, tuple[int, ...]]]  # (seq_id, rows held, rows kept, table)
+    evictions: list[tuple[int, int, int, tuple[int, ...], bool]]  # (seq_id, rows held, rows kept, table, after a prompt chunk)
 
 
 def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: int) -> _GroupPlan:
@@ -63,7 +63,7 @@ def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: in
         else:
             prefills.append((row, c.num_tokens, before, table, c.seq_id))
         if after < before + c.num_tokens:
-            evictions.append((c.seq_id, before + c.num_tokens, after, table))
+            evictions.append((c.seq_id, before + c.num_tokens, after, table, c.num_tokens > 1))
         row += c.num_tokens
     width = max((len(t) for t in tables), default=1)
     block_tables = np.zeros((len(tables), width), dtype=np.int32)
@@ -121,8 +121,8 @@ class LayeredAttentionWorker(AttentionWorker):
         for first, n, before, table, seq_id in plan.prefills:
             out[first:first + n] = self._prefill(layer, slot, q[first:first + n], k[first:first + n],
                                                  v[first:first + n], before, table, seq_id, sparse)
-        for seq_id, held, kept, table in plan.evictions:
-            self._evict(layer, slot, seq_id, held, kept, table)
+        for seq_id, held, kept, table, prompt in plan.evictions:
+            self._evict(layer, slot, seq_id, held, kept, table, self.layout.policy.score_pool if prompt else 1)
         self.busy_s += time.perf_counter() - t0
         return out.reshape(q.shape[0], -1)
 
@@ -180,12 +180,16 @@ class LayeredAttentionWorker(AttentionWorker):
         self._scores[seq_id][layer, :, :before + n] += scores
         return out
 
-    def _evict(self, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...]) -> None:
+    def _evict(self, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...],
+               pool: int) -> None:
+        """Keep `kept` of the `held` rows, ranked by their scores averaged over `pool` neighbouring rows; the kept
+        rows carry those scores on."""
         p = self.layout.policy
         scores = self._scores[seq_id][layer]  # [Hkv, capacity]
-        keep = select_keep(scores[:, :held], kept, p.sinks, p.window, p.score_pool)
+        ranked = scores[:, :held] if pool == 1 else pooled(scores[:, :held], pool)
+        keep = select_keep(ranked, kept, p.sinks, p.window)
         compact_rows(self.store.k[slot], self.store.v[slot], np.asarray(table, np.int64), keep)
-        scores[:, :kept] = np.take_along_axis(scores[:, :held], keep, axis=1)
+        scores[:, :kept] = np.take_along_axis(ranked, keep, axis=1)
         scores[:, kept:] = 0.0
 
     def free(self, seq_ids) -> None:

@@ -122,6 +122,8 @@ class ServeConfig:
                                                "the sequence's prompt (default: 0.25 unless kv_budget_tokens)")
     kv_budget_schedule: str = _opt("flat", "kv_policy layered: flat (one budget) or pyramid (budgets falling with "
                                            "depth, 1.5x to 0.5x, the same mean)")
+    kv_score_pool: int = _opt(31, "kv_policy layered: at a prompt's end rank each token by the mean score of this "
+                                  "many tokens around it (odd; SnapKV's pooling; 1: its own score)")
     kv_window: int = _opt(64, "kv_policy layered: latest tokens always kept")
     kv_sinks: int = _opt(4, "kv_policy layered: first tokens always kept")
     kv_prefill_evict: bool = _opt(False, "kv_policy layered with kv_budget_tokens, on or off: evict after every "
@@ -289,7 +291,8 @@ class ServeConfig:
         from hetcore.kv_policy import KVPolicy
 
         return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
-                        self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict)
+                        self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict,
+                        score_pool=self.kv_score_pool)
 
     def lsh_config(self):
         """The MagicPIG settings, or None for exact attention."""

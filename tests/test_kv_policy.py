@@ -126,11 +126,15 @@ def test_observed_attention_matches_numpy():
     np.testing.assert_allclose(scores, ref, atol=1e-5)
 
 
+def plain_pooled(scores, pool):
+    n, half = len(scores), pool // 2
+    return [sum(scores[j] for j in range(r - half, r + half + 1) if 0 <= j < n) / pool for r in range(n)]
+
+
 def plain_keep(scores, budget, sinks, window, pool=1):
     """select_keep, one row at a time."""
     n = len(scores)
-    half = pool // 2
-    scores = [sum(scores[j] for j in range(r - half, r + half + 1) if 0 <= j < n) / pool for r in range(n)]
+    scores = plain_pooled(scores, pool)
     fixed = set(range(sinks)) | set(range(n - window, n))
     ranked = sorted((r for r in range(n) if r not in fixed), key=lambda r: (-scores[r], r))
     return sorted(fixed | set(ranked[:budget - len(fixed)]))
@@ -206,14 +210,16 @@ class PlainLayered:
                     for j, pj in zip(rows, p):
                         self.score[kvh][j] += pj
         for h in range(num_kv_heads):
-            if keep_after < len(self.kept[h]):
-                keep = plain_keep(self.score[h], keep_after, self.sinks, self.window, self.pool)
+            if keep_after < len(self.kept[h]):  # after a prompt chunk, ranked and carried on pooled
+                ranked = plain_pooled(self.score[h], self.pool if n > 1 else 1)
+                keep = plain_keep(ranked, keep_after, self.sinks, self.window)
                 self.kept[h] = [self.kept[h][j] for j in keep]
-                self.score[h] = [self.score[h][j] for j in keep]
+                self.score[h] = [ranked[j] for j in keep]
         return out
 
 
-@pytest.mark.parametrize("decay,prefill_evict,pool", [(1.0, False, 1), (0.8, False, 1), (1.0, True, 3)])
+@pytest.mark.parametrize("decay,prefill_evict,pool", [(1.0, False, 1), (0.8, False, 1), (1.0, True, 3),
+                                                     (1.0, False, 5)])
 def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool):
     """Two sequences, 2 layers (layer 0 full, layer 1 sparse), chunked prompts then decodes with
     evictions, mixed in steps: every output of the sparse layer as the plain implementation's, the
