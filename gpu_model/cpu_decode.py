@@ -34,7 +34,7 @@ def rope_rows(x, num_heads, head_dim, cos, sin):
 
 
 class DecodeWeights(NamedTuple):
-    """A layer's linears in the integer-dot layout (model.LINEARS order)."""
+    """A layer's linears in the integer-dot layout (model.LINEARS order), all rotated or none (one format)."""
 
     qkv: VnniWeight
     o: VnniWeight
@@ -43,18 +43,18 @@ class DecodeWeights(NamedTuple):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _pre(x, norm, eps, scales, qs, num_rotated, head_dim, cos, sin, out):
-    matvec(x, norm, eps, False, scales, qs, out)
+def _pre(x, norm, eps, hadamard, scales, qs, num_rotated, head_dim, cos, sin, out):
+    matvec(x, norm, eps, False, hadamard, scales, qs, out)
     rope_rows(out, num_rotated, head_dim, cos, sin)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _post(x, attn, norm, eps, o_scales, o_qs, gu_scales, gu_qs, down_scales, down_qs, h, gate_up, out):
+def _post(x, attn, norm, eps, hadamard, o_scales, o_qs, gu_scales, gu_qs, down_scales, down_qs, h, gate_up, out):
     no_norm = np.empty(0, np.float32)
-    matvec(attn, no_norm, 0.0, False, o_scales, o_qs, h)
+    matvec(attn, no_norm, 0.0, False, hadamard, o_scales, o_qs, h)
     h += x
-    matvec(h, norm, eps, False, gu_scales, gu_qs, gate_up)
-    matvec(gate_up, no_norm, 0.0, True, down_scales, down_qs, out)
+    matvec(h, norm, eps, False, hadamard, gu_scales, gu_qs, gate_up)
+    matvec(gate_up, no_norm, 0.0, True, hadamard, down_scales, down_qs, out)
     out += h
 
 
@@ -66,7 +66,7 @@ def pre(x: torch.Tensor, norm: torch.Tensor, eps: float, w: DecodeWeights, cos: 
         num_rotated: int, head_dim: int) -> torch.Tensor:
     """x: [T, hidden] -> qkv: [T, qkv out] with RoPE applied to its first num_rotated heads; cos, sin: [T, 1, D]."""
     out = np.empty((x.shape[0], w.qkv.shape[0]), np.float32)
-    _pre(_np(x), _np(norm), eps, w.qkv.scales, w.qkv.qs, num_rotated, head_dim,
+    _pre(_np(x), _np(norm), eps, w.qkv.rotated, w.qkv.scales, w.qkv.qs, num_rotated, head_dim,
          _np(cos).reshape(x.shape[0], -1), _np(sin).reshape(x.shape[0], -1), out)
     return torch.from_numpy(out)
 
@@ -76,6 +76,6 @@ def post(x: torch.Tensor, attn: torch.Tensor, norm: torch.Tensor, eps: float, w:
     num_tokens, hidden = x.shape
     h, out = np.empty((num_tokens, hidden), np.float32), np.empty((num_tokens, hidden), np.float32)
     gate_up = np.empty((num_tokens, w.gate_up.shape[0]), np.float32)
-    _post(_np(x), _np(attn), _np(norm), eps, w.o.scales, w.o.qs, w.gate_up.scales, w.gate_up.qs,
+    _post(_np(x), _np(attn), _np(norm), eps, w.o.rotated, w.o.scales, w.o.qs, w.gate_up.scales, w.gate_up.qs,
           w.down.scales, w.down.qs, h, gate_up, out)
     return torch.from_numpy(out)

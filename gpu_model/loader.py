@@ -195,7 +195,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     if mx_weights is not None:
         # beside bf16 linears, integer dots where this CPU has them for the format (as the GGUF blocks)
         vnni = bf16 and has_vnni()
-        if vnni and mx_available(wf.name) and wf.rotation == "none":
+        if vnni and mx_available(wf.name):
             default = GGUF_BLOCKS_MAX_TOKENS_BF16
         else:
             default = MX_MAX_TOKENS_BF16 if bf16 else MX_MAX_TOKENS

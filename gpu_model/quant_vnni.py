@@ -80,6 +80,8 @@ class VnniWeight:
     """q4_1, q8_0, or an MX_KINDS format."""
     scales: np.ndarray  # [G, NB, 2 | 1, ROWS] float32; MX: [G, NB, 1, ROWS] uint8 E8M0
     qs: np.ndarray  # [G, NB, 8, 32] uint8 (Q4_1, mxfp4), [G, NB, 16, 32] int8 (Q8_0, mxint8), [G, NB, 12, 32] uint8 (mxfp6)
+    rotation: str = "none"
+    """MX: none, or hadamard (the codes hold W H: x is turned per block before it is rounded; mx_weight.py)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -88,6 +90,10 @@ class VnniWeight:
     @property
     def nbytes(self) -> int:
         return self.scales.nbytes + self.qs.nbytes
+
+    @property
+    def rotated(self) -> bool:
+        return self.rotation == "hadamard"
 
     @property
     def bits_per_weight(self) -> float:
@@ -114,7 +120,7 @@ class VnniWeight:
         return VnniWeight(w.kind, np.ascontiguousarray(scales), np.ascontiguousarray(qs))
 
     @staticmethod
-    def from_mx(fmt: str, codes: np.ndarray, scales: np.ndarray) -> VnniWeight | None:
+    def from_mx(fmt: str, codes: np.ndarray, scales: np.ndarray, rotation: str = "none") -> VnniWeight | None:
         """An MX weight (mx.py's codes [N, NB, B] and scales [N, NB]) in the layout above; None where these
         kernels cannot give its values: N not a multiple of ROWS, or a scale of 255 (NaN) or of 0 in a block
         with nonzero codes (the kernels build 2^(s - 127) as float32 bits, which has no 2^-127)."""
@@ -142,7 +148,7 @@ class VnniWeight:
                 high = (pairs[..., :16] | pairs[..., 16:] << 4).reshape(g, nb, 4, 2 * ROWS)
                 qs = np.concatenate([qs, high], axis=2)
         s = scales.reshape(g, ROWS, nb).transpose(0, 2, 1)[:, :, None, :]
-        return VnniWeight(fmt, np.ascontiguousarray(s), np.ascontiguousarray(qs))
+        return VnniWeight(fmt, np.ascontiguousarray(s), np.ascontiguousarray(qs), rotation)
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
@@ -166,14 +172,33 @@ def _input_row(x, i, norm, eps, gated, row):
             row[j] = norm[j] * (row[j] * inv)
 
 
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def _hadamard_blocks(row):
+    """row[:] = row H per block of 32 values, H the orthonormal 32 x 32 Sylvester Hadamard matrix (mx_weight.hadamard):
+    five butterfly stages, then 1 / sqrt(32)."""
+    inv = np.float32(1.0 / np.sqrt(32.0))
+    for base in range(0, row.shape[0], BLOCK):
+        h = 1
+        while h < BLOCK:
+            for j in range(base, base + BLOCK, 2 * h):
+                for t in range(j, j + h):
+                    a, b = row[t], row[t + h]
+                    row[t], row[t + h] = a + b, a - b
+            h *= 2
+        for t in range(base, base + BLOCK):
+            row[t] *= inv
+
+
 @njit(cache=True, nogil=True)
-def round_row(x, i, norm, eps, gated, xq, dx, dsum):
-    """Row i of x: [M, K] float32 (or [M, 2K] gate | up) -> the input row (_input_row) rounded per block of 32: xq[i]
-    int16, dx[i] each block's scale max |v| / 32767, dsum[i] dx * sum(xq) (Q4_1's m term). A block with a
-    non-finite value gets scale NaN."""
+def round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum):
+    """Row i of x: [M, K] float32 (or [M, 2K] gate | up) -> the input row (_input_row; turned per block by the Hadamard
+    matrix with `hadamard`, for weights stored rotated) rounded per block of 32: xq[i] int16, dx[i] each block's scale
+    max |v| / 32767, dsum[i] dx * sum(xq) (Q4_1's m term). A block with a non-finite value gets scale NaN."""
     width = xq.shape[1]
     row = np.empty(width, np.float32)
     _input_row(x, i, norm, eps, gated, row)
+    if hadamard:
+        _hadamard_blocks(row)
     for b in range(width // BLOCK):
         amax = np.float32(0.0)
         for j in range(b * BLOCK, (b + 1) * BLOCK):
@@ -377,23 +402,23 @@ def matvec_rounded(xq, dx, dsum, scales, qs, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def matvec(x, norm, eps, gated, scales, qs, out):
-    """out = (x, normed or gated as round_row says) @ W.T."""
+def matvec(x, norm, eps, gated, hadamard, scales, qs, out):
+    """out = (x, normed or gated, and turned, as round_row says) @ W.T."""
     num_blocks = qs.shape[1]
     xq = np.empty((x.shape[0], num_blocks * BLOCK), np.int16)
     dx = np.empty((x.shape[0], num_blocks), np.float32)
     dsum = np.empty((x.shape[0], num_blocks), np.float32)
     if x.shape[0] == 1:  # a parallel region costs more than one row
-        round_row(x, 0, norm, eps, gated, xq, dx, dsum)
+        round_row(x, 0, norm, eps, gated, hadamard, xq, dx, dsum)
     else:  # the gate's exp is scalar: ~70 us a layer's down projection at 5 rows on one thread
         for i in prange(x.shape[0]):
-            round_row(x, i, norm, eps, gated, xq, dx, dsum)
+            round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum)
     matvec_rounded(xq, dx, dsum, scales, qs, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matvec(x, norm, eps, gated, scales, qs, out):
-    matvec(x, norm, eps, gated, scales, qs, out)
+def _matvec(x, norm, eps, gated, hadamard, scales, qs, out):
+    matvec(x, norm, eps, gated, hadamard, scales, qs, out)
 
 
 NO_NORM = np.empty(0, np.float32)
@@ -405,5 +430,5 @@ def vnni_matmul(x: np.ndarray, w: VnniWeight, norm: np.ndarray | None = None, ep
     `norm`, x is first RMS-normalized and scaled by it (rms_norm with `eps`); with `gated`, x is [M, 2K]
     gate | up and the input is silu(gate) * up."""
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _matvec(x, NO_NORM if norm is None else norm, eps, gated, w.scales, w.qs, out)
+    _matvec(x, NO_NORM if norm is None else norm, eps, gated, w.rotated, w.scales, w.qs, out)
     return out

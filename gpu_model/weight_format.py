@@ -199,11 +199,10 @@ def dense_with_mx(sd: dict[str, torch.Tensor], model_dir: Path, wf: WeightFormat
 
 
 def vnni_layout(w: MXWeight) -> VnniWeight | None:
-    """w in the integer-dot layout (gpu_model/quant_vnni.py) where this CPU runs its format so and it is not
-    rotated; else None."""
-    if w.rotation != "none" or w.in_features % 32 or not mx_available(w.fmt):
+    """w in the integer-dot layout (gpu_model/quant_vnni.py) where this CPU runs its format so; else None."""
+    if w.in_features % 32 or not mx_available(w.fmt):
         return None
-    return VnniWeight.from_mx(w.fmt, w.codes, w.scales)
+    return VnniWeight.from_mx(w.fmt, w.codes, w.scales, w.rotation)
 
 
 def attach(model, weights: dict[str, MXWeight], max_tokens: int, vnni: bool = False) -> None:

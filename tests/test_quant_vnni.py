@@ -7,7 +7,7 @@ import torch
 
 from gpu_model.model import rms_norm
 from gpu_model.quant import from_gguf_rows
-from gpu_model.mx_weight import MXWeight
+from gpu_model.mx_weight import MXWeight, rotate
 from gpu_model.quant_vnni import VnniWeight, is_available, mx_available, vnni_matmul
 from tests.test_quant import random_blocks
 
@@ -107,6 +107,29 @@ def test_only_whole_groups_of_rows_fit():
     rng = np.random.default_rng(0)
     assert not VnniWeight.fits(from_gguf_rows(random_blocks("q8_0", 24, 2, rng), "q8_0"))  # not whole groups of 16
     assert VnniWeight.fits(from_gguf_rows(random_blocks("q4_1", 32, 3, rng), "q4_1"))  # any number of blocks
+
+
+@pytest.mark.parametrize("num_x", [1, 3])
+def test_hadamard_rotated_mx_turns_x_before_rounding(num_x):
+    """Codes of W H (mxfp4 with --weight-rotation hadamard): the kernel turns each block of x by H, then rounds,
+    so the product is x W^T to the rounding of x H; norm and gate are computed before the turn."""
+    if not mx_available("mxfp4"):
+        pytest.skip("this CPU has no integer-dot kernel for mxfp4")
+    rng = np.random.default_rng(num_x)
+    w = MXWeight.encode(rng.standard_normal((32, 96)).astype(np.float32), "mxfp4", rotation="hadamard")
+    packed = VnniWeight.from_mx("mxfp4", w.codes, w.scales, "hadamard")
+    assert packed.rotated
+    x = rng.standard_normal((num_x, 96)).astype(np.float32)
+    turned = rotate(x)
+    stored = w.decode().astype(np.float64)  # W H
+    got = vnni_matmul(x, packed)
+    np.testing.assert_allclose(got, rounded(turned) @ stored.T, rtol=0,
+                               atol=1e-5 * (np.abs(turned) @ np.abs(stored).T).max())
+    np.testing.assert_allclose(got, x @ w.dense().T, rtol=0, atol=1e-3 * np.abs(x @ w.dense().T).max())
+    gate_up = rng.standard_normal((num_x, 192)).astype(np.float32)
+    g, u = torch.from_numpy(gate_up).chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(g) * u).numpy()
+    np.testing.assert_allclose(vnni_matmul(gate_up, packed, gated=True), vnni_matmul(act, packed), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6", "mxint8"])
