@@ -241,7 +241,8 @@ def main() -> None:
           f"read bandwidth: numpy {mach['memory_read_gb_s']} GB/s, numba {mach['numba_read_gb_s']} GB/s")
     steps = [f"step_ms_{b}" for b in args.batches]
     print_table(rows, ["format", "weight_bits", "matmul_mb", "ppl", "ppl_change_pct", "kl_mean", *steps,
-                       "step_1_vs_gguf", "matmuls_1_ms", "matmul_gb_s", "of_numba_read", "kernel_gb_s", "kernel_of_read"])
+                       "step_1_vs_gguf", "matmuls_1_ms", "matmul_gb_s", "of_numba_read", "kernel_gb_s",
+                       "kernel_of_read"])
     path = write_json(f"{args.out}.json", {"machine": mach, "num_windows": len(windows), "threads": args.threads,
                                            "window_tokens": args.window_tokens, "context": args.context,
                                            "ppl_dense": base, "rows": rows})

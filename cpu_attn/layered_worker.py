@@ -42,7 +42,8 @@ class _GroupPlan:
     block_tables: np.ndarray  # [B, max_blocks] int32
     seq_lens: np.ndarray  # [B] int32: rows attended, the new one included
     prefills: list[tuple[int, int, int, tuple[int, ...], int]]  # (first row, num_tokens, rows_before, table, seq_id)
-    evictions: list[tuple[int, int, int, tuple[int, ...], bool]]  # (seq_id, rows held, rows kept, table, after a prompt chunk)
+    evictions: list[tuple[int, int, int, tuple[int, ...], bool]]
+    """(seq_id, rows held, rows kept, table, after a prompt chunk)"""
 
 
 def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: int) -> _GroupPlan:

@@ -79,7 +79,8 @@ class VnniWeight:
     kind: str
     """q4_1, q8_0, or an MX_KINDS format."""
     scales: np.ndarray  # [G, NB, 2 | 1, ROWS] float32; MX: [G, NB, 1, ROWS] uint8 E8M0
-    qs: np.ndarray  # [G, NB, 8, 32] uint8 (Q4_1, mxfp4), [G, NB, 16, 32] int8 (Q8_0, mxint8), [G, NB, 12, 32] uint8 (mxfp6)
+    qs: np.ndarray
+    """[G, NB, 8, 32] uint8 (Q4_1, mxfp4), [G, NB, 16, 32] int8 (Q8_0, mxint8), [G, NB, 12, 32] uint8 (mxfp6)."""
     rotation: str = "none"
     """MX: none, or hadamard (the codes hold W H: x is turned per block before it is rounded; mx_weight.py)."""
 
@@ -334,7 +335,8 @@ def _codegen(kind: str):
                             partial[n % chains] = builder.call(dot, [partial[n % chains], vs[t],
                                                                      _splat(builder, pair, _VI)])
                 if is_mx:
-                    e8m0 = builder.zext(_vload(builder, builder.gep(sa.data, [s_at]), ir.VectorType(ir.IntType(8), ROWS)), _VI)
+                    e8m0 = _vload(builder, builder.gep(sa.data, [s_at]), ir.VectorType(ir.IntType(8), ROWS))
+                    e8m0 = builder.zext(e8m0, _VI)
                     svec = [builder.bitcast(builder.shl(e8m0, ir.Constant(_VI, [23] * ROWS)), _VF)]
                 else:
                     svec = [_vload(builder, builder.gep(sa.data, [builder.add(s_at, _I64(ROWS * k))]), _VF, 4)

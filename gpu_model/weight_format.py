@@ -237,9 +237,12 @@ def weight_bits(model) -> float:
     total_bits = total = 0.0
     for key, w in model.matmul_weights().items():
         q = model.quant.get(key) if model.quant_max_tokens > 0 else None
-        bits = (q.bits_per_weight if isinstance(q, MXWeight) or q.kind in MX_KINDS else nominal[q.kind]) \
-            if q is not None \
-            else 8 * w.element_size()
+        if q is None:
+            bits = 8 * w.element_size()
+        elif isinstance(q, MXWeight) or q.kind in MX_KINDS:
+            bits = q.bits_per_weight
+        else:
+            bits = nominal[q.kind]
         total_bits += bits * w.numel()
         total += w.numel()
     return total_bits / total

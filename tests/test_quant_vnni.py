@@ -135,7 +135,8 @@ def test_hadamard_rotated_mx_turns_x_before_rounding(num_x):
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6", "mxint8"])
 def test_mx_layout_keeps_the_bits_per_weight(fmt):
     _, packed = weights(fmt, num_rows=32, num_blocks=6, seed=0)
-    assert packed.kind == fmt and packed.bits_per_weight == MXWeight.encode(np.ones((1, 32), np.float32), fmt).bits_per_weight
+    one = MXWeight.encode(np.ones((1, 32), np.float32), fmt)
+    assert packed.kind == fmt and packed.bits_per_weight == one.bits_per_weight
 
 
 def test_mx_weights_the_kernels_cannot_give_stay_out():
