@@ -108,16 +108,12 @@ def pooled(scores: np.ndarray, width: int) -> np.ndarray:
     return ((sums[:, width:] - sums[:, :-width]) / width).astype(np.float32)
 
 
-def select_keep(scores: np.ndarray, budget: int, sinks: int, window: int, pool: int = 1) -> np.ndarray:
+def select_keep(scores: np.ndarray, budget: int, sinks: int, window: int) -> np.ndarray:
     """The rows a layer keeps, per kv-head: scores [Hkv, N] -> keep [Hkv, budget] int64, ascending.
     Rows 0..sinks-1 and the last `window` always; the rest of the budget goes to the highest scores
-    among the rows between (ties: the earlier row), scores first averaged over `pool` neighbouring rows
-    (SnapKV's pooling: a token next to important ones is kept with them). Needs
-    sinks + window <= budget < N."""
+    among the rows between (ties: the earlier row). Needs sinks + window <= budget < N."""
     num_kv_heads, num_rows = scores.shape
     assert sinks + window <= budget < num_rows, (sinks, window, budget, num_rows)
-    if pool > 1:
-        scores = pooled(scores, pool)
     middle = scores[:, sinks:num_rows - window]
     take = budget - sinks - window
     top = np.argsort(-middle, axis=1, kind="stable")[:, :take] + sinks

@@ -183,11 +183,11 @@ class LayeredAttentionWorker(AttentionWorker):
 
     def _evict(self, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...],
                pool: int) -> None:
-        """Keep `kept` of the `held` rows, ranked by their scores averaged over `pool` neighbouring rows; the kept
-        rows carry those scores on."""
+        """Keep `kept` of the `held` rows, each ranked by the larger of its score and the mean of the `pool` rows
+        around it; the kept rows carry that on."""
         p = self.layout.policy
         scores = self._scores[seq_id][layer]  # [Hkv, capacity]
-        ranked = scores[:, :held] if pool == 1 else pooled(scores[:, :held], pool)
+        ranked = scores[:, :held] if pool == 1 else np.maximum(scores[:, :held], pooled(scores[:, :held], pool))
         keep = select_keep(ranked, kept, p.sinks, p.window)
         compact_rows(self.store.k[slot], self.store.v[slot], np.asarray(table, np.int64), keep)
         scores[:, :kept] = np.take_along_axis(ranked, keep, axis=1)

@@ -69,10 +69,11 @@ class KVPolicy:
     approximation of the prompt's own attention). Off: a prompt's attention is exact, and it holds every row in
     every layer until its last chunk."""
     score_pool: int = 31
-    """layered: an eviction at a prompt's end (or after a prompt chunk) ranks each row by the mean score of this
-    many rows around it (odd; SnapKV's pooling), and the kept rows carry that mean on; evictions while decoding
-    rank the scores as they are (H2O). A token beside ones the prompt's last queries looked at stays with them:
-    the rest of a number, a name, a key. 1: each row by its own score."""
+    """layered: an eviction at a prompt's end (or after a prompt chunk) ranks each row by the larger of its own
+    score and the mean score of this many rows around it (odd; SnapKV's pooling, kept from hiding a row's own
+    peak), and the kept rows carry that on; evictions while decoding rank the scores as they are (H2O). A token
+    beside ones the prompt's last queries looked at stays with them: the rest of a number, a name, a key.
+    1: each row by its own score."""
     score_decay: float = 1.0
     """layered: each decode step multiplies the scores so far by this before adding its own (1: H2O's plain sum;
     below 1 the recent queries' attention counts more)."""
@@ -253,8 +254,8 @@ def add_kv_policy_arguments(p) -> None:
     p.add_argument("--kv-sinks", type=int, default=d.sinks,
                    help=f"layered: first tokens always kept (default: {d.sinks})")
     p.add_argument("--kv-score-pool", type=int, default=d.score_pool,
-                   help=f"layered: at a prompt's end rank each token by the mean score of this many tokens around it "
-                        f"(odd; 1: its own) (default: {d.score_pool})")
+                   help=f"layered: at a prompt's end rank each token by the larger of its score and the mean score of "
+                        f"this many tokens around it (odd; 1: its own) (default: {d.score_pool})")
     p.add_argument("--kv-prefill-evict", choices=("on", "off"), default="off",
                    help="layered with --kv-budget-tokens: evict after every prompt chunk too (a long prompt holds "
                         "budget + a chunk in the sparse layers; later chunks attend to the kept rows) (default: off)")

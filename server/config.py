@@ -122,8 +122,9 @@ class ServeConfig:
                                                "the sequence's prompt (default: 0.25 unless kv_budget_tokens)")
     kv_budget_schedule: str = _opt("flat", "kv_policy layered: flat (one budget) or pyramid (budgets falling with "
                                            "depth, 1.5x to 0.5x, the same mean)")
-    kv_score_pool: int = _opt(31, "kv_policy layered: at a prompt's end rank each token by the mean score of this "
-                                  "many tokens around it (odd; SnapKV's pooling; 1: its own score)")
+    kv_score_pool: int = _opt(31, "kv_policy layered: at a prompt's end rank each token by the larger of its score "
+                                  "and the mean score of this many tokens around it (odd; SnapKV's pooling; 1: its "
+                                  "own score)")
     kv_window: int = _opt(64, "kv_policy layered: latest tokens always kept")
     kv_sinks: int = _opt(4, "kv_policy layered: first tokens always kept")
     kv_prefill_evict: bool = _opt(False, "kv_policy layered with kv_budget_tokens, on or off: evict after every "

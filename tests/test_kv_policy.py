@@ -8,7 +8,7 @@ import torch
 
 from cpu_attn.kernels import attention_scratch
 from cpu_attn.kv_policy import (accumulate_probs, compact_rows, observed_attention, paged_decode_attention_scored,
-                                select_keep)
+                                pooled, select_keep)
 from cpu_attn.kv_store import PagedKVStore
 from cpu_attn.layered_worker import LayeredAttentionWorker, LayeredChunkLayout
 from cpu_attn.worker import AttentionWorker, ChunkLayout
@@ -131,25 +131,31 @@ def plain_pooled(scores, pool):
     return [sum(scores[j] for j in range(r - half, r + half + 1) if 0 <= j < n) / pool for r in range(n)]
 
 
-def plain_keep(scores, budget, sinks, window, pool=1):
+def plain_keep(scores, budget, sinks, window):
     """select_keep, one row at a time."""
     n = len(scores)
-    scores = plain_pooled(scores, pool)
     fixed = set(range(sinks)) | set(range(n - window, n))
     ranked = sorted((r for r in range(n) if r not in fixed), key=lambda r: (-scores[r], r))
     return sorted(fixed | set(ranked[:budget - len(fixed)]))
 
 
-@pytest.mark.parametrize("n,budget,sinks,window,pool", [(50, 20, 4, 8, 1), (21, 20, 0, 1, 1), (64, 12, 4, 8, 1),
-                                                        (30, 10, 0, 10, 1), (50, 20, 4, 8, 7), (21, 12, 0, 1, 3)])
-def test_select_keep_matches_plain(n, budget, sinks, window, pool):
+@pytest.mark.parametrize("n,budget,sinks,window", [(50, 20, 4, 8), (21, 20, 0, 1), (64, 12, 4, 8), (30, 10, 0, 10)])
+def test_select_keep_matches_plain(n, budget, sinks, window):
     rng = np.random.default_rng(n)
-    scores = (rng.integers(0, 1000, (3, n)) / 1000).astype(np.float32)  # sums exact in float32 and float64
+    scores = (rng.integers(0, 1000, (3, n)) / 1000).astype(np.float32)
     scores[1, ::3] = 0.5  # ties: the earlier row wins
-    keep = select_keep(scores, budget, sinks, window, pool)
+    keep = select_keep(scores, budget, sinks, window)
     assert keep.shape == (3, budget)
     for h in range(3):
-        assert keep[h].tolist() == plain_keep(scores[h].tolist(), budget, sinks, window, pool)
+        assert keep[h].tolist() == plain_keep(scores[h].tolist(), budget, sinks, window)
+
+
+@pytest.mark.parametrize("n,width", [(50, 7), (21, 3), (40, 31), (10, 31)])
+def test_pooled_matches_plain(n, width):
+    scores = np.random.default_rng(n).random((3, n)).astype(np.float32)
+    got = pooled(scores, width)
+    for h in range(3):
+        np.testing.assert_allclose(got[h], plain_pooled(scores[h].tolist(), width), rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -211,7 +217,8 @@ class PlainLayered:
                         self.score[kvh][j] += pj
         for h in range(num_kv_heads):
             if keep_after < len(self.kept[h]):  # after a prompt chunk, ranked and carried on pooled
-                ranked = plain_pooled(self.score[h], self.pool if n > 1 else 1)
+                pool = self.pool if n > 1 else 1
+                ranked = [max(a, b) for a, b in zip(self.score[h], plain_pooled(self.score[h], pool))]
                 keep = plain_keep(ranked, keep_after, self.sinks, self.window)
                 self.kept[h] = [self.kept[h][j] for j in keep]
                 self.score[h] = [ranked[j] for j in keep]
