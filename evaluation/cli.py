@@ -71,7 +71,8 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
                    help="the linear layers' dtype while profiling: the one the server will run (default: float32)")
     add_cpu_linear_dtype(p)
     p.add_argument("--out", help="output JSON (default: oaken_thresholds.json in the model's cache directory; "
-                                 "oaken_thresholds_bfloat16.json with --dtype bfloat16)")
+                                 "oaken_thresholds_bfloat16.json with --dtype bfloat16; attention_profile.json with "
+                                 "--attention-profile)")
 
 
 def add_cpu_linear_dtype(p: argparse.ArgumentParser) -> None:
@@ -83,7 +84,8 @@ def add_cpu_linear_dtype(p: argparse.ArgumentParser) -> None:
 def calibrate_command(args: argparse.Namespace) -> None:
     import torch
 
-    from cpu_attn.calibrate import CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, calibrate, text_windows, thresholds_file
+    from cpu_attn.calibrate import (CALIBRATION_WINDOW_TOKENS, CALIBRATION_WINDOWS, calibrate, text_windows,
+                                    thresholds_file)
     from gpu_model.loader import load_model, resolve_model_dir
     from gpu_model.tokenizer import Tokenizer
 
