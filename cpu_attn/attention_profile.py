@@ -80,6 +80,16 @@ def load_entropy(path: Path) -> np.ndarray:
     return np.asarray(json.loads(path.read_text())["entropy_nats"], dtype=np.float64)
 
 
+def measure_profile(model, ids: list[int], path: Path, num_windows: int = PROFILE_WINDOWS,
+                    window_tokens: int = PROFILE_WINDOW_TOKENS) -> np.ndarray:
+    """attention_entropy of windows of the token ids `ids` (at most the model's context each), saved to `path`."""
+    tokens = min(window_tokens, model.cfg.max_position_embeddings, len(ids))
+    windows = text_windows(ids, num_windows, tokens)
+    entropy = attention_entropy(model, windows)
+    save_profile(path, entropy, len(windows), tokens, PROFILE_OBSERVE)
+    return entropy
+
+
 def model_full_layers(model, model_dir: Path, encode: Callable[[str], list[int]]) -> int:
     """--kv-full-layers for `model`: from the profile in `model_dir`, measured there now when missing (on the
     default text, tokenized by `encode`; seconds for a small model)."""
@@ -91,11 +101,6 @@ def model_full_layers(model, model_dir: Path, encode: Callable[[str], list[int]]
     log.warning("no attention profile for this model yet: measuring it now on %d windows of %s to choose "
                 "--kv-full-layers (once per model; `hetserve calibrate --attention-profile` does it beforehand)",
                 PROFILE_WINDOWS, DEFAULT_TEXT.name)
-    ids = encode(DEFAULT_TEXT.read_text())
-    tokens = min(PROFILE_WINDOW_TOKENS, model.cfg.max_position_embeddings, len(ids))
-    windows = text_windows(ids, PROFILE_WINDOWS, tokens)
-    entropy = attention_entropy(model, windows)
-    save_profile(path, entropy, len(windows), tokens, PROFILE_OBSERVE)
-    count = full_layers_from_entropy(entropy)
+    count = full_layers_from_entropy(measure_profile(model, encode(DEFAULT_TEXT.read_text()), path))
     log.info("attention profile saved to %s: --kv-full-layers %d", path, count)
     return count

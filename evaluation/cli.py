@@ -117,17 +117,14 @@ def _attention_profile_command(args: argparse.Namespace, model, model_dir: Path,
     import numpy as np
 
     from cpu_attn.attention_profile import (BROAD, PROFILE_FILE, PROFILE_OBSERVE, PROFILE_WINDOW_TOKENS,
-                                            PROFILE_WINDOWS, attention_entropy, full_layers_from_entropy, save_profile)
-    from cpu_attn.calibrate import text_windows
+                                            PROFILE_WINDOWS, full_layers_from_entropy, measure_profile)
 
-    tokens = min(args.window_tokens or PROFILE_WINDOW_TOKENS, model.cfg.max_position_embeddings)
-    windows = text_windows(ids, args.num_windows or PROFILE_WINDOWS, tokens)
-    entropy = attention_entropy(model, windows)
     out = Path(args.out) if args.out else model_dir / PROFILE_FILE
-    save_profile(out, entropy, len(windows), tokens, PROFILE_OBSERVE)
+    entropy = measure_profile(model, ids, out, args.num_windows or PROFILE_WINDOWS,
+                              args.window_tokens or PROFILE_WINDOW_TOKENS)
     count, median = full_layers_from_entropy(entropy), float(np.median(entropy))
-    print(f"{len(windows)} windows x {tokens} tokens of {Path(args.text).name}, the last {PROFILE_OBSERVE} queries "
-          f"of each; attention entropy per layer (nats), median {median:.2f}, broad from {BROAD * median:.2f}:")
+    print(f"{Path(args.text).name}, the last {PROFILE_OBSERVE} queries of each window; attention entropy per layer "
+          f"(nats), median {median:.2f}, broad from {BROAD * median:.2f}:")
     for layer, e in enumerate(entropy):
         print(f"{layer:5d}  {e:6.3f}  {'broad' if e >= BROAD * median else ''}")
     print(f"--kv-full-layers {count} (the leading broad layers); profile written to {out}")
