@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from gpu_model.config import ModelConfig
 from gpu_model.model import LlamaModel, rope_inv_freq
 from gpu_model.quant import load_quant, read_gguf_quant, save_quant
+from gpu_model.quant_amx import is_available as has_tiles
 from gpu_model.quant_vnni import is_available as has_vnni
 from gpu_model.quant_vnni import mx_available
 from gpu_model.weight_format import (MX_FILE, WeightFormat, WeightFormatError, attach, cache_path, dense_with_mx,
@@ -45,6 +46,15 @@ integer dots (gpu_model/quant_vnni.py): on a 2-core Xeon VM with AMX a step's li
 head) took 21 / 25 / 38 / 46 / 72 ms with the blocks and 49 / 55 / 58 / 54 / 69 ms with bf16 linears at
 6 / 8 / 12 / 16 / 24 tokens; a decode step of 8 sequences at 256 tokens of context 36 against 75 ms, of 16
 sequences 79 against 76 (2026-11-29). Without VNNI the blocks win at 1 token only."""
+GGUF_BLOCKS_MAX_TOKENS_TILES = 32
+"""The same where the CPU also has AMX and steps of TILE_MIN_TOKENS or more multiply by tiles: a decode step of the
+bundled model (256 tokens of context) took 30 / 33 / 40 / 61 / 74 ms with the blocks and 46 / 45 / 50 / 55 / 63 ms with
+bf16 linears at 17 / 24 / 32 / 48 / 64 tokens (2-core Xeon VM, 2026-11-30)."""
+TILE_MIN_TOKENS = 4
+"""Beside bf16 linears on CPUs with AMX, steps of at least this many tokens multiply the integer-dot layout's
+weights by AMX tiles (gpu_model/quant_amx.py) instead of vpdpwssd: the bundled model's 120 layer linears took
+5.5 / 7.2 / 11.0 / 19.9 ms with vpdpwssd and 5.3 / 5.6 / 6.6 / 10.0 ms with tiles at 4 / 5 / 8 / 16 rows, and
+3.7 against 5.1 ms at one row (2-core Xeon VM, 2026-11-30)."""
 MX_MAX_TOKENS = 64
 """Steps of at most this many tokens multiply by MX weights (gpu_model/mx_kernels.py) by default with
 float32 dense linears. Beside bf16 ones (oneDNN, AMX) mxfp4, mxfp6 and mxint8 take the integer-dot
@@ -158,7 +168,8 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     GGUF's own blocks serve steps of at most `gguf_blocks_max_tokens` tokens (bandwidth-bound
     decode, gpu_model/quant.py; default GGUF_BLOCKS_MAX_TOKENS with float32 linears, whose exact
     values the blocks hold, and with bf16 linears GGUF_BLOCKS_MAX_TOKENS_BF16 on CPUs with AVX512-VNNI,
-    where the blocks multiply with integer dots, else 1). With fp32 linears a sequence's greedy tokens
+    where the blocks multiply with integer dots, GGUF_BLOCKS_MAX_TOKENS_TILES where they also have AMX,
+    else 1). With fp32 linears a sequence's greedy tokens
     do not depend on what it is batched with; with bf16 ones they may, as on GPUs.
 
     `weight_format` (gpu_model/weight_format.py) picks the linears' format: auto keeps the above;
@@ -192,11 +203,12 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     bf16 = resolve_linear_dtype(cpu_linear_dtype) == torch.bfloat16
     if bf16:
         model.cast_linears(torch.bfloat16, pack=cpu_has_native_bf16())
+        model.tile_rows = TILE_MIN_TOKENS if has_tiles() else 0
     if mx_weights is not None:
         # beside bf16 linears, integer dots where this CPU has them for the format (as the GGUF blocks)
         vnni = bf16 and has_vnni()
         if vnni and mx_available(wf.name):
-            default = GGUF_BLOCKS_MAX_TOKENS_BF16
+            default = GGUF_BLOCKS_MAX_TOKENS_TILES if has_tiles() else GGUF_BLOCKS_MAX_TOKENS_BF16
         else:
             default = MX_MAX_TOKENS_BF16 if bf16 else MX_MAX_TOKENS
         attach(model, mx_weights, default if gguf_blocks_max_tokens is None else gguf_blocks_max_tokens, vnni=vnni)
@@ -205,7 +217,8 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
         return model
     if gguf_blocks_max_tokens is None:
         if bf16 and wf.name == "auto":
-            gguf_blocks_max_tokens = GGUF_BLOCKS_MAX_TOKENS_BF16 if has_vnni() else 1
+            gguf_blocks_max_tokens = ((GGUF_BLOCKS_MAX_TOKENS_TILES if has_tiles() else GGUF_BLOCKS_MAX_TOKENS_BF16)
+                                      if has_vnni() else 1)
         else:
             gguf_blocks_max_tokens = GGUF_BLOCKS_MAX_TOKENS
     if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:

@@ -15,6 +15,7 @@ from gpu_model.config import ModelConfig
 from gpu_model.quant import BlockWeight, QuantWeight
 from gpu_model import cpu_decode
 from gpu_model.cpu_decode import DecodeWeights
+from gpu_model.quant_amx import block_matmul
 from gpu_model.quant_vnni import VnniWeight
 
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -105,6 +106,9 @@ class LlamaModel(nn.Module):
         blocks or MX (gpu_model/mx_weight.py)."""
         self.quant_max_tokens = 0
         """Steps with at most this many tokens use `quant` (set by the loader; 0 = never)."""
+        self.tile_rows = 0
+        """Steps of at least this many tokens multiply integer-dot weights by AMX tiles (gpu_model/quant_amx.py;
+        0: never). Set by the loader where the CPU has them."""
         self.decode_weights: list[DecodeWeights | None] = []
         """Per layer, its linears when all four are in the integer-dot layout: such steps run the layer's
         linears in two calls (gpu_model/cpu_decode.py)."""
@@ -116,7 +120,7 @@ class LlamaModel(nn.Module):
     def _linear(self, key: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q = self.quant.get(key)
         if q is not None and x.shape[0] <= self.quant_max_tokens:
-            return q.matmul(x)
+            return block_matmul(x, q, self.tile_rows) if isinstance(q, VnniWeight) else q.matmul(x)
         if weight.dtype != x.dtype:  # bf16 linears in an fp32 model (cast_linears)
             packed = self.packed.get(key)
             if packed is not None:
@@ -131,7 +135,7 @@ class LlamaModel(nn.Module):
         """_linear of rms_norm(x, norm); the integer-dot kernels do the norm while they round x."""
         q = self.quant.get(key)
         if isinstance(q, VnniWeight) and x.shape[0] <= self.quant_max_tokens:
-            return q.matmul(x, norm=norm, eps=self.cfg.rms_norm_eps)
+            return block_matmul(x, q, self.tile_rows, norm=norm, eps=self.cfg.rms_norm_eps)
         return self._linear(key, weight, rms_norm(x, norm, self.cfg.rms_norm_eps))
 
     @property
@@ -163,7 +167,8 @@ class LlamaModel(nn.Module):
         T, num_qk = x.shape[0], cfg.num_heads + cfg.num_kv_heads
         fused = self._decode_weights(i, x)
         if fused is not None:  # norm, qkv and RoPE in one call
-            qkv = cpu_decode.pre(x, layer.attn_norm, cfg.rms_norm_eps, fused, cos, sin, num_qk, cfg.head_dim)
+            qkv = cpu_decode.pre(x, layer.attn_norm, cfg.rms_norm_eps, fused, cos, sin, num_qk, cfg.head_dim,
+                                 self.tile_rows)
             qk = qkv[:, : num_qk * cfg.head_dim].view(T, num_qk, cfg.head_dim)
         else:
             qkv = self._linear(f"layers.{i}.qkv", layer.qkv.weight, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps))
@@ -182,7 +187,7 @@ class LlamaModel(nn.Module):
         layer, eps = self.layers[i], self.cfg.rms_norm_eps
         fused = self._decode_weights(i, x)
         if fused is not None:  # o, residual, norm, gate_up, silu * up, down, residual in one call
-            return cpu_decode.post(x, attn, layer.mlp_norm, eps, fused)
+            return cpu_decode.post(x, attn, layer.mlp_norm, eps, fused, self.tile_rows)
         h = x + self._linear(f"layers.{i}.o", layer.o.weight, attn)
         gate, up = self._linear(f"layers.{i}.gate_up", layer.gate_up.weight, rms_norm(h, layer.mlp_norm, eps)).chunk(2, -1)
         return h + self._linear(f"layers.{i}.down", layer.down.weight, nn.functional.silu(gate) * up)

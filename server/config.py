@@ -79,7 +79,8 @@ class ServeConfig:
     gguf_blocks_max_tokens: int | None = _opt(None, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
                                                     "own Q4_1/Q8_0 blocks, or by the MX weights of an MX weight_format "
                                                     "(0 = never; default: 64 with float32 linears or weight_format gguf; "
-                                                    "with bfloat16 ones 16 where the CPU has AVX512-VNNI, else 1; MX 2)")
+                                                    "with bfloat16 ones 32 where the CPU has AVX512-VNNI and AMX, 16 with "
+                                                    "AVX512-VNNI alone, else 1; MX 2)")
     weight_format: str = _opt("auto", "the linear layers' weights: auto (gguf blocks where the model has them, "
                                       "else cpu_linear_dtype), gguf (the GGUF's Q4_1/Q8_0 blocks), mxfp8, mxfp6, "
                                       "mxfp4, mxint8 (OCP MX, converted at load and cached), bf16 or fp32; see "

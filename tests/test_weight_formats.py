@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_model.loader import GGUF_BLOCKS_MAX_TOKENS_BF16, ModelLoadError, load_model
+from gpu_model.loader import (GGUF_BLOCKS_MAX_TOKENS_BF16, GGUF_BLOCKS_MAX_TOKENS_TILES, TILE_MIN_TOKENS,
+                              ModelLoadError, load_model)
+from gpu_model.quant_amx import is_available as has_tiles
 from gpu_model.mx_weight import MXWeight
 from gpu_model.quant_vnni import VnniWeight, mx_available
 from gpu_model.weight_format import MX_FILE, WeightFormat, WeightFormatError, load_packed, save_packed, weight_bits
@@ -42,12 +44,14 @@ def test_load_converts_and_caches(model_dir, tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6", "mxint8"])
 def test_beside_bf16_linears_mx_multiplies_with_integer_dots(model_dir, tmp_path, fmt):
-    """As the GGUF blocks: steps of up to 16 tokens through gpu_model/quant_vnni.py, a layer's linears in two
-    calls, the format's bits kept; the products those of the exact MX values to x's int16 rounding."""
+    """As the GGUF blocks: steps of up to 16 tokens (32 with AMX tiles from 4) through gpu_model/quant_vnni.py, a
+    layer's linears in two calls, the format's bits kept; the products those of the exact MX values to x's int16
+    rounding."""
     if not mx_available(fmt):
         pytest.skip(f"this CPU has no integer-dot kernel for {fmt}")
     model = load_model(model_dir, cpu_linear_dtype="bfloat16", weight_format=WeightFormat(fmt), cache_dir=tmp_path)
-    assert model.quant_max_tokens == GGUF_BLOCKS_MAX_TOKENS_BF16
+    assert model.quant_max_tokens == (GGUF_BLOCKS_MAX_TOKENS_TILES if has_tiles() else GGUF_BLOCKS_MAX_TOKENS_BF16)
+    assert model.tile_rows == (TILE_MIN_TOKENS if has_tiles() else 0)
     for key, w in model.quant.items():  # the tiny model's head has 101 rows, not whole groups of 16
         assert isinstance(w, VnniWeight) and w.kind == fmt if key != "head" else isinstance(w, MXWeight)
     assert all(d is not None for d in model.decode_weights)
