@@ -31,7 +31,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.llvm_ir import c_array, host_has, prefetch_ir
+from cpu_attn.llvm_ir import _as_f32, c_array, host_has, prefetch_ir
 from gpu_model.quant import BLOCK, PREFETCH_BYTES
 from gpu_model.quant_vnni import (_BLOCK_BYTES, MX_KINDS, NO_NORM, ROWS, VnniWeight, _hadamard_blocks, _input_row,
                                   _mx_table, _splat, _vload, matvec)
@@ -77,17 +77,14 @@ def round_row_bf16(x, i, norm, eps, gated, hadamard, xb, xsum):
     if hadamard:
         _hadamard_blocks(row)
     bits = row.view(np.uint32)
-    for j in range(row.shape[0]):
-        u = bits[j]
-        if np.isnan(row[j]):
-            xb[i, j] = np.uint16(0x7FC0)
-        else:
-            xb[i, j] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-    rounded = (xb[i].astype(np.uint32) << np.uint32(16)).view(np.float32)
     for b in range(xsum.shape[1]):
-        total = 0.0
+        total = np.float32(0.0)
         for j in range(b * BLOCK, (b + 1) * BLOCK):
-            total += rounded[j]
+            u = bits[j]
+            r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            r = np.uint32(0x7FC0) if u & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000) else r  # NaN
+            xb[i, j] = np.uint16(r)
+            total += _as_f32(r << np.uint32(16))
         xsum[i, b] = total
 
 
@@ -291,7 +288,7 @@ def matvec_tiles(x, norm, eps, gated, hadamard, scales, qs, out):
     rows at a time in parallel (in the parallel function this is inlined into), the rows of x TILE_ROWS at a time."""
     xb = np.empty((x.shape[0], qs.shape[1] * BLOCK), np.uint16)
     xsum = np.empty((x.shape[0], qs.shape[1]), np.float32)
-    for i in prange(x.shape[0]):
+    for i in range(x.shape[0]):  # vectorized: ~10 us for 5 rows of 1536, less than a parallel region's start
         round_row_bf16(x, i, norm, eps, gated, hadamard, xb, xsum)
     num_groups = qs.shape[0]
     num_parts = min(num_groups, PARTS)

@@ -51,6 +51,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.llvm_ir import by_row_count, c_array, host_has, prefetch_ir
+from cpu_attn.softmax import fast_exp
 from gpu_model import mx
 from gpu_model.quant import BLOCK, PREFETCH_BYTES, QuantWeight
 
@@ -155,12 +156,12 @@ class VnniWeight:
 @njit(cache=True, nogil=True, fastmath={"contract"})
 def _input_row(x, i, norm, eps, gated, row):
     """row[:] = the matmul's input from x[i]: as is, RMS-normalized and times norm (norm.size > 0: the layer's
-    rms_norm), or silu(gate) * up of x[i] = gate | up (gated)."""
+    rms_norm), or silu(gate) * up of x[i] = gate | up (gated; exp by softmax.fast_exp, which vectorizes)."""
     width = row.shape[0]
     if gated:
         for j in range(width):
             g = x[i, j]
-            row[j] = g / (np.float32(1.0) + np.exp(-g)) * x[i, width + j]
+            row[j] = g / (np.float32(1.0) + fast_exp(min(-g, np.float32(88.0)))) * x[i, width + j]
         return
     for j in range(width):
         row[j] = x[i, j]
@@ -410,11 +411,8 @@ def matvec(x, norm, eps, gated, hadamard, scales, qs, out):
     xq = np.empty((x.shape[0], num_blocks * BLOCK), np.int16)
     dx = np.empty((x.shape[0], num_blocks), np.float32)
     dsum = np.empty((x.shape[0], num_blocks), np.float32)
-    if x.shape[0] == 1:  # a parallel region costs more than one row
-        round_row(x, 0, norm, eps, gated, hadamard, xq, dx, dsum)
-    else:  # the gate's exp is scalar: ~70 us a layer's down projection at 5 rows on one thread
-        for i in prange(x.shape[0]):
-            round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum)
+    for i in range(x.shape[0]):  # a few rows (vectorized, the gate's exp too) cost less than a parallel region
+        round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum)
     matvec_rounded(xq, dx, dsum, scales, qs, out)
 
 
