@@ -1,6 +1,7 @@
-"""The decode step's linear layers on the CPU, four ways in one run, on the bundled model's weights:
+"""The decode step's linear layers on the CPU, five ways in one run, on the bundled model's weights:
 the fp32 copy with BLAS, the GGUF's own Q4_1 blocks (gpu_model/quant.py: float32 products), the
-same blocks with integer dots (gpu_model/quant_vnni.py, CPUs with AVX512-VNNI) and bf16 weights with
+same blocks with integer dots (gpu_model/quant_vnni.py, CPUs with AVX512-VNNI) and by AMX tiles
+(gpu_model/quant_amx.py, CPUs with AMX; served from TILE_MIN_TOKENS rows), and bf16 weights with
 oneDNN (`--cpu-linear-dtype bfloat16`, the default on CPUs with AVX512-BF16 or AMX).
 
     python -m benchmarks.bench_linears [--tokens 1 2 4 16 64 512] [--repeats 20]
@@ -10,7 +11,7 @@ rows (a decode step at that many sequences, or a prefill chunk). Warm caches: th
 135M model (212 MB in bf16) do not stay in L3 between real steps, so in the server the bf16 and
 fp32 paths also pay the weight reads that the blocks (~0.6 byte a weight) avoid; the table gives
 the floor that read costs at the machine's measured bandwidth. Prints a table, writes
-benchmarks/results/linears.json.
+benchmarks/results/linears.json and linears.png.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import machine, print_table, times_ms, write_json
+from benchmarks.common import RESULTS, machine, print_table, times_ms, write_json
 from gpu_model.loader import load_model, resolve_model_dir
 from gpu_model.model import LlamaModel
+from gpu_model.quant_amx import is_available as has_tiles
 from gpu_model.quant_vnni import VnniWeight
 
 BLOCKS_MAX_TOKENS = 64
@@ -72,9 +74,14 @@ def main() -> None:
             row["blocks_ms"] = step_ms(blocks, t, args.repeats)
             row["bf16_vs_blocks"] = row["blocks_ms"] / row["bf16_ms"]
         if has_vnni and t <= BLOCKS_MAX_TOKENS:
+            vnni.tile_rows = 0
             row["vnni_ms"] = step_ms(vnni, t, args.repeats)
             row["vnni_vs_blocks"] = row["blocks_ms"] / row["vnni_ms"]
             row["bf16_vs_vnni"] = row["vnni_ms"] / row["bf16_ms"]
+            if has_tiles():
+                vnni.tile_rows = 1
+                row["tiles_ms"] = step_ms(vnni, t, args.repeats)
+                row["vnni_vs_tiles"] = row["vnni_ms"] / row["tiles_ms"]
         row["bf16_vs_fp32"] = row["fp32_ms"] / row["bf16_ms"]
         rows.append(row)
         print(f"{t} tokens done", flush=True)
@@ -82,10 +89,33 @@ def main() -> None:
     print("weights per step: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in nbytes.items())
           + f"; read floors at {gbs} GB/s: " + ", ".join(f"{k} {v:.1f} ms" for k, v in floors.items()))
     print("ms per step (speed-ups: a / b > 1 means b is faster)")
-    print_table(rows, ["tokens", "fp32_ms", "blocks_ms", "vnni_ms", "bf16_ms", "bf16_vs_fp32", "bf16_vs_blocks",
-                       "vnni_vs_blocks", "bf16_vs_vnni"])
+    print_table(rows, ["tokens", "fp32_ms", "blocks_ms", "vnni_ms", "tiles_ms", "bf16_ms", "bf16_vs_fp32",
+                       "bf16_vs_blocks", "vnni_vs_blocks", "bf16_vs_vnni", "vnni_vs_tiles"])
     path = write_json("linears.json", {"machine": mach, "weight_bytes": nbytes, "read_floor_ms": floors, "rows": rows})
-    print(f"wrote {path}")
+    plot(rows, floors, RESULTS / "linears.png")
+    print(f"wrote {path} and linears.png")
+
+
+def plot(rows: list[dict], floors: dict[str, float], path: Path) -> None:
+    """Milliseconds a step's linears take per way against the tokens a step, the blocks' read floor dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("fp32_ms", "fp32 (BLAS)"), ("blocks_ms", "Q4_1 blocks, float32 products"),
+                       ("vnni_ms", "blocks, integer dots"), ("tiles_ms", "blocks, AMX tiles"), ("bf16_ms", "bf16")):
+        points = [(r["tokens"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
+    if "vnni" in floors:
+        ax.axhline(floors["vnni"], linestyle="--", color="gray", label="blocks' read floor")
+    ax.set(xscale="log", yscale="log", xlabel="tokens a step", ylabel="ms a step's linears")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

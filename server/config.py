@@ -135,10 +135,12 @@ class ServeConfig:
     kv_cache_bytes: int | None = _opt(None, "KV cache capacity, e.g. 4GiB, MagicPIG's hash tables included "
                                       "(overrides --kv-cache-fraction)", parse=parse_bytes)
     gpu_kv_cache_bytes: int | None = _opt(None, "partial offload: KV of this many bytes on the accelerator, e.g. "
-                                          "24GiB; sequences go there first and to the host's KV (--kv-cache-bytes) "
-                                          "once it is full, each step attending both at once (default: none, every "
-                                          "sequence's KV on the host; executor local, exact attention on the "
-                                          "accelerator side)", parse=parse_bytes)
+                                          "24GiB (less than it has emulates a smaller GPU); sequences go there first "
+                                          "and to the host's KV (--kv-cache-bytes) once it is full, each step "
+                                          "attending both at once; 0 = none, every sequence's KV on the host (default: "
+                                          "on a CUDA device, what it has free after the weights less a tenth of its "
+                                          "memory, where executor local, backend hetero, speculative_method off and "
+                                          "kv_policy full; otherwise none)", parse=parse_bytes)
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity (MagicPIG's tables included) as a fraction of total RAM")
     block_size: int = _opt(16, "tokens per KV block")
     max_num_seqs: int = _opt(64, "most requests in the running batch")
@@ -220,7 +222,7 @@ class ServeConfig:
             (self.ray_microbatches in (0, 1, 2), "ray_microbatches must be 0 (auto), 1 or 2"),
             (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
-            (self.gpu_kv_cache_bytes is None or self.gpu_kv_cache_bytes > 0, "gpu_kv_cache_bytes must be positive"),
+            (self.gpu_kv_cache_bytes is None or self.gpu_kv_cache_bytes >= 0, "gpu_kv_cache_bytes must be >= 0"),
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
             (self.gguf_blocks_max_tokens is None or self.gguf_blocks_max_tokens >= 0, "gguf_blocks_max_tokens must be >= 0"),
@@ -260,9 +262,7 @@ class ServeConfig:
             raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, speculative_method off, "
                              "backend hetero and executor local or ray with ray_cpu_actors 0 (its rows are compacted "
                              "in a plain paged store)")
-        if self.gpu_kv_cache_bytes is not None and (self.executor != "local" or self.backend != "hetero"
-                                                    or self.speculative_method != "off"
-                                                    or self.kv_policy_config().is_layered):
+        if self.gpu_kv_cache_bytes and not self.offload_possible:
             raise ValueError("gpu_kv_cache_bytes needs executor local, backend hetero, speculative_method off and "
                              "kv_policy full (the accelerator's KV takes exact one-token and prompt rows only)")
         if self.backend not in ("hetero", "sim"):
@@ -281,6 +281,13 @@ class ServeConfig:
     def kv_beside_model(self) -> bool:
         """Whether the KV store and the model run in one process (local, or ray without CPU attention actors)."""
         return self.executor == "local" or self.ray_cpu_actors == 0
+
+    @property
+    def offload_possible(self) -> bool:
+        """Whether partial offload (gpu_kv_cache_bytes) can serve this configuration: the accelerator's KV takes
+        exact one-token and prompt rows only, on the local executor's hetero backend."""
+        return (self.executor == "local" and self.backend == "hetero" and self.speculative_method == "off"
+                and not self.kv_policy_config().is_layered)
 
     def speculative_config(self):
         from server.speculative import SpecConfig

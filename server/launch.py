@@ -28,7 +28,7 @@ def build_engine(cfg: ServeConfig):
         from server.ray_executor import RayBackend
 
         backend: Backend = RayBackend(model_dir, config, RayConfig.from_serve_config(cfg))
-    elif config.gpu_kv_cache_bytes is not None:
+    elif config.gpu_kv_cache_bytes is not None or offload_by_default(cfg):
         from server.offload import OffloadBackend
 
         backend = OffloadBackend(model_dir, config)
@@ -43,6 +43,15 @@ def build_engine(cfg: ServeConfig):
                                                         cfg.speculative_config()))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
     return engine, name, backend.max_model_len
+
+
+def offload_by_default(cfg: ServeConfig) -> bool:
+    """Whether `cfg` gets partial offload without asking: gpu_kv_cache_bytes unset, the linears on a CUDA device and a
+    configuration offload serves. GPU-only attention of the sequences the GPU holds is what a GPU host should get; the
+    host takes only what does not fit (server/offload.py)."""
+    from server.hetero import pick_device
+
+    return cfg.gpu_kv_cache_bytes is None and cfg.offload_possible and pick_device(cfg.device) == "cuda"
 
 
 def start_engine(cfg: ServeConfig):

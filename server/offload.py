@@ -40,6 +40,18 @@ log = logging.getLogger(__name__)
 DEVICE, HOST = 0, 1  # the shards
 
 
+ACTIVATION_RESERVE = 0.1
+"""Of a CUDA device's memory, the part its default KV budget leaves free for activations (as vLLM's default
+gpu_memory_utilization of 0.9); at least ACTIVATION_RESERVE_MIN bytes."""
+ACTIVATION_RESERVE_MIN = 2 * 2**30
+
+
+def device_kv_budget(free: int, total: int) -> int:
+    """The default accelerator KV bytes: what is free after the model (free of total), less the activations'
+    reserve."""
+    return max(0, free - max(int(ACTIVATION_RESERVE * total), ACTIVATION_RESERVE_MIN))
+
+
 class OffloadGuard:
     """Whether the host shard may take new sequences: closed while, over the last `window` steps that had
     host-placed sequences, their attention took longer than the accelerator's work of those steps; open
@@ -66,10 +78,18 @@ class OffloadBackend(HeteroBackend):
         dtype = self.model.dtype
         per_block = DeviceAttentionWorker.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                           config.block_size, dtype)
-        num_device = config.gpu_kv_cache_bytes // per_block
+        budget = config.gpu_kv_cache_bytes
+        if budget is None:
+            if dev.type != "cuda":
+                raise KVCapacityError(f"partial offload with the model on {dev} needs --gpu-kv-cache-bytes")
+            budget = device_kv_budget(*torch.cuda.mem_get_info(dev))
+            log.info("partial offload: %.1f GiB of %s free after the model for its KV (--gpu-kv-cache-bytes sets "
+                     "it, 0 turns offload off)", budget / 2**30, dev)
+        num_device = budget // per_block
         if num_device < 1:
-            raise KVCapacityError(f"--gpu-kv-cache-bytes {config.gpu_kv_cache_bytes} B has no room for one block of "
-                                  f"{per_block} B ({dtype} KV on {dev})")
+            raise KVCapacityError(f"{budget} B of KV on {dev} (--gpu-kv-cache-bytes) has no room for one block of "
+                                  f"{per_block} B ({dtype}); --gpu-kv-cache-bytes 0 keeps every sequence's KV on the "
+                                  "host")
         self.num_device_blocks = num_device
         self.device_attn = DeviceAttentionWorker(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                                                  num_device, dev, dtype)

@@ -12,7 +12,11 @@ from gpu_model.device_attn import DeviceAttentionWorker
 from hetcore.backend import KVSpec
 from server.block_manager import BlockManager
 from server.config import ServeConfig
-from server.offload import OffloadGuard
+from benchmarks.bench_gpu_offload import SHAPES, random_model
+from hetcore.backend import KVCapacityError
+from server.backend_config import BackendConfig
+from server.launch import offload_by_default
+from server.offload import OffloadBackend, OffloadGuard, device_kv_budget
 from tests.conftest import RunningServer
 from tests.test_preemption import BYTES_PER_BLOCK_FP32, complete
 
@@ -120,3 +124,24 @@ def test_offload_is_refused_beside_what_it_cannot_serve():
         ServeConfig(gpu_kv_cache_bytes=2**20, executor="ray")
     with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs"):
         ServeConfig(gpu_kv_cache_bytes=2**20, speculative_method="ngram")
+
+
+def test_gpu_hosts_offload_by_default_within_what_is_free():
+    """Unset, gpu_kv_cache_bytes is the CUDA device's free memory after the model less a tenth of it (at least 2 GiB)
+    for activations; 0 turns offload off; where offload cannot serve a configuration, unset means none (no error)."""
+    gib = 2**30
+    assert device_kv_budget(free=100 * gib, total=140 * gib) == 86 * gib
+    assert device_kv_budget(free=10 * gib, total=16 * gib) == 8 * gib  # the 2 GiB floor
+    assert device_kv_budget(free=gib, total=16 * gib) == 0
+    assert ServeConfig().offload_possible and ServeConfig(gpu_kv_cache_bytes=0).gpu_kv_cache_bytes == 0
+    assert not ServeConfig(executor="ray").offload_possible  # unset: no error, no offload
+    assert not ServeConfig(speculative_method="ngram").offload_possible
+    assert not offload_by_default(ServeConfig(device="cpu"))
+    assert not offload_by_default(ServeConfig(gpu_kv_cache_bytes=0))
+    assert offload_by_default(ServeConfig()) == torch.cuda.is_available()
+
+
+def test_an_unsized_offload_on_the_cpu_is_refused_in_one_line():
+    cfg = ServeConfig(kv_format="fp32", kv_cache_bytes=64 * 2**20, cpu_linear_dtype="float32")
+    with pytest.raises(KVCapacityError, match="needs --gpu-kv-cache-bytes"):
+        OffloadBackend(None, BackendConfig.from_serve_config(cfg), model=random_model(SHAPES["tiny"], "cpu", torch.float32))
