@@ -288,8 +288,12 @@ def matvec_tiles(x, norm, eps, gated, hadamard, scales, qs, out):
     rows at a time in parallel (in the parallel function this is inlined into), the rows of x TILE_ROWS at a time."""
     xb = np.empty((x.shape[0], qs.shape[1] * BLOCK), np.uint16)
     xsum = np.empty((x.shape[0], qs.shape[1]), np.float32)
-    for i in range(x.shape[0]):  # vectorized: ~10 us for 5 rows of 1536, less than a parallel region's start
-        round_row_bf16(x, i, norm, eps, gated, hadamard, xb, xsum)
+    if hadamard and x.shape[0] > 1:  # the butterfly is scalar: rows in parallel
+        for i in prange(x.shape[0]):
+            round_row_bf16(x, i, norm, eps, gated, hadamard, xb, xsum)
+    else:  # vectorized: ~10 us for 5 rows of 1536, less than a parallel region's start
+        for i in range(x.shape[0]):
+            round_row_bf16(x, i, norm, eps, gated, hadamard, xb, xsum)
     num_groups = qs.shape[0]
     num_parts = min(num_groups, PARTS)
     for p in prange(num_parts):

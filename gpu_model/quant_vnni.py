@@ -411,8 +411,12 @@ def matvec(x, norm, eps, gated, hadamard, scales, qs, out):
     xq = np.empty((x.shape[0], num_blocks * BLOCK), np.int16)
     dx = np.empty((x.shape[0], num_blocks), np.float32)
     dsum = np.empty((x.shape[0], num_blocks), np.float32)
-    for i in range(x.shape[0]):  # a few rows (vectorized, the gate's exp too) cost less than a parallel region
-        round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum)
+    if hadamard and x.shape[0] > 1:  # the butterfly is scalar: rows in parallel
+        for i in prange(x.shape[0]):
+            round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum)
+    else:  # a few rows (vectorized, the gate's exp too) cost less than a parallel region
+        for i in range(x.shape[0]):
+            round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum)
     matvec_rounded(xq, dx, dsum, scales, qs, out)
 
 
