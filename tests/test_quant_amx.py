@@ -95,3 +95,26 @@ def test_zeros_and_non_finite_inputs():
     x[1, 3] = np.inf
     out = tiles(x, packed)
     assert np.isnan(out[0]).all() and not np.isfinite(out[1]).any() and np.isfinite(out[2:]).all()
+
+
+def test_bundled_model_steps_by_tiles_match_the_integer_dots():
+    """The bundled model as serve loads it (bf16 linears, GGUF blocks): a layer's fused pre / post calls and the head
+    at 5 tokens by tiles against the same by integer dots, within x's bf16 rounding (~2^-9 a value), and the same
+    greedy token from the head."""
+    from pathlib import Path
+
+    from gpu_model.loader import TILE_MIN_TOKENS, load_model, resolve_model_dir
+
+    model = load_model(resolve_model_dir(None, Path("~/.cache/hetserve/models").expanduser()))
+    assert model.tile_rows == TILE_MIN_TOKENS and model.quant_max_tokens >= 5 and model.decode_weights[0] is not None
+    torch.manual_seed(0)
+    x = torch.randn(5, model.cfg.hidden_size)
+    cos, sin = model.rope(torch.arange(5) + 40)
+    attn = torch.randn(5, model.cfg.num_heads * model.cfg.head_dim)
+    runs = []
+    for rows in (TILE_MIN_TOKENS, 0):
+        model.tile_rows = rows
+        runs.append([*model.pre_attention(3, x, cos, sin), model.post_attention(3, x, attn), model.logits(x)])
+    for tiles_out, dots_out in zip(*runs):
+        assert ((tiles_out - dots_out).norm() / dots_out.norm()).item() < 5e-3
+    assert torch.equal(runs[0][-1].argmax(-1), runs[1][-1].argmax(-1))
