@@ -107,14 +107,27 @@ def _amx(builder, name: str, *args) -> None:
     builder.call(fn, list(args))
 
 
+def _int8_bf16(builder, codes):
+    """LLVM IR: <32 x i8> -> the bf16 bits of the integers (exact). With AVX512-FP16: int16 -> fp16 in one instruction
+    (vcvtw2ph), then the fp16 bits moved to bf16's exponent bias (a magnitude of at most 128 has no more than bf16's
+    8 significant bits), zero kept; else through float32."""
+    if not host_has("avx512fp16"):
+        return builder.bitcast(builder.fptrunc(builder.sitofp(codes, _WF), _WB), _WI)
+    half = builder.bitcast(builder.sitofp(builder.sext(codes, _WI), ir.VectorType(ir.HalfType(), 2 * ROWS)), _WI)
+    splat = lambda v: ir.Constant(_WI, [v] * 32)  # noqa: E731
+    magnitude = builder.and_(half, splat(0x7FFF))
+    bf16 = builder.or_(builder.add(builder.lshr(magnitude, splat(3)), splat((127 - 15) << 7)),
+                       builder.and_(half, splat(0x8000)))
+    return builder.select(builder.icmp_unsigned("==", magnitude, splat(0)), splat(0), bf16)
+
+
 def _tile_vectors(builder, kind: str, qa, q_at, k: int):
     """LLVM IR: V_k and V_k+8 of the block at element q_at of qs (quant_vnni's layout) as <32 x i16> bf16 bits of
     their integers I (Q4_1: q; Q8_0: q; MX: element x 2^k), exact: 4- and 6-bit codes looked up in a table of
-    bf16 words (vpermw, vpermi2w), 8-bit ones converted."""
+    bf16 words (vpermw, vpermi2w), 8-bit ones converted (_int8_bf16)."""
     at = lambda offset: builder.gep(qa.data, [builder.add(q_at, _I64(offset))])  # noqa: E731
     if kind in ("q8_0", "mxint8"):
-        return [builder.bitcast(builder.fptrunc(builder.sitofp(_vload(builder, at(32 * t), _W8), _WF), _WB), _WI)
-                for t in (k, k + 8)]
+        return [_int8_bf16(builder, _vload(builder, at(32 * t), _W8)) for t in (k, k + 8)]
     lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_WI, [_WI, _WI]),
                                             "llvm.x86.avx512.permvar.hi.512")
     raw = builder.zext(_vload(builder, at(32 * k), _W8), _WI)
