@@ -1,7 +1,7 @@
 """The integer-dot layout's weights (gpu_model/quant_vnni.py) multiplied by AMX-BF16 tiles, for steps of a few rows.
 
 `vpdpwssd` does 32 multiply-adds an instruction, so past a few rows of x the VNNI kernels are bound by the
-CPU: a decode step's linears take ~5x at 16 rows what they take at one. An AMX tile multiply
+CPU: a decode step's linears take ~4x at 16 rows what they take at one. An AMX tile multiply
 (`tdpbf16ps`) does 16 x 16 x 32. Here each block of a group's 16 weight rows becomes one tile of its
 small integers (exact in bf16) and meets up to 16 rows of x at once; the block's scales are applied
 to the tile's float32 sums, so the weights are used exactly and only x is rounded (to bf16, round to
