@@ -43,3 +43,22 @@ def test_cuda_device_attention_matches_the_cpu_worker():
 
     dev = DeviceAttentionWorker(2, 2, 64, 16, BLOCKS, "cuda", torch.bfloat16)
     compare_with_cpu_worker(dev, 8, (40, 33), 30, 4, 0.05, 0.03)   # bf16 KV
+
+
+def test_serve_on_cuda_offloads_by_default():
+    """`hetserve serve` with the linears on the GPU and --gpu-kv-cache-bytes unset: the GPU's free memory after the model
+    (less the activations' reserve) becomes its KV pool, sequences go there first, and the GPU attends them."""
+    from server.config import ServeConfig
+    from tests.conftest import RunningServer
+    from tests.test_preemption import complete
+
+    server = RunningServer(ServeConfig(kv_cache_bytes=256 * 2**20))
+    try:
+        spec = server.engine.blocks.spec
+        assert spec.first_fit and spec.shards[0] > 0
+        assert complete(server.url, 1)
+        step = server.engine.metrics.step
+        seconds = {s.labels["part"]: s.value for m in step.collect() for s in m.samples if s.name.endswith("_sum")}
+        assert seconds["gpu_attn"] > 0
+    finally:
+        server.close()
