@@ -64,6 +64,11 @@ faster (docs/weight-formats.md)."""
 MX_MAX_TOKENS_BF16 = 2
 
 
+def integer_dot_max_tokens() -> int:
+    """The largest step the integer-dot layout serves beside bf16 linears: more with AMX tiles."""
+    return GGUF_BLOCKS_MAX_TOKENS_TILES if has_tiles() else GGUF_BLOCKS_MAX_TOKENS_BF16
+
+
 class ModelLoadError(Exception):
     """The model path does not hold a model we can load."""
 
@@ -208,7 +213,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
         # beside bf16 linears, integer dots where this CPU has them for the format (as the GGUF blocks)
         vnni = bf16 and has_vnni()
         if vnni and mx_available(wf.name):
-            default = GGUF_BLOCKS_MAX_TOKENS_TILES if has_tiles() else GGUF_BLOCKS_MAX_TOKENS_BF16
+            default = integer_dot_max_tokens()
         else:
             default = MX_MAX_TOKENS_BF16 if bf16 else MX_MAX_TOKENS
         attach(model, mx_weights, default if gguf_blocks_max_tokens is None else gguf_blocks_max_tokens, vnni=vnni)
@@ -217,8 +222,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
         return model
     if gguf_blocks_max_tokens is None:
         if bf16 and wf.name == "auto":
-            gguf_blocks_max_tokens = ((GGUF_BLOCKS_MAX_TOKENS_TILES if has_tiles() else GGUF_BLOCKS_MAX_TOKENS_BF16)
-                                      if has_vnni() else 1)
+            gguf_blocks_max_tokens = integer_dot_max_tokens() if has_vnni() else 1
         else:
             gguf_blocks_max_tokens = GGUF_BLOCKS_MAX_TOKENS
     if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:

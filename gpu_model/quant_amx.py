@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 from cpu_attn.llvm_ir import _as_f32, c_array, host_has, prefetch_ir
 from gpu_model.quant import BLOCK, PREFETCH_BYTES
 from gpu_model.quant_vnni import (_BLOCK_BYTES, MX_KINDS, NO_NORM, ROWS, VnniWeight, _hadamard_blocks, _input_row,
-                                  _mx_table, _splat, _vload, matvec)
+                                  _mx_table, _splat, _vload, block_arrays, kind_codegen, matvec)
 
 TILE_ROWS = 16  # rows of x a tile holds
 CHUNK = 4  # blocks whose B tiles are decoded before the first of them is loaded
@@ -266,36 +266,19 @@ def _codegen(kind: str):
     return codegen
 
 
-def _codegen_mx_bytes(context, builder, signature, args):
-    """mxfp6 (qs [G, NB, 12, 32]) or mxfp4 (qs [G, NB, 8, 32]), chosen by qs's shape."""
-    qa = context.make_array(signature.args[3])(context, builder, args[3])
-    planes = cgutils.unpack_tuple(builder, qa.shape, 4)[2]
-    with builder.if_else(builder.icmp_signed("==", planes, _I64(12))) as (fp6, fp4):
-        with fp6:
-            _codegen("mxfp6")(context, builder, signature, args)
-        with fp4:
-            _codegen("mxfp4")(context, builder, signature, args)
-    return context.get_dummy_value()
-
-
 @intrinsic
 def _groups(typingctx, xb, xsum, scales, qs, first, end, out):
     """out[i, ROWS g : ROWS (g + 1)] for the up to TILE_ROWS rows of xb and groups first <= g < end (_codegen); the
-    weights' kind from the arrays' types as quant_vnni._rows. Where the CPU has no AMX it compiles to nothing
+    weights' kind from the arrays' types (quant_vnni.kind_codegen). Where the CPU has no AMX it compiles to nothing
     (callers check is_available)."""
-    u8 = c_array(qs, 4, types.uint8)
-    mx_scales = c_array(scales, 4, types.uint8)
-    checks = (c_array(xb, 2, types.uint16), c_array(xsum, 2, types.float32), mx_scales or c_array(scales, 4, types.float32),
-              u8 or c_array(qs, 4, types.int8), isinstance(first, types.Integer), isinstance(end, types.Integer),
-              c_array(out, 2, types.float32))
+    checks = (c_array(xb, 2, types.uint16), c_array(xsum, 2, types.float32), block_arrays(scales, qs),
+              isinstance(first, types.Integer), isinstance(end, types.Integer), c_array(out, 2, types.float32))
     if not all(checks):
         return None
     signature = types.none(xb, xsum, scales, qs, first, end, out)
     if not host_has("amx-tile", "amx-bf16", "avx512bf16"):
         return signature, lambda context, builder, signature, args: context.get_dummy_value()
-    if mx_scales:
-        return signature, _codegen_mx_bytes if u8 else _codegen("mxint8")
-    return signature, _codegen("q4_1" if u8 else "q8_0")
+    return signature, kind_codegen(_codegen, scales, qs, 3)
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -366,33 +366,44 @@ def _codegen(kind: str):
     return codegen
 
 
-def _codegen_mx_bytes(context, builder, signature, args):
-    """_codegen of mxfp6 (qs [G, NB, 12, 32]) or mxfp4 (qs [G, NB, 8, 32]), chosen by qs's shape."""
-    qa = context.make_array(signature.args[4])(context, builder, args[4])
-    planes = cgutils.unpack_tuple(builder, qa.shape, 4)[2]
-    with builder.if_else(builder.icmp_signed("==", planes, _I64(12))) as (fp6, fp4):
-        with fp6:
-            _codegen("mxfp6")(context, builder, signature, args)
-        with fp4:
-            _codegen("mxfp4")(context, builder, signature, args)
-    return context.get_dummy_value()
+def block_arrays(scales, qs) -> bool:
+    """Typing check of the block kernels' weights: scales float32 (GGUF) or uint8 (MX E8M0), qs uint8 or int8, each
+    [G, NB, planes, ROWS | 32] C-contiguous."""
+    return ((c_array(scales, 4, types.float32) or c_array(scales, 4, types.uint8))
+            and (c_array(qs, 4, types.uint8) or c_array(qs, 4, types.int8)))
+
+
+def kind_codegen(make, scales, qs, qs_arg: int):
+    """make(kind)'s codegen for the weights' kind told from the array types (block_arrays): float32 scales with
+    Q4_1 (qs uint8) or Q8_0 (int8); uint8 scales with mxint8 (qs int8), or mxfp4 / mxfp6 (qs uint8), told apart at
+    run time by the planes of qs (the intrinsic's argument qs_arg: 8 or 12)."""
+    u8 = c_array(qs, 4, types.uint8)
+    if not c_array(scales, 4, types.uint8):
+        return make("q4_1" if u8 else "q8_0")
+    if not u8:
+        return make("mxint8")
+
+    def mx_bytes(context, builder, signature, args):
+        qa = context.make_array(signature.args[qs_arg])(context, builder, args[qs_arg])
+        planes = cgutils.unpack_tuple(builder, qa.shape, 4)[2]
+        with builder.if_else(builder.icmp_signed("==", planes, _I64(12))) as (fp6, fp4):
+            with fp6:
+                make("mxfp6")(context, builder, signature, args)
+            with fp4:
+                make("mxfp4")(context, builder, signature, args)
+        return context.get_dummy_value()
+    return mx_bytes
 
 
 @intrinsic
 def _rows(typingctx, xq, dx, dsum, scales, qs, group, out):
     """out[i, ROWS group : ROWS (group + 1)] for the one to X_ROWS rows of xq (_codegen); the kind from the arrays'
-    types: float32 scales with Q4_1 weights (qs uint8) or Q8_0 (int8); uint8 scales with mxint8 (qs int8), or
-    mxfp4 / mxfp6 (qs uint8, told apart by its shape)."""
-    u8 = c_array(qs, 4, types.uint8)
-    mx_scales = c_array(scales, 4, types.uint8)
+    types (kind_codegen)."""
     checks = (c_array(xq, 2, types.int16), c_array(dx, 2, types.float32), c_array(dsum, 2, types.float32),
-              mx_scales or c_array(scales, 4, types.float32), u8 or c_array(qs, 4, types.int8),
-              isinstance(group, types.Integer), c_array(out, 2, types.float32))
+              block_arrays(scales, qs), isinstance(group, types.Integer), c_array(out, 2, types.float32))
     if not all(checks):
         return None
-    if mx_scales:
-        return types.none(xq, dx, dsum, scales, qs, group, out), _codegen_mx_bytes if u8 else _codegen("mxint8")
-    return types.none(xq, dx, dsum, scales, qs, group, out), _codegen("q4_1" if u8 else "q8_0")
+    return types.none(xq, dx, dsum, scales, qs, group, out), kind_codegen(_codegen, scales, qs, 4)
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -49,9 +49,11 @@ def offload_by_default(cfg: ServeConfig) -> bool:
     """Whether `cfg` gets partial offload without asking: gpu_kv_cache_bytes unset, the linears on a CUDA device and a
     configuration offload serves. GPU-only attention of the sequences the GPU holds is what a GPU host should get; the
     host takes only what does not fit (server/offload.py)."""
-    from server.hetero import pick_device
+    import torch
 
-    return cfg.gpu_kv_cache_bytes is None and cfg.offload_possible and pick_device(cfg.device) == "cuda"
+    # --device cuda without CUDA is refused by the backend (server.hetero.pick_device), which also logs the choice
+    return (cfg.gpu_kv_cache_bytes is None and cfg.device != "cpu" and cfg.offload_possible
+            and torch.cuda.is_available())
 
 
 def start_engine(cfg: ServeConfig):
