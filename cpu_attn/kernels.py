@@ -237,18 +237,22 @@ def paged_verify_attention(q, k_cache, v_cache, block_tables, seq_lens, row_firs
 
     q: [T, Hq, D] float32, sequence b's rows at row_first[b] .. row_first[b] + row_count[b] - 1, the first of
     position seq_lens[b] - 1 (it sees seq_lens[b] tokens, the next one more, ...); k_cache, v_cache, block_tables:
-    as paged_decode_attention's; out: [T, Hq, D], lse: [T, Hq] (written). Scratch, one slice per (sequence,
-    kv-head) item, R = the most rows of a sequence: qs, acc [U, R * group, D]; scores [U, R * group, block_size];
-    kb, vb [U, block_size, D]; m, l [U, R * group].
+    as paged_decode_attention's; out: [T, Hq, D], lse: [T, Hq] (written). Scratch, one slice per unit of work
+    U (verify_scratch), R = the most rows of a sequence: qs, acc [U, R * group, D]; scores [U, R * group,
+    block_size]; kb, vb [U, block_size, D]; m, l [U, R * group].
 
-    An item widens each block once for all its rows' query heads: the blocks every row sees whole are attended
-    by all R * group heads at once, the last ones row by row with each row's own width. Each row's arithmetic is
-    paged_decode_attention's for that row alone (one part)."""
+    A (sequence, kv-head) item widens each block once for all its rows' query heads: the blocks every row sees
+    whole are attended by all R * group heads at once, the last ones row by row with each row's own width. As
+    in paged_decode_attention, an item's context is cut into U / (B * Hkv) parts of consecutive blocks, one
+    unit of work each, joined after the loop (one sequence has only 3 items for the threads). Each row's
+    arithmetic is paged_decode_attention's for that row alone."""
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     head_dim = q.shape[2]
-    for unit in prange(seq_lens.shape[0] * num_kv_heads):
-        b, kvh = unit // num_kv_heads, unit % num_kv_heads
+    splits = acc.shape[0] // (seq_lens.shape[0] * num_kv_heads)
+    for unit in prange(acc.shape[0]):
+        item, part = unit // splits, unit % splits
+        b, kvh = item // num_kv_heads, item % num_kv_heads
         r0, rows = row_first[b], row_count[b]
         n = rows * group
         for r in range(rows):
@@ -258,10 +262,10 @@ def paged_verify_attention(q, k_cache, v_cache, block_tables, seq_lens, row_firs
         attend_begin(acc[unit, :n], m[unit, :n], l[unit, :n])
         first_len = seq_lens[b]
         last_len = first_len + rows - 1
-        num_blocks = (last_len + block_size - 1) // block_size
-        for j in range(num_blocks):
+        first, end = part_blocks(last_len, block_size, splits, part)
+        for j in range(first, end):
             block = block_tables[b, j]
-            if j + 1 < num_blocks:
+            if j + 1 < end:
                 prefetch_rows(k_cache, v_cache, block_tables[b, j + 1], kvh)
             widest = min(block_size, last_len - j * block_size)
             k = widen_block(k_cache[block, kvh], widest, kb[unit])
@@ -276,18 +280,29 @@ def paged_verify_attention(q, k_cache, v_cache, block_tables, seq_lens, row_firs
                     h0, h1 = r * group, (r + 1) * group
                     attend_block(qs[unit, h0:h1], k, v, width, scale, scores[unit, h0:h1], acc[unit, h0:h1],
                                  m[unit, h0:h1], l[unit, h0:h1])
-        for r in range(rows):
-            h0, h1 = r * group, (r + 1) * group
-            attend_merge(acc[unit:unit + 1, h0:h1], m[unit:unit + 1, h0:h1], l[unit:unit + 1, h0:h1],
-                         out[r0 + r, kvh * group:(kvh + 1) * group], lse[r0 + r, kvh * group:(kvh + 1) * group])
+        if splits == 1:
+            for r in range(rows):
+                h0, h1 = r * group, (r + 1) * group
+                attend_merge(acc[unit:unit + 1, h0:h1], m[unit:unit + 1, h0:h1], l[unit:unit + 1, h0:h1],
+                             out[r0 + r, kvh * group:(kvh + 1) * group], lse[r0 + r, kvh * group:(kvh + 1) * group])
+    if splits > 1:  # on the calling thread, as merge_parts
+        for item in range(seq_lens.shape[0] * num_kv_heads):
+            b, kvh = item // num_kv_heads, item % num_kv_heads
+            units = slice(item * splits, (item + 1) * splits)
+            for r in range(row_count[b]):
+                h0, h1 = r * group, (r + 1) * group
+                attend_merge(acc[units, h0:h1], m[units, h0:h1], l[units, h0:h1],
+                             out[row_first[b] + r, kvh * group:(kvh + 1) * group],
+                             lse[row_first[b] + r, kvh * group:(kvh + 1) * group])
 
 
-def verify_scratch(work: int, rows: int, group: int, block_size: int, head_dim: int) -> tuple:
-    """paged_verify_attention's scratch (qs, scores, kb, vb, m, l, acc) for `work` items of up to `rows` rows."""
-    f32, n = np.float32, rows * group
-    return (np.empty((work, n, head_dim), f32), np.empty((work, n, block_size), f32),
-            np.empty((work, block_size, head_dim), f32), np.empty((work, block_size, head_dim), f32),
-            np.empty((work, n), f32), np.empty((work, n), f32), np.empty((work, n, head_dim), f32))
+def verify_scratch(work: int, rows: int, group: int, block_size: int, head_dim: int, splits: int = 1) -> tuple:
+    """paged_verify_attention's scratch (qs, scores, kb, vb, m, l, acc) for `work` items of up to `rows` rows, each
+    cut into `splits` units (split_parts)."""
+    f32, n, units = np.float32, rows * group, work * splits
+    return (np.empty((units, n, head_dim), f32), np.empty((units, n, block_size), f32),
+            np.empty((units, block_size, head_dim), f32), np.empty((units, block_size, head_dim), f32),
+            np.empty((units, n), f32), np.empty((units, n), f32), np.empty((units, n, head_dim), f32))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -344,14 +359,14 @@ _UNITS_PER_THREAD = 4  # units of work split_parts aims at: enough for the threa
 _PART_BLOCKS = 32  # the fewest blocks split_parts gives a part (512 tokens at block_size 16)
 
 
-def split_parts(work: int, seq_lens: np.ndarray, block_size: int) -> int:
-    """Into how many parts to cut each of `work` (sequence, kv-head) items. Items alone are too
-    few at small batches: one sequence of SmolLM2 has 3 kv-heads, so two threads ran 2 + 1 of
-    them (and sixteen threads 3 of 16)."""
+def split_parts(work: int, seq_lens: np.ndarray, block_size: int, rows: int = 1) -> int:
+    """Into how many parts to cut each of `work` (sequence, kv-head) items of `rows` query rows each. Items
+    alone are too few at small batches: one sequence of SmolLM2 has 3 kv-heads, so two threads ran 2 + 1
+    of them (and sixteen threads 3 of 16). A part has at least _PART_BLOCKS / rows blocks."""
     want = -(-_UNITS_PER_THREAD * numba.get_num_threads() // max(work, 1))
     if want <= 1 or work == 0:  # items enough (the common case: no pass over seq_lens)
         return 1
-    return max(1, min(want, -(-int(seq_lens.max()) // block_size) // _PART_BLOCKS))
+    return max(1, min(want, -(-int(seq_lens.max()) // block_size) // max(1, _PART_BLOCKS // rows)))
 
 
 def attention_scratch(work: int, group: int, block_size: int, head_dim: int, splits: int = 1) -> AttentionScratch:

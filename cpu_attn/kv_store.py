@@ -112,8 +112,9 @@ class PagedKVStore:
         group = num_heads // self.num_kv_heads
         out = np.empty((num_rows, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_rows, num_heads), dtype=np.float32)
-        scratch = verify_scratch(len(seq_lens) * self.num_kv_heads, int(row_count.max()), group, self.block_size,
-                                 head_dim)
+        work = len(seq_lens) * self.num_kv_heads
+        splits = split_parts(work, seq_lens + row_count - 1, self.block_size, int(row_count.max()))
+        scratch = verify_scratch(work, int(row_count.max()), group, self.block_size, head_dim, splits)
         paged_verify_attention(np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables,
                                seq_lens, row_first, row_count, np.float32(scale), out, lse, *scratch)
         return out, lse

@@ -77,6 +77,10 @@ def start_engine(cfg: ServeConfig):
     return built.result()
 
 
+BATCH_WARM_UP = 5
+"""Requests the warm-up runs at once (decode steps of up to this many rows)."""
+
+
 def warm_up(engine, lsh=None) -> None:
     """Run one small request per KV shard so kernels are compiled (or loaded from Numba's cache) before
     /health is ok. With MagicPIG (`lsh`, an LshConfig) the prompt is long enough for its hash tables,
@@ -97,6 +101,14 @@ def warm_up(engine, lsh=None) -> None:
         engine.submit(EngineRequest(f"warmup-{i}", list(range(1 + i, tokens + 1 + i)), SamplingParams(temperature=0.0),
                                     4, on_event=lambda ev: ev.finish_reason and done.release()))
     if not all(done.acquire(timeout=300) for _ in range(shards)):
+        raise RuntimeError("warm-up requests did not finish in 300 s")
+    # short requests at once, ending one step apart: decode steps of 1 to BATCH_WARM_UP rows, so each multi-row
+    # linear kernel (integer dots for a few rows, AMX tiles from four) is compiled or loaded before a client's
+    # step meets it (a first call took ~20 ms from the cache, ~18 s to compile)
+    for i in range(BATCH_WARM_UP):
+        engine.submit(EngineRequest(f"warmup-batch-{i}", [3 + i] * 8, SamplingParams(temperature=0.0), 2 + i,
+                                    on_event=lambda ev: ev.finish_reason and done.release()))
+    if not all(done.acquire(timeout=300) for _ in range(BATCH_WARM_UP)):
         raise RuntimeError("warm-up requests did not finish in 300 s")
     if engine.scheduler.cfg.speculative.enabled:
         # a prompt that repeats itself, after the steps above measured the one-token step: its decode steps

@@ -14,8 +14,11 @@ The policy estimates, per sequence, the probability `a` that a draft token is ac
 drafts it sent, and for n-gram drafts also from the proposals it did not send, checked against the
 token sampled instead), and from the measured decode step times per number of tokens the cost of
 the extra rows; it sends the drafts that raise the expected tokens per second of the step, and none
-when nothing does. Per batch size it also compares the tokens per second that steps with drafts and
-without have lately given, and drafts only one step in 16 where drafting has not paid.
+when nothing does. A step size's cost is trusted from its third measurement on (the median of the
+latest); until then it is estimated from the trusted sizes, so that one slow step (a kernel loaded
+on first use, a busy neighbour) does not keep a size from ever being tried again. Per batch size it
+also compares the tokens per second that steps with drafts and without have lately given, and drafts
+only one step in 16 where drafting has not paid.
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ SPECULATIVE_METHODS = ("off", "ngram", "self-sparse", "self-mx", "self-mx-sparse
 DRAFT_WEIGHT_FORMAT = "mxfp4"
 """The weights of the self-mx methods' draft: an MXFP4 copy of the model's linears."""
 MAX_SPECULATIVE_TOKENS = 16
+TRUSTED_SAMPLES = 3
+"""Measurements of a step size before the policy takes their median as the size's cost."""
+STALL_FACTOR = 3.0
+"""A step slower than this many times its estimated cost is a stall, not a measure of drafting."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,7 @@ class SpecPolicy:
     samples: dict[int, deque[float]] = field(default_factory=dict)
     """The latest decode-only steps' seconds by their number of tokens."""
     step_s: dict[int, float] = field(default_factory=dict)
-    """The median of each size's samples."""
+    """The median of each size's samples, for the sizes measured at least TRUSTED_SAMPLES times."""
     seqs: dict[int, _Acceptance] = field(default_factory=dict)
     outcomes: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
     """(sequences, with drafts) -> decayed (tokens emitted, seconds) of decode-only steps: the check that the
@@ -142,8 +149,14 @@ class SpecPolicy:
         if proposed:
             self.seqs.setdefault(seq_id, _Acceptance()).observe(accepted, int(accepted < proposed))
 
-    def observe_outcome(self, num_seqs: int, drafted: bool, emitted: int, seconds: float, decay: float = 0.9) -> None:
-        """A decode-only step of num_seqs sequences, with drafts or without, emitted `emitted` tokens in `seconds`."""
+    def observe_outcome(self, num_seqs: int, num_tokens: int, emitted: int, seconds: float, decay: float = 0.9) -> None:
+        """A decode-only step of num_seqs sequences and num_tokens tokens (drafts included) emitted `emitted` tokens in
+        `seconds`. A stall (over STALL_FACTOR times the step's estimated cost: a kernel loaded on first use, a busy
+        neighbour) is left out: it says nothing of whether drafts pay, and one could hold drafting back for
+        hundreds of steps."""
+        if seconds > STALL_FACTOR * self.cost(num_tokens):
+            return
+        drafted = num_tokens > num_seqs
         tokens, secs = self.outcomes.get((num_seqs, drafted), (0.0, 0.0))
         self.outcomes[num_seqs, drafted] = (tokens * decay + emitted, secs * decay + seconds)
 
@@ -158,7 +171,8 @@ class SpecPolicy:
     def observe_step(self, num_tokens: int, seconds: float, keep: int = 9) -> None:
         kept = self.samples.setdefault(num_tokens, deque(maxlen=keep))
         kept.append(seconds)
-        self.step_s[num_tokens] = statistics.median(kept)
+        if len(kept) >= TRUSTED_SAMPLES:
+            self.step_s[num_tokens] = statistics.median(kept)
 
     def reset_costs(self) -> None:
         """Forget the step times measured (the warm-up's include compiling kernels)."""
