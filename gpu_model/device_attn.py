@@ -80,6 +80,15 @@ class DeviceAttentionWorker:
         self.busy_s += time.perf_counter() - t0
         return out.reshape(q.shape[0], -1)
 
+    def load(self, layer: int, block_table, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write a sequence's first len(k) positions of one layer: k, v [n, Hkv, D] (a sequence moved here from
+        the host's store)."""
+        bs = self.block_size
+        table = torch.tensor(block_table[: -(-k.shape[0] // bs)], dtype=torch.long)
+        slots = (table[:, None] * bs + torch.arange(bs)).flatten()[: k.shape[0]].to(self.k_cache.device)
+        self.k_cache[layer][:, slots] = k.transpose(0, 1).to(self.k_cache.device, self.k_cache.dtype)
+        self.v_cache[layer][:, slots] = v.transpose(0, 1).to(self.v_cache.device, self.v_cache.dtype)
+
     def free(self, seq_ids) -> None:
         """Nothing per sequence is kept beyond its blocks."""
 

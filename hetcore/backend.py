@@ -139,6 +139,19 @@ class StepInput:
     """Work of this step; decodes and prefill chunks mixed, at most the token budget in total."""
     freed_seq_ids: tuple[int, ...] = ()
     """Sequences finished or preempted since the last step: drop any per-sequence state."""
+    moves: tuple[KVMove, ...] = ()
+    """Sequences whose KV moves to other blocks before this step runs; only where kv_spec.promote_to is set."""
+
+
+@dataclass(frozen=True)
+class KVMove:
+    """A sequence's first num_tokens positions, KV written, copied from the blocks of src_table to those of
+    dst_table (another shard's); its chunks of this step already name dst_table."""
+
+    seq_id: int
+    src_table: tuple[int, ...]
+    dst_table: tuple[int, ...]
+    num_tokens: int
 
 
 TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
@@ -211,6 +224,9 @@ class KVSpec:
     first_fit: bool = False
     """A new sequence goes to the first shard, in id order, with room for the blocks it first asks for (the
     accelerator's KV pool before the host's), not to the one with the most room."""
+    promote_to: int | None = None
+    """A shard that decoding sequences of the others move to (StepInput.moves) once it has room for them and no
+    sequence waits: partial offload's accelerator pool. None: a sequence keeps its shard."""
     kv_layout: KVLayout | None = None
     """Layered KV sparsity's layer groups: a block id holds one group's rows, each group past the first has
     its own table (None: a block id holds every layer's rows)."""

@@ -233,7 +233,16 @@ class BlockManager:
         shard = self._shard_of.pop(seq_id, None)
         if shard is None:
             return
-        table = self._tables.pop(seq_id, ())
+        self._release(shard, self._tables.pop(seq_id, ()))
+        self._free[shard].extend(self._reserved.pop(seq_id, ()))
+        self._free[shard].extend(self._own.pop(seq_id, ()))
+        for group in self._groups.pop(seq_id, ()):
+            self._free[shard].extend(group)
+        self._rows.pop(seq_id, None)
+        self._num_tokens.pop(seq_id, None)
+
+    def _release(self, shard: int, table) -> None:
+        """A table gives up its blocks: those no other table holds go free, or stay cached (idle) if registered."""
         for block in table:
             self._refs[block] -= 1
         released = [b for b in table if not self._refs[b]]
@@ -242,12 +251,27 @@ class BlockManager:
         self._free[shard].extend(b for b in released if b not in self._key_of)
         # cached ones last block first: a prefix's end is evicted before its start, which every later block needs
         self._idle[shard].update((b, None) for b in reversed(released) if b in self._key_of)
-        self._free[shard].extend(self._reserved.pop(seq_id, ()))
-        self._free[shard].extend(self._own.pop(seq_id, ()))
-        for group in self._groups.pop(seq_id, ()):
-            self._free[shard].extend(group)
-        self._rows.pop(seq_id, None)
-        self._num_tokens.pop(seq_id, None)
+
+    def can_move(self, seq_id: int, shard: int, spare: int = 0) -> bool:
+        """Whether `seq_id` could move to `shard` (move) and leave `spare` blocks there: it holds a table in another
+        live shard and nothing beside it (no reserve, own or group blocks)."""
+        src = self._shard_of.get(seq_id)
+        return (src is not None and src != shard and shard in self.live and seq_id in self._tables
+                and seq_id not in self._reserved and seq_id not in self._own and self._layout is None
+                and self._room(shard) >= len(self._tables[seq_id]) + spare)
+
+    def move(self, seq_id: int, shard: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Give `seq_id` (can_move) as many blocks in `shard` as its table holds, in place of that table, which is
+        released as free() releases it (registered blocks stay cached in their shard; the new ones are not
+        registered, later blocks are as usual); returns (old table, new table)."""
+        assert self.can_move(seq_id, shard), "move needs can_move"
+        old = self._tables[seq_id]
+        new = [self._take(shard) for _ in old]
+        for block in new:
+            self._refs[block] = 1
+        self._release(self._shard_of[seq_id], old)
+        self._tables[seq_id], self._shard_of[seq_id] = new, shard
+        return tuple(old), tuple(new)
 
     # ---- prefix caching
     def share_prefix(self, seq_id: int, keys: list[bytes]) -> int:

@@ -132,6 +132,8 @@ class EngineCollector(Collector):
         yield groups
         yield CounterMetricFamily(p + "num_preemptions", "Sequences preempted for KV space (recomputed later).",
                                   engine.scheduler.num_preemptions)
+        yield CounterMetricFamily(p + "num_kv_moves", "Sequences whose KV moved from the host's pool to the "
+                                  "accelerator's (partial offload).", engine.scheduler.num_moves)
         yield CounterMetricFamily(p + "prefix_cache_queries", "Tokens of admitted sequences looked up in the "
                                   "prefix cache.", blocks.queried_tokens)
         yield CounterMetricFamily(p + "prefix_cache_hits", "Of those, tokens whose KV was found there (not "

@@ -15,8 +15,13 @@ batch's linears and attention on the accelerator.
 Offload pays only while the host's attention hides behind the accelerator's work. The backend keeps
 the recent steps' host attention time and the accelerator's time of the same steps; while the host
 side took longer (OffloadGuard), the host shard takes no new sequences (Backend.open_shards), so what
-the accelerator cannot hold waits, as it would with the accelerator alone. Sequences already there
-finish where they are.
+the accelerator cannot hold waits, as it would with the accelerator alone.
+
+When the accelerator's pool has room again (its sequences ended) and no request waits, the scheduler moves
+a host-placed decoding sequence there, the one with the most KV that fits (KVSpec.promote_to, one a step):
+its KV is copied from the host store into new blocks of the pool before the step, which already attends
+it there. So the accelerator's pool stays full while there is work for it, as GPU-only serving keeps it.
+Only with exact host attention: MagicPIG's per-sequence tables stay where they were built.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import torch
 
 from cpu_attn.worker import ChunkLayout
 from gpu_model.device_attn import DeviceAttentionWorker
-from hetcore.backend import KVCapacityError, SeqChunk, StepInput, StepOutput, StepTimings
+from hetcore.backend import KVCapacityError, KVMove, SeqChunk, StepInput, StepOutput, StepTimings
 from server.backend_config import BackendConfig
 from server.hetero import HeteroBackend, flatten, sample_batches
 
@@ -95,7 +100,7 @@ class OffloadBackend(HeteroBackend):
                                                  num_device, dev, dtype)
         host = self.kv_spec
         self.kv_spec = replace(host, num_blocks=num_device + host.num_blocks, shards=(num_device, host.num_blocks),
-                               first_fit=True)
+                               first_fit=True, promote_to=DEVICE if self.attn_worker.sparse is None else None)
         self.guard = OffloadGuard()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetserve-host-attn")
         log.info("partial offload: %d blocks of %d tokens on %s (%.1f MiB of %s KV) before the host's %d",
@@ -108,10 +113,21 @@ class OffloadBackend(HeteroBackend):
         """The host store's own block ids (the shard starts at num_device_blocks)."""
         return replace(c, block_table=tuple(b - self.num_device_blocks for b in c.block_table))
 
+    def _move(self, move: KVMove) -> None:
+        """A host-placed sequence's KV (as the host store holds it: Oaken's dequantized) copied into its new blocks
+        in the accelerator's pool; the host worker forgets the sequence."""
+        table = [b - self.num_device_blocks for b in move.src_table]
+        for layer in range(self.model_cfg.num_layers):
+            k, v = self.attn_worker.store.gather(layer, table, move.num_tokens)
+            self.device_attn.load(layer, move.dst_table, torch.from_numpy(k), torch.from_numpy(v))
+        self.attn_worker.free([move.seq_id])
+
     def step(self, inp: StepInput) -> StepOutput:
         t0 = time.perf_counter()
         self.model_worker.free(inp.freed_seq_ids)
         self.attn_worker.free(inp.freed_seq_ids)
+        for move in inp.moves:
+            self._move(move)
         on_device = [c.block_table[0] < self.num_device_blocks for c in inp.chunks]
         parts: list[tuple[bool, tuple[SeqChunk, ...]]] = [
             (where, tuple(c for c, d in zip(inp.chunks, on_device) if d == where)) for where in (True, False)]

@@ -23,7 +23,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
-from hetcore.backend import SamplingParams, SeqChunk, StepInput, StepOutput
+from hetcore.backend import KVMove, SamplingParams, SeqChunk, StepInput, StepOutput
 from server.block_manager import BlockManager
 from server.speculative import NgramDrafter, SpecConfig, SpecPolicy
 
@@ -102,6 +102,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_moves = 0
+        """Sequences moved to the KVSpec.promote_to shard (StepInput.moves)."""
         self._freed: list[int] = []
         self._scheduled: list[tuple[Sequence, int, tuple[int, ...]]] = []
         """(sequence, tokens of its own scheduled, draft tokens after them) of the step in flight."""
@@ -175,6 +177,22 @@ class Scheduler:
             self._preempt(self.running[-1])
         self._scheduled = []
 
+    def _promote(self) -> tuple[KVMove, ...]:
+        """With a shard that sequences move to once it has room (KVSpec.promote_to: partial offload's accelerator
+        pool) and no sequence waiting for room: move there the decoding sequence of another shard with the most
+        KV that fits with a block to spare for each sequence already there. One a step: the copy is part of it."""
+        target = self.blocks.spec.promote_to
+        if target is None or self.waiting:
+            return ()
+        there = sum(self.blocks.shard_of(s.seq_id) == target for s in self.running)
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        for seq in sorted(decoding, key=lambda s: -s.num_computed):
+            if self.blocks.can_move(seq.seq_id, target, spare=there + 1):
+                src, dst = self.blocks.move(seq.seq_id, target)
+                self.num_moves += 1
+                return (KVMove(seq.seq_id, src, dst, seq.num_computed),)
+        return ()
+
     def _drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
         """seq_id -> the draft tokens it sends this step, for the running sequences in decode that the
         policy lets speculate within `budget` tokens and that have room for them without a preemption. With a
@@ -246,6 +264,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         chunks: list[SeqChunk] = []
         self._scheduled = []
+        moves = self._promote()
         drafts = self._drafts(budget)
         is_preempted = False
         i = 0
@@ -299,7 +318,7 @@ class Scheduler:
             chunks.append(self._chunk(seq, n))
             budget -= n
         freed, self._freed = tuple(self._freed), []
-        return StepInput(chunks=tuple(chunks), freed_seq_ids=freed)
+        return StepInput(chunks=tuple(chunks), freed_seq_ids=freed, moves=moves)
 
     def update(self, out: StepOutput) -> list[tuple[Sequence, int]]:
         """Apply a step's results; returns (sequence, new token) for every new token, a sequence's in order

@@ -16,7 +16,7 @@ from server.metrics import ServingMetrics
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|\+Inf|NaN)$')
 NAMES = ["hetserve:num_requests_running", "hetserve:num_requests_waiting", "hetserve:kv_cache_usage_perc",
-         "hetserve:num_preemptions_total", "hetserve:time_to_first_token_seconds",
+         "hetserve:num_preemptions_total", "hetserve:num_kv_moves_total", "hetserve:time_to_first_token_seconds",
          "hetserve:time_per_output_token_seconds", "hetserve:e2e_request_latency_seconds",
          "hetserve:request_queue_time_seconds", "hetserve:step_time_seconds", "hetserve:prompt_tokens_total",
          "hetserve:generation_tokens_total", "hetserve:request_success_total", "hetserve:requests_rejected_total"]

@@ -83,6 +83,49 @@ def test_first_fit_places_a_prompt_by_its_whole_length():
     assert blocks.shard_of(2) == 0
 
 
+def test_a_sequence_moves_to_the_accelerators_pool_once_it_has_room():
+    """move: a host-placed table becomes as many blocks of the accelerator's pool; the host blocks go free, or stay
+    cached (idle) where registered, and the next allocation grows the new table."""
+    spec = KVSpec(block_size=4, num_blocks=12, bytes_per_block=1, shards=(4, 8), first_fit=True, promote_to=0)
+    blocks = BlockManager(spec)
+    blocks.allocate(1, 12)  # 3 blocks on the accelerator's pool
+    old = blocks.allocate(2, 8)  # 2 blocks: only 1 left there, so on the host's
+    blocks.register(2, [b"k0"])
+    blocks.commit()
+    assert blocks.shard_of(2) == 1 and not blocks.can_move(2, 0)
+    blocks.free(1)
+    assert blocks.can_move(2, 0, spare=2) and not blocks.can_move(2, 0, spare=3)
+    src, dst = blocks.move(2, 0)
+    assert src == old and blocks.shard_of(2) == 0 and all(b < 4 for b in dst) and blocks.table(2) == dst
+    assert len(blocks._free[1]) == 7 and list(blocks._idle[1]) == [old[0]]  # the registered block stays cached
+    assert blocks.allocate(2, 12)[:2] == dst and blocks.shard_of(2) == 0
+    blocks.free(2)
+    assert blocks.num_free_blocks == 12
+
+
+def test_scheduler_moves_a_decoding_host_sequence_when_no_request_waits():
+    from server.scheduler import SchedulerConfig, Scheduler, Sequence
+    from hetcore.backend import SamplingParams, StepOutput
+
+    spec = KVSpec(block_size=4, num_blocks=12, bytes_per_block=1, shards=(4, 8), first_fit=True, promote_to=0)
+    s = Scheduler(SchedulerConfig(8, 64, False), BlockManager(spec))
+    greedy = SamplingParams(temperature=0.0)
+    short, long = Sequence(0, list(range(10)), greedy), Sequence(1, list(range(20, 30)), greedy)
+    for seq in (short, long):
+        s.add(seq)
+    s.schedule()  # both prompts: 3 blocks each, the first on the accelerator's pool, the second on the host's
+    assert s.blocks.shard_of(0) == 0 and s.blocks.shard_of(1) == 1
+    s.update(StepOutput(sampled={0: 1, 1: 1}))
+    assert not s.schedule().moves  # no room there yet
+    s.update(StepOutput(sampled={0: 1, 1: 1}))
+    s.finish(short)
+    inp = s.schedule()
+    (move,) = inp.moves
+    assert move.seq_id == 1 and move.num_tokens == 11 and len(move.src_table) == 3 and all(b >= 4 for b in move.src_table)
+    (chunk,) = inp.chunks
+    assert chunk.block_table == move.dst_table and all(b < 4 for b in move.dst_table) and s.num_moves == 1
+
+
 def test_guard_closes_the_host_shard_while_its_attention_outlasts_the_accelerator():
     guard = OffloadGuard(window=4, reopen=0.8)
     for _ in range(4):
@@ -115,6 +158,31 @@ def test_offload_server_gives_the_host_only_greedy_text(server):
         step = offload.engine.metrics.step
         seconds = {s.labels["part"]: s.value for m in step.collect() for s in m.samples if s.name.endswith("_sum")}
         assert seconds["gpu_attn"] > 0 and seconds["cpu_attn"] > 0  # both pools attended
+    finally:
+        offload.close()
+
+
+def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server):
+    """Requests of different lengths at once with room for about two on the accelerator's pool: as the ones there end,
+    host-placed ones move there (their KV copied) and finish there, with the all-host server's greedy text."""
+    import httpx
+
+    def text(url, i):
+        body = {"prompt": f"Request {i}. Tell me about the number {i * 37}.", "max_tokens": 8 + 6 * i,
+                "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    reference = [text(server.url, i) for i in range(6)]
+    offload = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
+                                        gpu_kv_cache_bytes=10 * BYTES_PER_BLOCK_FP32))
+    try:
+        assert offload.engine.blocks.spec.promote_to == 0
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(lambda i: text(offload.url, i), range(6))) == reference
+        assert offload.engine.scheduler.num_moves >= 1
+        assert offload.engine.blocks.used_bytes == 0
     finally:
         offload.close()
 
