@@ -111,9 +111,12 @@ def warm_up(engine, lsh=None) -> None:
     if not all(done.acquire(timeout=300) for _ in range(BATCH_WARM_UP)):
         raise RuntimeError("warm-up requests did not finish in 300 s")
     if engine.scheduler.cfg.speculative.enabled:
-        # a prompt that repeats itself, after the steps above measured the one-token step: its decode steps
-        # send drafts, so the verification kernel is compiled (or loaded) now, not in a client's request
-        engine.submit(EngineRequest("warmup-spec", [7, 8, 9, 10] * 8, SamplingParams(temperature=0.0), 12,
+        # text that repeats itself (a model continues the pattern, so n-grams find drafts), drafts priced as free:
+        # its decode steps send drafts, so the verification kernel is compiled (or loaded: ~18 ms) now, not in a
+        # client's request
+        engine.scheduler.policy.assume_free_drafts()
+        engine.submit(EngineRequest("warmup-spec", engine.tokenizer.encode("one two three four, " * 8),
+                                    SamplingParams(temperature=0.0), 12, ignore_eos=True,
                                     on_event=lambda ev: ev.finish_reason and done.release()))
         if not done.acquire(timeout=300):
             raise RuntimeError("the speculative decoding warm-up request did not finish in 300 s")

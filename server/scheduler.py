@@ -343,8 +343,8 @@ class Scheduler:
             elif seq.seq_id in self._unsent:
                 self.policy.observe_drafts(seq.seq_id, 1, int(self._unsent[seq.seq_id] == token))
         if out.timings is not None and self._scheduled and all(n == 1 for _, n, _ in self._scheduled):
-            self.policy.observe_step(sum(1 + len(d) for _, _, d in self._scheduled), out.timings.step_s)
-            self.policy.observe_outcome(len(self._scheduled), sum(1 + len(d) for _, _, d in self._scheduled),
-                                        len(new_tokens), out.timings.step_s)
+            num_tokens = sum(1 + len(d) for _, _, d in self._scheduled)
+            self.policy.observe_outcome(len(self._scheduled), num_tokens, len(new_tokens), out.timings.step_s)
+            self.policy.observe_step(num_tokens, out.timings.step_s)
         self._scheduled = []
         return new_tokens

@@ -14,11 +14,11 @@ The policy estimates, per sequence, the probability `a` that a draft token is ac
 drafts it sent, and for n-gram drafts also from the proposals it did not send, checked against the
 token sampled instead), and from the measured decode step times per number of tokens the cost of
 the extra rows; it sends the drafts that raise the expected tokens per second of the step, and none
-when nothing does. A step size's cost is trusted from its third measurement on (the median of the
-latest); until then it is estimated from the trusted sizes, so that one slow step (a kernel loaded
-on first use, a busy neighbour) does not keep a size from ever being tried again. Per batch size it
-also compares the tokens per second that steps with drafts and without have lately given, and drafts
-only one step in 16 where drafting has not paid.
+when nothing does. A step size's cost is the median of its latest steps, but a first step over three
+times what the other sizes estimate for it is a stall (a kernel loaded on first use, a busy
+neighbour) and counts only from the size's third step on, so that one slow step does not keep a
+size from ever being tried again. Per batch size it also compares the tokens per second that steps
+with drafts and without have lately given, and drafts only one step in 16 where drafting has not paid.
 """
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ DRAFT_WEIGHT_FORMAT = "mxfp4"
 """The weights of the self-mx methods' draft: an MXFP4 copy of the model's linears."""
 MAX_SPECULATIVE_TOKENS = 16
 TRUSTED_SAMPLES = 3
-"""Measurements of a step size before the policy takes their median as the size's cost."""
+"""Measurements of a step size after which their median is its cost even where the first looked like a stall."""
 STALL_FACTOR = 3.0
-"""A step slower than this many times its estimated cost is a stall, not a measure of drafting."""
+"""A step slower than this many times its estimated cost is a stall (a kernel loaded on first use, a busy
+neighbour): not yet a size's cost, nor a measure of whether drafts pay."""
 
 
 @dataclass(frozen=True)
@@ -129,14 +130,18 @@ class SpecPolicy:
     samples: dict[int, deque[float]] = field(default_factory=dict)
     """The latest decode-only steps' seconds by their number of tokens."""
     step_s: dict[int, float] = field(default_factory=dict)
-    """The median of each size's samples, for the sizes measured at least TRUSTED_SAMPLES times."""
+    """The median of each size's samples (observe_step says which sizes have one)."""
     seqs: dict[int, _Acceptance] = field(default_factory=dict)
-    outcomes: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)
-    """(sequences, with drafts) -> decayed (tokens emitted, seconds) of decode-only steps: the check that the
-    cost model's choices pay in the end."""
+    outcomes: dict[tuple[int, bool], tuple[float, float, int]] = field(default_factory=dict)
+    """(sequences, with drafts) -> decayed (tokens emitted, seconds) of decode-only steps, and how many steps: the
+    check that the cost model's choices pay in the end."""
+    min_outcomes: int = 8
+    """Drafted steps of a batch size seen before the check may stop drafting at that size."""
     explore_every: int = 16
     """While drafting has not paid at a batch size, one step in this many may draft anyway (text changes)."""
     _blocked_steps: dict[int, int] = field(default_factory=dict)
+    free_drafts: bool = False
+    """Every step size costs the same (assume_free_drafts)."""
     unmeasured_row_cost: float = 0.05
     """Extra cost of a row of a step size not measured yet, relative to the nearest smaller one measured: low,
     so that an unmeasured size is tried and measured."""
@@ -151,31 +156,41 @@ class SpecPolicy:
 
     def observe_outcome(self, num_seqs: int, num_tokens: int, emitted: int, seconds: float, decay: float = 0.9) -> None:
         """A decode-only step of num_seqs sequences and num_tokens tokens (drafts included) emitted `emitted` tokens in
-        `seconds`. A stall (over STALL_FACTOR times the step's estimated cost: a kernel loaded on first use, a busy
-        neighbour) is left out: it says nothing of whether drafts pay, and one could hold drafting back for
-        hundreds of steps."""
+        `seconds` (before observe_step has seen it). A stall (over STALL_FACTOR times the step's estimated cost: a
+        kernel loaded on first use, a busy neighbour) is left out: it says nothing of whether drafts pay, and one
+        could hold drafting back for hundreds of steps."""
         if seconds > STALL_FACTOR * self.cost(num_tokens):
             return
         drafted = num_tokens > num_seqs
-        tokens, secs = self.outcomes.get((num_seqs, drafted), (0.0, 0.0))
-        self.outcomes[num_seqs, drafted] = (tokens * decay + emitted, secs * decay + seconds)
+        tokens, secs, count = self.outcomes.get((num_seqs, drafted), (0.0, 0.0, 0))
+        self.outcomes[num_seqs, drafted] = (tokens * decay + emitted, secs * decay + seconds, count + 1)
 
     def drafting_pays(self, num_seqs: int) -> bool:
         """Steps of num_seqs sequences emitted at least as many tokens a second with drafts as without, lately (or
-        one of the two has not been seen yet)."""
+        fewer than min_outcomes drafted steps, or no step without drafts, have been seen)."""
         with_, without = self.outcomes.get((num_seqs, True)), self.outcomes.get((num_seqs, False))
-        if not with_ or not without:
+        if not with_ or not without or with_[2] < self.min_outcomes:
             return True
         return with_[0] / with_[1] >= without[0] / without[1]
 
     def observe_step(self, num_tokens: int, seconds: float, keep: int = 9) -> None:
+        """A decode-only step of num_tokens tokens took `seconds`. The size's cost becomes the median of its latest
+        steps, except while that is a stall (over STALL_FACTOR times what the other sizes' costs estimate for it)
+        measured fewer than TRUSTED_SAMPLES times."""
         kept = self.samples.setdefault(num_tokens, deque(maxlen=keep))
         kept.append(seconds)
-        if len(kept) >= TRUSTED_SAMPLES:
-            self.step_s[num_tokens] = statistics.median(kept)
+        median = statistics.median(kept)
+        if len(kept) >= TRUSTED_SAMPLES or num_tokens in self.step_s or median <= STALL_FACTOR * self.cost(num_tokens):
+            self.step_s[num_tokens] = median
+
+    def assume_free_drafts(self) -> None:
+        """Price every step size the same until reset_costs, so that plan sends all the drafts it can (the warm-up:
+        its drafted steps compile or load the verification kernels before a client's step does)."""
+        self.free_drafts = True
 
     def reset_costs(self) -> None:
         """Forget the step times measured (the warm-up's include compiling kernels)."""
+        self.free_drafts = False
         self.samples.clear()
         self.step_s.clear()
         self.outcomes.clear()
@@ -186,9 +201,13 @@ class SpecPolicy:
     def cost(self, num_tokens: int) -> float:
         """Seconds of a decode-only step of `num_tokens` tokens: measured, else interpolated between the
         nearest measured sizes, else the nearest smaller one's plus unmeasured_row_cost a row (plan measures
-        the draft-free size first, so a smaller one is there)."""
+        the draft-free size first, so a smaller one is there); at most what any larger size measured (fewer
+        tokens never cost more, so one slow step does not price a size above its neighbours for long)."""
+        if self.free_drafts:
+            return 1.0
+        larger = min((s for n, s in self.step_s.items() if n > num_tokens), default=float("inf"))
         if num_tokens in self.step_s:
-            return self.step_s[num_tokens]
+            return min(self.step_s[num_tokens], larger)
         below = max((n for n in self.step_s if n < num_tokens), default=None)
         above = min((n for n in self.step_s if n > num_tokens), default=None)
         if below is None:
@@ -196,7 +215,7 @@ class SpecPolicy:
         if above is None:
             return self.step_s[below] * (1 + self.unmeasured_row_cost * (num_tokens - below))
         w = (num_tokens - below) / (above - below)
-        return self.step_s[below] * (1 - w) + self.step_s[above] * w
+        return min(self.step_s[below] * (1 - w) + self.step_s[above] * w, larger)
 
     def plan(self, base_tokens: int, base_outputs: int, candidates: list[tuple[float, int]], budget: int) -> list[int]:
         """candidates: (acceptance rate, drafts available) per sequence that could speculate; base_tokens and

@@ -56,7 +56,7 @@ def test_ngram_drafts_copy_a_quoted_passage():
 
 
 def measure(policy: SpecPolicy, seconds: dict[int, float]) -> None:
-    """Step times per number of tokens, each observed often enough to be trusted."""
+    """Step times per number of tokens, each observed often enough to be its cost whatever the estimate."""
     for _ in range(TRUSTED_SAMPLES):
         for n, secs in seconds.items():
             policy.observe_step(n, secs)
@@ -354,7 +354,8 @@ def test_policy_stops_drafting_where_drafted_steps_emitted_less_and_explores():
     policy = SpecPolicy(max_tokens=4)
     measure(policy, {1: 0.020, 2: 0.021, 3: 0.022, 4: 0.023, 5: 0.024})
     assert policy.plan(1, 1, [(0.9, 8)], 64) == [4]
-    for _ in range(5):  # what the drafted steps really gave: 1.2 tokens in 40 ms, against 1 in 20
+    for _ in range(policy.min_outcomes):  # what the drafted steps really gave: 1.2 tokens in 40 ms, against 1 in 20
+        assert policy.drafting_pays(1)  # until enough drafted steps were seen
         policy.observe_outcome(1, 5, 1.2, 0.040)
         policy.observe_outcome(1, 1, 1, 0.020)
     assert not policy.drafting_pays(1)
@@ -381,6 +382,10 @@ def test_policy_outlives_one_slow_step():
         policy.observe_outcome(1, 5, 4, 0.015)
     assert policy.cost(5) == 0.015 and policy.drafting_pays(1)
     assert policy.plan(1, 1, [(0.9, 8)], 64) == [4]
+    policy.observe_step(9, 0.025)  # a plausible first measurement is the size's cost at once
+    assert policy.cost(9) == 0.025
+    policy.observe_step(3, 0.020)  # fewer tokens never cost more than more tokens measured
+    assert policy.cost(3) == 0.015
 
 
 def binned(tokens, top: list[int]) -> np.ndarray:
