@@ -12,7 +12,8 @@ below `num_blocks`. Each layer writes the step's k, v to their slots, then atten
 over its context: a view of the cache where its blocks are consecutive (no copy), else its rows gathered
 (one copy of that sequence's KV, never the batch's at once); a decode row alone, a prompt chunk causal from
 its offset. Exact attention; no draft rows (speculative decoding and the sparse KV policies stay on the CPU
-workers).
+workers). With an fp8 store (`--gpu-kv-dtype fp8`) values are kept as float8 e4m3 (1 byte) and widened to the
+queries' dtype for each sequence's attention.
 """
 from __future__ import annotations
 
@@ -25,9 +26,32 @@ import torch.nn.functional as F
 from cpu_attn.worker import ChunkLayout
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+"""An fp8 store's values are clamped to +-448 (e4m3's largest) and rounded, with no scale (vLLM's default)."""
+
+
+def _write(cache: torch.Tensor, slots, x: torch.Tensor) -> None:
+    """cache [Hkv, slots, D] at `slots` = x [T, Hkv, D]; an fp8 cache through its bytes (index_put on a uint8 view,
+    which every device has)."""
+    x = x.transpose(0, 1)
+    if cache.dtype == FP8:
+        cache.view(torch.uint8)[:, slots] = x.to(cache.device).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    else:
+        cache[:, slots] = x.to(cache.device, cache.dtype)
+
+
+def _read(cache: torch.Tensor, ctx, dtype: torch.dtype) -> torch.Tensor:
+    """cache [Hkv, slots, D] at `ctx` (a slice: a view, no copy), an fp8 cache's widened to `dtype`."""
+    if cache.dtype == FP8:
+        return cache.view(torch.uint8)[:, ctx].view(FP8).to(dtype)
+    return cache[:, ctx]
+
+
 class DeviceAttentionWorker:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  device: torch.device | str, dtype: torch.dtype):
+        """dtype: the store's values (the model's, or FP8: attended in the queries' dtype)."""
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
@@ -65,11 +89,12 @@ class DeviceAttentionWorker:
         t0 = time.perf_counter()
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [Hkv, slots, D]
         if self._slots is not None:
-            kc[:, self._slots] = k.transpose(0, 1).to(kc.dtype)
-            vc[:, self._slots] = v.transpose(0, 1).to(vc.dtype)
+            _write(kc, self._slots, k)
+            _write(vc, self._slots, v)
         out = torch.empty_like(q)
         for first, n, start, ctx in self._seqs:
-            kx, vx = kc[:, ctx][None], vc[:, ctx][None]  # [1, Hkv, start + n, D]: a view where ctx is a slice
+            # [1, Hkv, start + n, D]: a view where ctx is a slice (fp8: widened to q's dtype)
+            kx, vx = _read(kc, ctx, q.dtype)[None], _read(vc, ctx, q.dtype)[None]
             qx = q[first:first + n].to(kx.dtype).transpose(0, 1)[None]  # [1, Hq, n, D]
             mask = None
             if n > 1:  # position start + i sees keys 0 .. start + i
@@ -86,8 +111,8 @@ class DeviceAttentionWorker:
         bs = self.block_size
         table = torch.tensor(block_table[: -(-k.shape[0] // bs)], dtype=torch.long)
         slots = (table[:, None] * bs + torch.arange(bs)).flatten()[: k.shape[0]].to(self.k_cache.device)
-        self.k_cache[layer][:, slots] = k.transpose(0, 1).to(self.k_cache.device, self.k_cache.dtype)
-        self.v_cache[layer][:, slots] = v.transpose(0, 1).to(self.v_cache.device, self.v_cache.dtype)
+        _write(self.k_cache[layer], slots, k)
+        _write(self.v_cache[layer], slots, v)
 
     def free(self, seq_ids) -> None:
         """Nothing per sequence is kept beyond its blocks."""

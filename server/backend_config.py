@@ -56,6 +56,8 @@ class BackendConfig:
     gpu_kv_cache_bytes: int | None = None
     """Partial offload (server/offload.OffloadBackend): a KV pool of this many bytes on the model's device, filled
     first; None there: what a CUDA device has free after the model (offload.device_kv_budget)."""
+    gpu_kv_dtype: str = "auto"
+    """Partial offload: the accelerator pool's values, auto (the model's dtype) or fp8 (float8 e4m3)."""
 
     def __post_init__(self) -> None:
         if self.kv_capacity_bytes <= 0 or self.block_size <= 0 or self.max_num_seqs <= 0:
@@ -85,7 +87,7 @@ class BackendConfig:
                    oaken_sparse_fraction=cfg.oaken_sparse_fraction, oaken_recent_blocks=recent,
                    lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs, kv_policy=cfg.kv_policy_config(),
                    draft_weight_format=cfg.speculative_config().draft_weight_format,
-                   gpu_kv_cache_bytes=cfg.gpu_kv_cache_bytes or None)
+                   gpu_kv_cache_bytes=cfg.gpu_kv_cache_bytes or None, gpu_kv_dtype=cfg.gpu_kv_dtype)
 
 
 @dataclass(frozen=True)

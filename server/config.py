@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+GPU_KV_DTYPES = ("auto", "fp8")
 KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "int5", "int6", "kivi")  # the same tuple as cpu_attn.kv_store's, without numba
 SPARSE_FRACTION = 0.125  # cpu_attn.calibrate.SPARSE_FRACTION, without numba
 
@@ -141,6 +142,9 @@ class ServeConfig:
                                           "on a CUDA device, what it has free after the weights less a tenth of its "
                                           "memory, where executor local, backend hetero, speculative_method off and "
                                           "kv_policy full; otherwise none)", parse=parse_bytes)
+    gpu_kv_dtype: str = _opt("auto", "partial offload: the accelerator's KV values: auto (the model's dtype, bfloat16 "
+                                     "on CUDA) or fp8 (float8 e4m3, scale 1 as vLLM's default: half the bytes, so "
+                                     "twice the sequences fit; each value rounded to 3 mantissa bits)")
     kv_cache_fraction: float = _opt(0.25, "KV cache capacity (MagicPIG's tables included) as a fraction of total RAM")
     block_size: int = _opt(16, "tokens per KV block")
     max_num_seqs: int = _opt(64, "most requests in the running batch")
@@ -223,6 +227,8 @@ class ServeConfig:
             (0 < self.kv_cache_fraction < 1, "kv_cache_fraction must be in (0, 1)"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"),
             (self.gpu_kv_cache_bytes is None or self.gpu_kv_cache_bytes >= 0, "gpu_kv_cache_bytes must be >= 0"),
+            (self.gpu_kv_dtype in GPU_KV_DTYPES, f"gpu_kv_dtype must be one of {', '.join(GPU_KV_DTYPES)}, not "
+                                                 f"{self.gpu_kv_dtype!r}"),
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
             (self.gguf_blocks_max_tokens is None or self.gguf_blocks_max_tokens >= 0, "gguf_blocks_max_tokens must be >= 0"),
@@ -265,6 +271,16 @@ class ServeConfig:
         if self.gpu_kv_cache_bytes and not self.offload_possible:
             raise ValueError("gpu_kv_cache_bytes needs executor local, backend hetero, speculative_method off and "
                              "kv_policy full (the accelerator's KV takes exact one-token and prompt rows only)")
+        if self.gpu_kv_dtype != "auto" and (self.gpu_kv_cache_bytes == 0 or not self.offload_possible):
+            raise ValueError(f"gpu_kv_dtype {self.gpu_kv_dtype} is for partial offload's accelerator KV: it needs "
+                             "gpu_kv_cache_bytes (not 0), executor local, backend hetero, speculative_method off and "
+                             "kv_policy full")
+        if self.gpu_kv_dtype != "auto" and self.gpu_kv_cache_bytes is None:
+            import torch  # offload is the default only with the linears on a CUDA device (server.launch)
+
+            if self.device == "cpu" or not torch.cuda.is_available():
+                raise ValueError(f"gpu_kv_dtype {self.gpu_kv_dtype} is for partial offload's accelerator KV: pass "
+                                 "gpu_kv_cache_bytes, or serve on a CUDA device (offload is its default there)")
         if self.backend not in ("hetero", "sim"):
             raise ValueError(f"backend must be hetero or sim, not {self.backend!r}")
         if self.backend == "sim":

@@ -24,10 +24,11 @@ LAYERS, HKV, HQ, D, BS, BLOCKS = 2, 2, 4, 16, 4, 32
 
 
 def compare_with_cpu_worker(dev: DeviceAttentionWorker, num_q_heads: int, prompt: tuple[int, int], other: int,
-                            decodes: int, rtol: float, atol: float) -> None:
+                            decodes: int, rtol: float, atol: float, stored=lambda x: x) -> None:
     """A prompt of prompt[0] + prompt[1] tokens in two chunks beside another sequence's prompt of `other` tokens and
     its first decode, then `decodes` decode steps of both, one sequence on consecutive blocks (a view) and one on
-    scattered ones: every layer's output of `dev` against the CPU worker's over an fp32 store, within rtol, atol."""
+    scattered ones: every layer's output of `dev` against the CPU worker's over an fp32 store, within rtol, atol.
+    `stored`: the values `dev` keeps of k and v (the CPU worker is given those)."""
     num_layers, num_kv_heads, _, head_dim = dev.k_cache.shape
     cpu = AttentionWorker(PagedKVStore(num_layers, num_kv_heads, head_dim, dev.block_size, BLOCKS, "float32"), head_dim)
     g = torch.Generator().manual_seed(0)
@@ -44,7 +45,7 @@ def compare_with_cpu_worker(dev: DeviceAttentionWorker, num_q_heads: int, prompt
         dev.begin_step(layouts)
         for layer in range(num_layers):
             q, k, v = (torch.randn(rows, h, head_dim, generator=g) for h in (num_q_heads, num_kv_heads, num_kv_heads))
-            want = cpu.attend(layer, q, k, v)
+            want = cpu.attend(layer, q, stored(k), stored(v))
             got = dev.attend(layer, q.to(device), k.to(device), v.to(device)).float().cpu()
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
@@ -53,6 +54,23 @@ def test_device_worker_matches_the_cpu_worker_over_prefill_and_decode_steps():
     """The torch worker equals the CPU worker (exact fp32 stores) to fp32 rounding."""
     compare_with_cpu_worker(DeviceAttentionWorker(LAYERS, HKV, D, BS, BLOCKS, "cpu", torch.float32), HQ, (7, 6), 5, 5,
                             1e-5, 1e-5)
+
+
+def test_fp8_device_store_attends_the_rounded_values_exactly():
+    """An fp8 store (--gpu-kv-dtype fp8) keeps each k, v value as float8 e4m3 (clamped to +-448): its attention equals
+    the exact fp32 attention over those rounded values, and a block takes a quarter of the fp32 bytes."""
+    from gpu_model.device_attn import FP8
+
+    def rounded(x):
+        return x.clamp(-448, 448).to(FP8).float()
+
+    dev = DeviceAttentionWorker(LAYERS, HKV, D, BS, BLOCKS, "cpu", FP8)
+    assert dev.k_cache.dtype == FP8
+    compare_with_cpu_worker(dev, HQ, (7, 6), 5, 5, 1e-5, 1e-5, stored=rounded)
+    assert (DeviceAttentionWorker.bytes_per_block(LAYERS, HKV, D, BS, FP8) * 4
+            == DeviceAttentionWorker.bytes_per_block(LAYERS, HKV, D, BS, torch.float32))
+    x = torch.tensor([[[1000.0, -1000.0, 0.1]]])
+    assert rounded(x).tolist() == [[[448.0, -448.0, 0.1015625]]]
 
 
 def test_first_fit_places_on_the_first_shard_with_room_and_respects_open_shards():
@@ -187,11 +205,36 @@ def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server
         offload.close()
 
 
+def test_offload_server_with_fp8_accelerator_kv():
+    """--gpu-kv-dtype fp8: the accelerator's pool holds twice the blocks of the same bytes as bf16 (four times fp32's)
+    and serves requests beside the host's (text close to, not always equal to, the fp32 server's)."""
+    cfg = ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
+                      gpu_kv_cache_bytes=10 * BYTES_PER_BLOCK_FP32, gpu_kv_dtype="fp8")
+    offload = RunningServer(cfg)
+    try:
+        assert offload.engine.blocks.spec.shards[0] == 40  # fp32 blocks' bytes hold 4x the fp8 blocks
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda i: complete(offload.url, i), range(4)))
+        assert all(texts)
+        step = offload.engine.metrics.step
+        seconds = {s.labels["part"]: s.value for m in step.collect() for s in m.samples if s.name.endswith("_sum")}
+        assert seconds["gpu_attn"] > 0
+    finally:
+        offload.close()
+
+
 def test_offload_is_refused_beside_what_it_cannot_serve():
     with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs executor local"):
         ServeConfig(gpu_kv_cache_bytes=2**20, executor="ray")
     with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs"):
         ServeConfig(gpu_kv_cache_bytes=2**20, speculative_method="ngram")
+    with pytest.raises(ValueError, match="gpu_kv_dtype fp8 is for partial offload"):
+        ServeConfig(gpu_kv_cache_bytes=0, gpu_kv_dtype="fp8")
+    with pytest.raises(ValueError, match="gpu_kv_dtype must be one of auto, fp8"):
+        ServeConfig(gpu_kv_dtype="fp4")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pass gpu_kv_cache_bytes, or serve on a CUDA device"):
+            ServeConfig(gpu_kv_dtype="fp8")
 
 
 def test_gpu_hosts_offload_by_default_within_what_is_free():
