@@ -46,7 +46,7 @@ from cpu_attn.kv_store import OakenKVStore
 from cpu_attn.magicpig import LshConfig
 from cpu_attn.worker import ChunkLayout
 from gpu_model.config import ModelConfig
-from gpu_model.device_attn import DeviceAttentionWorker
+from gpu_model.device_attn import FP8, DeviceAttentionWorker
 from gpu_model.model import LlamaModel, rope_inv_freq
 from hetcore.backend import SamplingParams, SeqChunk, StepInput
 from server.hetero import kv_capacity_for
@@ -189,11 +189,12 @@ def device_bytes_per_seq(cfg: ModelConfig, context: int, steps: int, dtype: torc
 
 @torch.inference_mode()
 def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device: int, num_host: int, steps: int,
-                   lsh: LshConfig, warmup: int = 2) -> dict:
-    """hetserve with --gpu-kv-cache-bytes room for `num_device` sequences at this context (server/offload.py) and
-    `num_host` more on the host (Oaken + MagicPIG): one random prompt is prefilled on the device (SDPA), its K, V
-    copied into every sequence's blocks (the accelerator's pool for the first num_device, the host's store and
-    tables for the rest), then all decode `steps` steps through the backend -> tok/s, step parts, the guard."""
+                   lsh: LshConfig, warmup: int = 2, gpu_kv_dtype: str = "auto") -> dict:
+    """hetserve with --gpu-kv-cache-bytes room for `num_device` sequences at this context (server/offload.py; values
+    as --gpu-kv-dtype says) and `num_host` more on the host (Oaken + MagicPIG): one random prompt is prefilled on
+    the device (SDPA), its K, V copied into every sequence's blocks (the accelerator's pool for the first
+    num_device, the host's store and tables for the rest), then all decode `steps` steps through the backend ->
+    tok/s, step parts, the guard."""
     from server.backend_config import BackendConfig
     from server.offload import OffloadBackend
 
@@ -207,7 +208,8 @@ def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device
                            kv_capacity_bytes=capacity, block_size=bs, oaken_thresholds_path=str(thresholds),
                            oaken_recent_blocks=host_seqs, lsh=lsh, max_num_seqs=num_device + host_seqs,
                            gpu_kv_cache_bytes=max(1, num_device) * device_bytes_per_seq(cfg, n, steps + warmup,
-                                                                                         model.dtype))
+                                                                                         kv_dtype(model, gpu_kv_dtype)),
+                           gpu_kv_dtype=gpu_kv_dtype)
     backend = OffloadBackend(None, config, model=model)
     nd = backend.num_device_blocks
     tables = [tuple(range(j * own, (j + 1) * own)) for j in range(num_device)]
@@ -219,10 +221,8 @@ def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device
     cos, sin = model.rope(torch.arange(n, device=dev))
     for i in range(cfg.num_layers):
         q, k, v = model.pre_attention(i, x, cos, sin)
-        for s in range(num_device):  # [n, Hkv, D] -> the sequence's slots [Hkv, slot, D] (device_attn.py)
-            slots = (torch.tensor(tables[s][: n // bs], device=dev)[:, None] * bs + torch.arange(bs, device=dev)).flatten()
-            for cache, t in ((backend.device_attn.k_cache, k), (backend.device_attn.v_cache, v)):
-                cache[i][:, slots] = t.transpose(0, 1).to(cache.dtype)
+        for s in range(num_device):
+            backend.device_attn.load(i, tables[s], k, v)
         if num_host:
             kr, vr, qr = (t.repeat(num_host, 1, 1) for t in (k, v, q))
             spans = [(s, 0, n) for s in host_ids]
@@ -257,27 +257,37 @@ def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device
             "host_shard_open": guard_open}
 
 
+def kv_dtype(model: LlamaModel, gpu_kv_dtype: str) -> torch.dtype:
+    """The accelerator pool's dtype for --gpu-kv-dtype (server/offload.py)."""
+    return FP8 if gpu_kv_dtype == "fp8" else model.dtype
+
+
 def run_offload(model: LlamaModel, thresholds: Path, context: int, budgets_gb: list[float], host_extra: list[int],
-                steps: int, lsh: LshConfig, reserve_bytes: float, max_gpu_batch: int) -> list[dict]:
-    """Per accelerator KV budget (0: what is free less the reserve): GPU-only at the batch that budget holds, and
-    hetserve's partial offload with that budget plus each number of host sequences; the split the guard keeps
-    open with the most tok/s is the one it would choose."""
+                steps: int, lsh: LshConfig, reserve_bytes: float, max_gpu_batch: int,
+                gpu_kv_dtype: str = "auto") -> list[dict]:
+    """Per accelerator KV budget (0: what is free less the reserve): GPU-only at the batch that budget holds (the
+    model's dtype), and hetserve's partial offload with that budget (its sequences in --gpu-kv-dtype: fp8 holds
+    twice bf16's) plus each number of host sequences; the split the guard keeps open with the most tok/s is the one
+    it would choose."""
     cfg, dev = model.cfg, model.device
     per_seq = device_bytes_per_seq(cfg, context, steps + 2, model.dtype)
+    per_seq_offload = device_bytes_per_seq(cfg, context, steps + 2, kv_dtype(model, gpu_kv_dtype))
     rows = []
     for gb in budgets_gb:
         budget = gb * 2**30 if gb else (torch.cuda.mem_get_info(dev)[0] - reserve_bytes if dev.type == "cuda"
                                         else max_gpu_batch * per_seq)
         fit = min(max_gpu_batch, int(budget // per_seq))
+        fit_offload = min(max_gpu_batch, int(budget // per_seq_offload))
         if fit < 1:
             rows.append({"gpu_kv_gb": gb, "note": f"no room for one {context}-token sequence ({per_seq / 2**30:.1f} GiB)"})
             continue
-        print(f"context {context}, accelerator KV {gb or 'free'} GiB: GPU-only at batch {fit}, then offload "
-              f"+{host_extra} host sequences", flush=True)
+        print(f"context {context}, accelerator KV {gb or 'free'} GiB: GPU-only at batch {fit}, then offload with "
+              f"{fit_offload} ({gpu_kv_dtype}) +{host_extra} host sequences", flush=True)
         gpu_only = gpu_only_decode(model, fit, context, steps)
-        runs = [offload_decode(model, thresholds, context, fit, h, steps, lsh) for h in host_extra]
+        runs = [offload_decode(model, thresholds, context, fit_offload, h, steps, lsh, gpu_kv_dtype=gpu_kv_dtype)
+                for h in host_extra]
         chosen = max((r for r in runs if r["host_shard_open"]), key=lambda r: r["decode_tok_s"], default=None)
-        rows.append({"gpu_kv_gb": gb, "gpu_only": gpu_only, "offload": runs,
+        rows.append({"gpu_kv_gb": gb, "gpu_kv_dtype": gpu_kv_dtype, "gpu_only": gpu_only, "offload": runs,
                      "chosen_host_seqs": None if chosen is None else chosen["host_seqs"],
                      "ratio": None if chosen is None else chosen["decode_tok_s"] / gpu_only["decode_tok_s"]})
     return rows
@@ -418,6 +428,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="offload: accelerator KV budgets in GiB (0: what is free less --gpu-reserve-gb)")
     ap.add_argument("--host-extra", type=int, nargs="+", default=[0, 4, 8],
                     help="offload: sequences on the host beside those the budget holds")
+    ap.add_argument("--gpu-kv-dtype", choices=["auto", "fp8"], default="auto",
+                    help="offload mode: the accelerator pool's values (fp8 holds twice the sequences of bf16)")
     ap.add_argument("--out", default=str(RESULTS / "gpu_offload.json"))
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -442,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
         if "offload" in args.modes:
             offload.append({"context": context, "budgets": run_offload(
                 model, thresholds, context, args.gpu_kv_gb, args.host_extra, args.steps, lsh,
-                args.gpu_reserve_gb * 2**30, args.max_gpu_batch)})
+                args.gpu_reserve_gb * 2**30, args.max_gpu_batch, args.gpu_kv_dtype)})
     if rows:
         print_table(table_rows(rows), ["context", "hetserve_batch", "hetserve_tok_s", "hetserve_step_ms", "cpu_attn_ms",
                                        "exact_layers_ms", "keys_touched", "gpu_only_batch", "gpu_only_tok_s", "ratio"])

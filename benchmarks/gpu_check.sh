@@ -5,8 +5,9 @@
 #
 #     OUT=/tmp/gpu CTXS="65536 32768" bash benchmarks/gpu_check.sh
 #
-# MODES (default offload: partial offload against GPU-only at GPU_KV_GB, with HOST_EXTRA host sequences;
-# all-host: every sequence's attention on the host, BATCHES sequences) picks what runs.
+# MODES (default offload: partial offload against GPU-only at GPU_KV_GB, with HOST_EXTRA host sequences, the
+# accelerator's KV in GPU_KV_DTYPE, auto or fp8; all-host: every sequence's attention on the host, BATCHES
+# sequences) picks what runs.
 # Plan about 7 minutes for one 64k context (an H100 or H200 with 16 vCPUs): Numba compiles, a 64k prompt
 # is prefilled and its K, V and tables written to the CPU store (158 s), each batch size copies them
 # per sequence (12 GB a sequence) and decodes STEPS + 2 steps, then GPU-only decodes. A machine
@@ -34,6 +35,7 @@ for ctx in ${CTXS:-65536}; do
   echo "== context $ctx, $left s left"
   timeout $left python3 -m benchmarks.bench_gpu_offload --context $ctx --batch ${BATCHES:-4 8} --steps ${STEPS:-8} \
     --modes ${MODES:-offload} --gpu-kv-gb ${GPU_KV_GB:-24} --host-extra ${HOST_EXTRA:-0 4} \
+    --gpu-kv-dtype ${GPU_KV_DTYPE:-auto} \
     --out "$OUT/gpu_offload_$ctx.json" 2>&1 | grep -v '%|' | tee "$OUT/gpu_offload_$ctx.log"
   rc=${PIPESTATUS[0]}  # 137: killed, most often for host memory (64k at batch 8 needs more than 125 GiB)
   [ $rc -ne 0 ] && echo "context $ctx: the benchmark exited with status $rc" | tee -a "$OUT/gpu_offload_$ctx.log"

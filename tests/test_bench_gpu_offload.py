@@ -55,21 +55,24 @@ def test_gpu_prefill_fills_the_store_as_the_cpu_prefill_does(tmp_path):
 
 
 @pytest.mark.slow  # tests/test_offload.py runs the backend itself in the default suite
-def test_gpu_offload_benchmark_offload_mode_smoke_run_on_cpu(tmp_path):
+@pytest.mark.parametrize("gpu_kv_dtype", ["auto", "fp8"])
+def test_gpu_offload_benchmark_offload_mode_smoke_run_on_cpu(tmp_path, gpu_kv_dtype):
     """The partial-offload cells: GPU-only at the batch each accelerator KV budget holds, and hetserve with that
-    budget plus host sequences (Oaken + MagicPIG), on the CPU at a tiny shape."""
+    budget (fp8: more sequences in it) plus host sequences (Oaken + MagicPIG), on the CPU at a tiny shape."""
     from benchmarks import bench_gpu_offload as bench
 
     out = tmp_path / "offload.json"
     result = bench.main(["--shape", "tiny", "--device", "cpu", "--context", "1536", "--modes", "offload",
                          "--gpu-kv-gb", "0.008", "0.0001", "--host-extra", "0", "2", "--steps", "3",
-                         "--calibration-windows", "2", "--max-gpu-batch", "4", "--out", str(out)])
+                         "--calibration-windows", "2", "--max-gpu-batch", "4", "--gpu-kv-dtype", gpu_kv_dtype,
+                         "--out", str(out)])
     assert result["rows"] == [] and out.with_name("offload_offload.png").stat().st_size > 0
     (cell,) = result["offload"]
     fits, too_small = cell["budgets"]
     assert "no room" in too_small["note"]
     assert fits["gpu_only"]["batch"] == 1 and [r["host_seqs"] for r in fits["offload"]] == [0, 2]
     for r in fits["offload"]:
-        assert r["gpu_seqs"] == 1 and r["decode_tok_s"] > 0 and r["parts_ms"]["gpu_attn"] > 0
+        assert r["gpu_seqs"] == 1 if gpu_kv_dtype == "auto" else r["gpu_seqs"] > 1  # fp8: a quarter of fp32's bytes
+        assert r["decode_tok_s"] > 0 and r["parts_ms"]["gpu_attn"] > 0
         assert (r["parts_ms"]["cpu_attn"] > 0) == (r["host_seqs"] > 0)
     assert fits["chosen_host_seqs"] in (0, 2) and fits["ratio"] > 0

@@ -181,24 +181,32 @@ def test_offload_server_gives_the_host_only_greedy_text(server):
 
 
 def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server):
-    """Requests of different lengths at once with room for about two on the accelerator's pool: as the ones there end,
-    host-placed ones move there (their KV copied) and finish there, with the all-host server's greedy text."""
+    """Two short requests fill the accelerator's pool (4-block prompts, 11 blocks), four long ones that come while they
+    run go to the host's; as the short ones end, host-placed ones move there (their KV copied) and finish there, with
+    the all-host server's greedy text."""
+    import time
+
     import httpx
 
     def text(url, i):
-        body = {"prompt": f"Request {i}. Tell me about the number {i * 37}.", "max_tokens": 8 + 6 * i,
-                "temperature": 0, "ignore_eos": True}
+        body = {"prompt": f"Request {i}. " + "Tell me about the history of the number seven. " * 5,
+                "max_tokens": 8 if i < 2 else 40, "temperature": 0, "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json=body, timeout=600)
         assert r.status_code == 200, r.text
+        assert 48 < r.json()["usage"]["prompt_tokens"] <= 64  # 4 blocks of 16
         return r.json()["choices"][0]["text"]
 
     reference = [text(server.url, i) for i in range(6)]
     offload = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
-                                        gpu_kv_cache_bytes=10 * BYTES_PER_BLOCK_FP32))
+                                        gpu_kv_cache_bytes=11 * BYTES_PER_BLOCK_FP32))
     try:
         assert offload.engine.blocks.spec.promote_to == 0
         with ThreadPoolExecutor(6) as pool:
-            assert list(pool.map(lambda i: text(offload.url, i), range(6))) == reference
+            short = [pool.submit(text, offload.url, i) for i in range(2)]
+            while len(offload.engine.scheduler.running) < 2 and not all(f.done() for f in short):
+                time.sleep(0.002)
+            long = [pool.submit(text, offload.url, i) for i in range(2, 6)]
+            assert [f.result() for f in short + long] == reference
         assert offload.engine.scheduler.num_moves >= 1
         assert offload.engine.blocks.used_bytes == 0
     finally:
