@@ -46,7 +46,7 @@ from cpu_attn.kv_store import OakenKVStore
 from cpu_attn.magicpig import LshConfig
 from cpu_attn.worker import ChunkLayout
 from gpu_model.config import ModelConfig
-from gpu_model.device_attn import FP8, DeviceAttentionWorker
+from gpu_model.device_attn import DeviceAttentionWorker, store_dtype
 from gpu_model.model import LlamaModel, rope_inv_freq
 from hetcore.backend import SamplingParams, SeqChunk, StepInput
 from server.hetero import kv_capacity_for
@@ -204,12 +204,11 @@ def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device
     host_seqs = num_host + 1
     capacity = kv_capacity_for(cfg, "oaken", bs, host_seqs, n + steps + warmup + 3 + 2 * bs, lsh,
                                recent_blocks=host_seqs)
+    per_seq = device_bytes_per_seq(cfg, n, steps + warmup, store_dtype(gpu_kv_dtype, model.dtype))
     config = BackendConfig(device=dev.type, dtype=str(model.dtype).removeprefix("torch."), kv_format="oaken",
                            kv_capacity_bytes=capacity, block_size=bs, oaken_thresholds_path=str(thresholds),
                            oaken_recent_blocks=host_seqs, lsh=lsh, max_num_seqs=num_device + host_seqs,
-                           gpu_kv_cache_bytes=max(1, num_device) * device_bytes_per_seq(cfg, n, steps + warmup,
-                                                                                         kv_dtype(model, gpu_kv_dtype)),
-                           gpu_kv_dtype=gpu_kv_dtype)
+                           gpu_kv_cache_bytes=max(1, num_device) * per_seq, gpu_kv_dtype=gpu_kv_dtype)
     backend = OffloadBackend(None, config, model=model)
     nd = backend.num_device_blocks
     tables = [tuple(range(j * own, (j + 1) * own)) for j in range(num_device)]
@@ -257,11 +256,6 @@ def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device
             "host_shard_open": guard_open}
 
 
-def kv_dtype(model: LlamaModel, gpu_kv_dtype: str) -> torch.dtype:
-    """The accelerator pool's dtype for --gpu-kv-dtype (server/offload.py)."""
-    return FP8 if gpu_kv_dtype == "fp8" else model.dtype
-
-
 def run_offload(model: LlamaModel, thresholds: Path, context: int, budgets_gb: list[float], host_extra: list[int],
                 steps: int, lsh: LshConfig, reserve_bytes: float, max_gpu_batch: int,
                 gpu_kv_dtype: str = "auto") -> list[dict]:
@@ -271,7 +265,7 @@ def run_offload(model: LlamaModel, thresholds: Path, context: int, budgets_gb: l
     it would choose."""
     cfg, dev = model.cfg, model.device
     per_seq = device_bytes_per_seq(cfg, context, steps + 2, model.dtype)
-    per_seq_offload = device_bytes_per_seq(cfg, context, steps + 2, kv_dtype(model, gpu_kv_dtype))
+    per_seq_offload = device_bytes_per_seq(cfg, context, steps + 2, store_dtype(gpu_kv_dtype, model.dtype))
     rows = []
     for gb in budgets_gb:
         budget = gb * 2**30 if gb else (torch.cuda.mem_get_info(dev)[0] - reserve_bytes if dev.type == "cuda"

@@ -31,6 +31,17 @@ FP8_MAX = torch.finfo(FP8).max
 """An fp8 store's values are clamped to +-448 (e4m3's largest) and rounded, with no scale (vLLM's default)."""
 
 
+def store_dtype(gpu_kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The store's values for --gpu-kv-dtype: auto (the model's dtype) or fp8."""
+    return FP8 if gpu_kv_dtype == "fp8" else model_dtype
+
+
+def _slots_of(block_table, block_size: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the blocks holding positions 0 .. end - 1, those positions' slots), as CPU tensors."""
+    table = torch.tensor(block_table[: -(-end // block_size)], dtype=torch.long)
+    return table, (table[:, None] * block_size + torch.arange(block_size)).flatten()[:end]
+
+
 def _write(cache: torch.Tensor, slots, x: torch.Tensor) -> None:
     """cache [Hkv, slots, D] at `slots` = x [T, Hkv, D]; an fp8 cache through its bytes (index_put on a uint8 view,
     which every device has)."""
@@ -75,8 +86,7 @@ class DeviceAttentionWorker:
             if c.num_draft:
                 raise ValueError("draft rows are attended by the CPU workers only")
             end = c.start_pos + c.num_tokens
-            table = torch.tensor(c.block_table[: -(-end // bs)], dtype=torch.long)
-            ctx = (table[:, None] * bs + torch.arange(bs)).flatten()[:end]  # the slots of positions 0 .. end - 1
+            table, ctx = _slots_of(c.block_table, bs, end)
             slots.append(ctx[c.start_pos:])
             consecutive = bool((table[1:] - table[:-1] == 1).all())
             first = int(table[0]) * bs
@@ -108,9 +118,7 @@ class DeviceAttentionWorker:
     def load(self, layer: int, block_table, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write a sequence's first len(k) positions of one layer: k, v [n, Hkv, D] (a sequence moved here from
         the host's store)."""
-        bs = self.block_size
-        table = torch.tensor(block_table[: -(-k.shape[0] // bs)], dtype=torch.long)
-        slots = (table[:, None] * bs + torch.arange(bs)).flatten()[: k.shape[0]].to(self.k_cache.device)
+        slots = _slots_of(block_table, self.block_size, k.shape[0])[1].to(self.k_cache.device)
         _write(self.k_cache[layer], slots, k)
         _write(self.v_cache[layer], slots, v)
 

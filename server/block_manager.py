@@ -256,7 +256,7 @@ class BlockManager:
         """Whether `seq_id` could move to `shard` (move) and leave `spare` blocks there: it holds a table in another
         live shard and nothing beside it (no reserve, own or group blocks)."""
         src = self._shard_of.get(seq_id)
-        return (src is not None and src != shard and shard in self.live and seq_id in self._tables
+        return (src is not None and src != shard and shard in self.live
                 and seq_id not in self._reserved and seq_id not in self._own and self._layout is None
                 and self._room(shard) >= len(self._tables[seq_id]) + spare)
 

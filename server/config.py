@@ -271,16 +271,10 @@ class ServeConfig:
         if self.gpu_kv_cache_bytes and not self.offload_possible:
             raise ValueError("gpu_kv_cache_bytes needs executor local, backend hetero, speculative_method off and "
                              "kv_policy full (the accelerator's KV takes exact one-token and prompt rows only)")
-        if self.gpu_kv_dtype != "auto" and (self.gpu_kv_cache_bytes == 0 or not self.offload_possible):
-            raise ValueError(f"gpu_kv_dtype {self.gpu_kv_dtype} is for partial offload's accelerator KV: it needs "
-                             "gpu_kv_cache_bytes (not 0), executor local, backend hetero, speculative_method off and "
-                             "kv_policy full")
-        if self.gpu_kv_dtype != "auto" and self.gpu_kv_cache_bytes is None:
-            import torch  # offload is the default only with the linears on a CUDA device (server.launch)
-
-            if self.device == "cpu" or not torch.cuda.is_available():
-                raise ValueError(f"gpu_kv_dtype {self.gpu_kv_dtype} is for partial offload's accelerator KV: pass "
-                                 "gpu_kv_cache_bytes, or serve on a CUDA device (offload is its default there)")
+        if self.gpu_kv_dtype != "auto" and not (self.gpu_kv_cache_bytes or self.offload_by_default):
+            raise ValueError(f"gpu_kv_dtype {self.gpu_kv_dtype} is for partial offload's accelerator KV: pass "
+                             "gpu_kv_cache_bytes, or serve on a CUDA device (offload is its default there), with "
+                             "executor local, backend hetero, speculative_method off and kv_policy full")
         if self.backend not in ("hetero", "sim"):
             raise ValueError(f"backend must be hetero or sim, not {self.backend!r}")
         if self.backend == "sim":
@@ -304,6 +298,17 @@ class ServeConfig:
         exact one-token and prompt rows only, on the local executor's hetero backend."""
         return (self.executor == "local" and self.backend == "hetero" and self.speculative_method == "off"
                 and not self.kv_policy_config().is_layered)
+
+    @property
+    def offload_by_default(self) -> bool:
+        """Whether partial offload runs without asking: gpu_kv_cache_bytes unset, the linears on a CUDA device and a
+        configuration offload serves. GPU-only attention of the sequences the GPU holds is what a GPU host should
+        get; the host takes only what does not fit (server/offload.py)."""
+        import torch
+
+        # --device cuda without CUDA is refused by the backend (server.hetero.pick_device), which also logs the choice
+        return (self.gpu_kv_cache_bytes is None and self.device != "cpu" and self.offload_possible
+                and torch.cuda.is_available())
 
     def speculative_config(self):
         from server.speculative import SpecConfig

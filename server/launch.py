@@ -28,7 +28,7 @@ def build_engine(cfg: ServeConfig):
         from server.ray_executor import RayBackend
 
         backend: Backend = RayBackend(model_dir, config, RayConfig.from_serve_config(cfg))
-    elif config.gpu_kv_cache_bytes is not None or offload_by_default(cfg):
+    elif config.gpu_kv_cache_bytes is not None or cfg.offload_by_default:
         from server.offload import OffloadBackend
 
         backend = OffloadBackend(model_dir, config)
@@ -43,17 +43,6 @@ def build_engine(cfg: ServeConfig):
                                                         cfg.speculative_config()))
     name = cfg.served_model_name or Path(cfg.model or default_model_path()).name.split(".")[0]
     return engine, name, backend.max_model_len
-
-
-def offload_by_default(cfg: ServeConfig) -> bool:
-    """Whether `cfg` gets partial offload without asking: gpu_kv_cache_bytes unset, the linears on a CUDA device and a
-    configuration offload serves. GPU-only attention of the sequences the GPU holds is what a GPU host should get; the
-    host takes only what does not fit (server/offload.py)."""
-    import torch
-
-    # --device cuda without CUDA is refused by the backend (server.hetero.pick_device), which also logs the choice
-    return (cfg.gpu_kv_cache_bytes is None and cfg.device != "cpu" and cfg.offload_possible
-            and torch.cuda.is_available())
 
 
 def start_engine(cfg: ServeConfig):
@@ -93,33 +82,30 @@ def warm_up(engine, lsh=None) -> None:
     if lsh is not None:  # past min_context, with a first merge's worth of keys before the window
         tokens = max(tokens, lsh.min_context, lsh.window + lsh.merge_every) + 16
     tokens = min(tokens, engine.backend.max_model_len - 5, engine.blocks.max_seq_tokens - 5)
-    shards = engine.blocks.num_shards
-    done = threading.Semaphore(0)
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(requests: list[tuple[str, list[int], int]], ignore_eos: bool = False) -> None:
+        """(name, prompt, max_tokens) submitted at once; returns once all have finished."""
+        done = threading.Semaphore(0)
+        for name, prompt, max_tokens in requests:
+            engine.submit(EngineRequest(name, prompt, greedy, max_tokens, ignore_eos=ignore_eos,
+                                        on_event=lambda ev: ev.finish_reason and done.release()))
+        if not all(done.acquire(timeout=300) for _ in requests):
+            raise RuntimeError(f"warm-up requests ({requests[0][0]}, ...) did not finish in 300 s")
+
     # one per KV shard, then decode steps (each its own tokens: the prefix cache would put the same
     # prompt on the first one's shard)
-    for i in range(shards):
-        engine.submit(EngineRequest(f"warmup-{i}", list(range(1 + i, tokens + 1 + i)), SamplingParams(temperature=0.0),
-                                    4, on_event=lambda ev: ev.finish_reason and done.release()))
-    if not all(done.acquire(timeout=300) for _ in range(shards)):
-        raise RuntimeError("warm-up requests did not finish in 300 s")
+    run([(f"warmup-{i}", list(range(1 + i, tokens + 1 + i)), 4) for i in range(engine.blocks.num_shards)])
     # short requests at once, ending one step apart: decode steps of 1 to BATCH_WARM_UP rows, so each multi-row
     # linear kernel (integer dots for a few rows, AMX tiles from four) is compiled or loaded before a client's
     # step meets it (a first call took ~20 ms from the cache, ~18 s to compile)
-    for i in range(BATCH_WARM_UP):
-        engine.submit(EngineRequest(f"warmup-batch-{i}", [3 + i] * 8, SamplingParams(temperature=0.0), 2 + i,
-                                    on_event=lambda ev: ev.finish_reason and done.release()))
-    if not all(done.acquire(timeout=300) for _ in range(BATCH_WARM_UP)):
-        raise RuntimeError("warm-up requests did not finish in 300 s")
+    run([(f"warmup-batch-{i}", [3 + i] * 8, 2 + i) for i in range(BATCH_WARM_UP)])
     if engine.scheduler.cfg.speculative.enabled:
         # text that repeats itself (a model continues the pattern, so n-grams find drafts), drafts priced as free:
         # its decode steps send drafts, so the verification kernel is compiled (or loaded: ~18 ms) now, not in a
         # client's request
         engine.scheduler.policy.assume_free_drafts()
-        engine.submit(EngineRequest("warmup-spec", engine.tokenizer.encode("one two three four, " * 8),
-                                    SamplingParams(temperature=0.0), 12, ignore_eos=True,
-                                    on_event=lambda ev: ev.finish_reason and done.release()))
-        if not done.acquire(timeout=300):
-            raise RuntimeError("the speculative decoding warm-up request did not finish in 300 s")
+        run([("warmup-spec", engine.tokenizer.encode("one two three four, " * 8), 12)], ignore_eos=True)
     engine.reset_stats()
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from cpu_attn.worker import ChunkLayout
-from gpu_model.device_attn import FP8, DeviceAttentionWorker
+from gpu_model.device_attn import DeviceAttentionWorker, store_dtype
 from hetcore.backend import KVCapacityError, KVMove, SeqChunk, StepInput, StepOutput, StepTimings
 from server.backend_config import BackendConfig
 from server.hetero import HeteroBackend, flatten, sample_batches
@@ -80,7 +80,7 @@ class OffloadBackend(HeteroBackend):
     def __init__(self, model_dir: Path | None, config: BackendConfig, model=None):
         super().__init__(model_dir, config, model)
         cfg, dev = self.model_cfg, self.model.device
-        dtype = FP8 if config.gpu_kv_dtype == "fp8" else self.model.dtype
+        dtype = store_dtype(config.gpu_kv_dtype, self.model.dtype)
         per_block = DeviceAttentionWorker.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                           config.block_size, dtype)
         budget = config.gpu_kv_cache_bytes

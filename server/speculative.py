@@ -205,17 +205,23 @@ class SpecPolicy:
         tokens never cost more, so one slow step does not price a size above its neighbours for long)."""
         if self.free_drafts:
             return 1.0
-        larger = min((s for n, s in self.step_s.items() if n > num_tokens), default=float("inf"))
+        below, above, larger = None, None, float("inf")  # one pass: plan asks for a cost per draft it weighs
+        for n, seconds in self.step_s.items():
+            if n < num_tokens and (below is None or n > below):
+                below = n
+            elif n > num_tokens:
+                larger = min(larger, seconds)
+                above = n if above is None or n < above else above
         if num_tokens in self.step_s:
-            return min(self.step_s[num_tokens], larger)
-        below = max((n for n in self.step_s if n < num_tokens), default=None)
-        above = min((n for n in self.step_s if n > num_tokens), default=None)
-        if below is None:
-            return self.step_s[above] if above is not None else 1.0
-        if above is None:
-            return self.step_s[below] * (1 + self.unmeasured_row_cost * (num_tokens - below))
-        w = (num_tokens - below) / (above - below)
-        return min(self.step_s[below] * (1 - w) + self.step_s[above] * w, larger)
+            estimate = self.step_s[num_tokens]
+        elif below is None:
+            estimate = self.step_s[above] if above is not None else 1.0
+        elif above is None:
+            estimate = self.step_s[below] * (1 + self.unmeasured_row_cost * (num_tokens - below))
+        else:
+            w = (num_tokens - below) / (above - below)
+            estimate = self.step_s[below] * (1 - w) + self.step_s[above] * w
+        return min(estimate, larger)
 
     def plan(self, base_tokens: int, base_outputs: int, candidates: list[tuple[float, int]], budget: int) -> list[int]:
         """candidates: (acceptance rate, drafts available) per sequence that could speculate; base_tokens and

@@ -15,7 +15,6 @@ from server.config import ServeConfig
 from benchmarks.bench_gpu_offload import SHAPES, random_model
 from hetcore.backend import KVCapacityError
 from server.backend_config import BackendConfig
-from server.launch import offload_by_default
 from server.offload import OffloadBackend, OffloadGuard, device_kv_budget
 from tests.conftest import RunningServer
 from tests.test_preemption import BYTES_PER_BLOCK_FP32, complete
@@ -255,9 +254,9 @@ def test_gpu_hosts_offload_by_default_within_what_is_free():
     assert ServeConfig().offload_possible and ServeConfig(gpu_kv_cache_bytes=0).gpu_kv_cache_bytes == 0
     assert not ServeConfig(executor="ray").offload_possible  # unset: no error, no offload
     assert not ServeConfig(speculative_method="ngram").offload_possible
-    assert not offload_by_default(ServeConfig(device="cpu"))
-    assert not offload_by_default(ServeConfig(gpu_kv_cache_bytes=0))
-    assert offload_by_default(ServeConfig()) == torch.cuda.is_available()
+    assert not ServeConfig(device="cpu").offload_by_default
+    assert not ServeConfig(gpu_kv_cache_bytes=0).offload_by_default
+    assert ServeConfig().offload_by_default == torch.cuda.is_available()
 
 
 def test_an_unsized_offload_on_the_cpu_is_refused_in_one_line():
