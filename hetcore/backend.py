@@ -198,6 +198,9 @@ class StepOutput:
     """Where the step's time went, for metrics; None from a backend that does not measure it."""
     virtual_clock_s: float | None = None
     """A simulated backend's virtual clock after this step (seconds since its last reset_clock); None in real time."""
+    open_shards: frozenset[int] | None = None
+    """The shards new sequences may be placed on after this step (Backend.open_shards), from a backend in another
+    process that closes some; None: not said."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hetcore.kv_policy import KVPolicy
-from server.config import SPARSE_FRACTION, ServeConfig
+from server.config import SPARSE_FRACTION, ServeConfig, offload_runs
 
 if TYPE_CHECKING:
     from cpu_attn.magicpig import LshConfig
@@ -55,7 +55,8 @@ class BackendConfig:
     """Speculative self-mx: the weight format of a second copy of the model that drafts (None: none)."""
     gpu_kv_cache_bytes: int | None = None
     """Partial offload (server/offload.OffloadBackend): a KV pool of this many bytes on the model's device, filled
-    first; None there: what a CUDA device has free after the model (offload.device_kv_budget)."""
+    first; 0: none; None: where the linears run on a CUDA device, what it has free after the model
+    (offload.device_kv_budget), else none (offloads)."""
     gpu_kv_dtype: str = "auto"
     """Partial offload: the accelerator pool's values, auto (the model's dtype) or fp8 (float8 e4m3)."""
 
@@ -65,6 +66,11 @@ class BackendConfig:
         if self.kv_policy.is_layered and (self.kv_format not in ("fp16", "fp32") or self.lsh is not None):
             raise ValueError(f"kv_policy layered needs kv_format fp16 or fp32 and exact attention, not "
                              f"{self.kv_format} with {'magicpig' if self.lsh else 'exact'} attention")
+
+    def offloads(self, cuda: bool) -> bool:
+        """Whether a backend built from this record runs partial offload, `cuda`: whether its process has a CUDA
+        device (server.config.offload_runs)."""
+        return offload_runs(self.gpu_kv_cache_bytes, self.device, cuda)
 
     def load_model(self, model_dir, device: str, dtype):
         """The model in `model_dir` as this record says (gpu_model.loader.load_model)."""
@@ -87,7 +93,8 @@ class BackendConfig:
                    oaken_sparse_fraction=cfg.oaken_sparse_fraction, oaken_recent_blocks=recent,
                    lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs, kv_policy=cfg.kv_policy_config(),
                    draft_weight_format=cfg.speculative_config().draft_weight_format,
-                   gpu_kv_cache_bytes=cfg.gpu_kv_cache_bytes or None, gpu_kv_dtype=cfg.gpu_kv_dtype)
+                   gpu_kv_cache_bytes=cfg.gpu_kv_cache_bytes if cfg.offload_possible else 0,
+                   gpu_kv_dtype=cfg.gpu_kv_dtype)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,15 @@ def parse_switch(value: str | bool) -> bool:
     return words[word]
 
 
+def offload_runs(gpu_kv_cache_bytes: int | None, device: str, cuda: bool) -> bool:
+    """Whether a backend that can offload does: with gpu_kv_cache_bytes > 0, or unset (None) with the linears on a
+    CUDA device (`device` auto or cuda, `cuda`: one is there). GPU-only attention of the sequences the GPU holds is
+    what a GPU host should get; the host takes only what does not fit (server/offload.py)."""
+    if gpu_kv_cache_bytes is None:
+        return device != "cpu" and cuda
+    return gpu_kv_cache_bytes > 0
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -140,8 +149,9 @@ class ServeConfig:
                                           "and to the host's KV (--kv-cache-bytes) once it is full, each step "
                                           "attending both at once; 0 = none, every sequence's KV on the host (default: "
                                           "on a CUDA device, what it has free after the weights less a tenth of its "
-                                          "memory, where executor local, backend hetero, speculative_method off and "
-                                          "kv_policy full; otherwise none)", parse=parse_bytes)
+                                          "memory, where the KV sits beside the model (executor local, or ray with "
+                                          "ray_cpu_actors 0), backend hetero, speculative_method off and kv_policy "
+                                          "full; otherwise none)", parse=parse_bytes)
     gpu_kv_dtype: str = _opt("auto", "partial offload: the accelerator's KV values: auto (the model's dtype, bfloat16 "
                                      "on CUDA) or fp8 (float8 e4m3, scale 1 as vLLM's default: half the bytes, so "
                                      "twice the sequences fit; each value rounded to 3 mantissa bits)")
@@ -269,12 +279,14 @@ class ServeConfig:
                              "backend hetero and executor local or ray with ray_cpu_actors 0 (its rows are compacted "
                              "in a plain paged store)")
         if self.gpu_kv_cache_bytes and not self.offload_possible:
-            raise ValueError("gpu_kv_cache_bytes needs executor local, backend hetero, speculative_method off and "
-                             "kv_policy full (the accelerator's KV takes exact one-token and prompt rows only)")
+            raise ValueError("gpu_kv_cache_bytes needs executor local or ray with ray_cpu_actors 0, backend hetero, "
+                             "speculative_method off and kv_policy full (the accelerator's KV pool sits beside the "
+                             "model and takes exact one-token and prompt rows only)")
         if self.gpu_kv_dtype != "auto" and not (self.gpu_kv_cache_bytes or self.offload_by_default):
             raise ValueError(f"gpu_kv_dtype {self.gpu_kv_dtype} is for partial offload's accelerator KV: pass "
                              "gpu_kv_cache_bytes, or serve on a CUDA device (offload is its default there), with "
-                             "executor local, backend hetero, speculative_method off and kv_policy full")
+                             "executor local or ray with ray_cpu_actors 0, backend hetero, speculative_method off "
+                             "and kv_policy full")
         if self.backend not in ("hetero", "sim"):
             raise ValueError(f"backend must be hetero or sim, not {self.backend!r}")
         if self.backend == "sim":
@@ -294,21 +306,21 @@ class ServeConfig:
 
     @property
     def offload_possible(self) -> bool:
-        """Whether partial offload (gpu_kv_cache_bytes) can serve this configuration: the accelerator's KV takes
-        exact one-token and prompt rows only, on the local executor's hetero backend."""
-        return (self.executor == "local" and self.backend == "hetero" and self.speculative_method == "off"
+        """Whether partial offload (gpu_kv_cache_bytes) can serve this configuration: the accelerator's KV pool sits
+        beside the model (the local executor, or Ray's one backend actor) and takes exact one-token and prompt rows
+        only, on the hetero backend."""
+        return (self.kv_beside_model and self.backend == "hetero" and self.speculative_method == "off"
                 and not self.kv_policy_config().is_layered)
 
     @property
     def offload_by_default(self) -> bool:
-        """Whether partial offload runs without asking: gpu_kv_cache_bytes unset, the linears on a CUDA device and a
-        configuration offload serves. GPU-only attention of the sequences the GPU holds is what a GPU host should
-        get; the host takes only what does not fit (server/offload.py)."""
+        """Whether partial offload runs without asking here: gpu_kv_cache_bytes unset, a configuration offload
+        serves and the linears on a CUDA device of this process (offload_runs). With a Ray cluster the backend
+        actor decides the same where its GPU is."""
         import torch
 
-        # --device cuda without CUDA is refused by the backend (server.hetero.pick_device), which also logs the choice
-        return (self.gpu_kv_cache_bytes is None and self.device != "cpu" and self.offload_possible
-                and torch.cuda.is_available())
+        return self.gpu_kv_cache_bytes is None and self.offload_possible and offload_runs(
+            None, self.device, torch.cuda.is_available())
 
     def speculative_config(self):
         from server.speculative import SpecConfig

@@ -19,7 +19,6 @@ def build_engine(cfg: ServeConfig):
     from hetcore.backend import Backend
     from server.backend_config import BackendConfig, RayConfig
     from server.engine import Engine
-    from server.hetero import HeteroBackend
     from server.scheduler import SchedulerConfig
 
     model_dir = resolve_model_dir(cfg.model, Path(cfg.model_cache_dir).expanduser())
@@ -28,12 +27,10 @@ def build_engine(cfg: ServeConfig):
         from server.ray_executor import RayBackend
 
         backend: Backend = RayBackend(model_dir, config, RayConfig.from_serve_config(cfg))
-    elif config.gpu_kv_cache_bytes is not None or cfg.offload_by_default:
-        from server.offload import OffloadBackend
-
-        backend = OffloadBackend(model_dir, config)
     else:
-        backend = HeteroBackend(model_dir, config)
+        from server.offload import build_backend
+
+        backend = build_backend(model_dir, config)
     if cfg.backend == "sim":
         from accel_sim.backend import SimBackend
 

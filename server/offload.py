@@ -1,4 +1,4 @@
-"""Partial offload (`--gpu-kv-cache-bytes`, local executor): the KV of some sequences on the
+"""Partial offload (`--gpu-kv-cache-bytes`; the local executor, or Ray's one backend actor): the KV of some sequences on the
 accelerator, the rest on the host, both attended in every step at the same time (NEO's asymmetric
 pipelining).
 
@@ -74,6 +74,14 @@ class OffloadGuard:
             self.is_open = False
         elif not self.is_open and host <= self.reopen * accel:
             self.is_open = True
+
+
+def build_backend(model_dir: Path | None, config: BackendConfig) -> HeteroBackend:
+    """The backend of the process the model runs in: OffloadBackend where partial offload runs
+    (BackendConfig.offloads, with this process's CUDA device), else HeteroBackend."""
+    if config.offloads(torch.cuda.is_available()):
+        return OffloadBackend(model_dir, config)
+    return HeteroBackend(model_dir, config)
 
 
 class OffloadBackend(HeteroBackend):
@@ -165,7 +173,8 @@ class OffloadBackend(HeteroBackend):
             self.guard.observe(host["cpu_attn"], accel_s)
         return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=host["cpu_attn"],
                                                 step_s=time.perf_counter() - t0,
-                                                cpu_attn_dense_s=host.get("cpu_attn_dense"), gpu_attn_s=gpu))
+                                                cpu_attn_dense_s=host.get("cpu_attn_dense"), gpu_attn_s=gpu),
+                       open_shards=frozenset(self.open_shards()))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

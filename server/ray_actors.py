@@ -108,7 +108,8 @@ def split(chunks, n: int) -> list[list]:
 
 
 class BackendActor:
-    """The model worker and the whole KV cache in one process: server.hetero.HeteroBackend in an actor, no
+    """The model worker and the whole KV cache in one process: the local executor's backend in an actor
+    (server.offload.build_backend: with partial offload where it runs, decided on the actor's node), no
     per-layer exchange. Steps come over the step channel (server.channel: a Ray call costs ~2.4 ms a step on
     2 cores, a loopback frame tens of microseconds): StepInput in, StepOutput (or the step's exception) out.
 
@@ -120,11 +121,11 @@ class BackendActor:
     def __init__(self, model_dir: str, config: BackendConfig, threads: int):
         import ray
 
-        from server.hetero import HeteroBackend
+        from server.offload import build_backend
 
         if threads:
             _set_threads(threads)
-        self.backend = HeteroBackend(Path(model_dir), config)
+        self.backend = build_backend(Path(model_dir), config)
         self.trimmer = Trimmer()
         self.token = secrets.token_bytes(16)
         self._listener = socket.create_server((ray.util.get_node_ip_address(), 0))

@@ -1,8 +1,9 @@
 """The hetero backend on Ray (`--executor ray`), in one of two shapes.
 
 With `cpu_actors` 0 (the default), one BackendActor holds the model and the whole KV (the local
-executor's backend, server.hetero.HeteroBackend); each step goes to it over the step channel
-(server.channel: StepInput out, StepOutput back, after the actor's token), one round trip a step.
+executor's backend: server.hetero.HeteroBackend, or server.offload.OffloadBackend with its pools on the
+actor's GPU and host); each step goes to it over the step channel (server.channel: StepInput out,
+StepOutput back, after the actor's token), one round trip a step.
 
 With N >= 1, the model worker and N CPU attention workers are Ray actors, on one machine or across
 a cluster:
@@ -73,6 +74,8 @@ class RayBackend(Backend):
         self.model_down = False
         self._unsent_frees: tuple[int, ...] = ()
         """Sequences freed while the model actor could not be told (it forwards frees to the CPU actors)."""
+        self._open: frozenset[int] | None = None
+        """The shards the backend actor said new sequences may go to after its last step (None: every live one)."""
         self._probes: dict = {}
         """Key -> the pending Ray call that tells whether an actor is back (one at a time: a call queued behind
         a busy actor's serve_steps never runs)."""
@@ -83,9 +86,10 @@ class RayBackend(Backend):
             self.kv_spec = ray.get(self.model_actor.kv_spec.remote())
             self.cpu_actors, self.first_blocks, self.down = [], [], set()
             self._connect_all()
-            log.info("Ray executor: the model actor holds the KV, %d blocks (%.1f MiB), %s%s", self.kv_spec.num_blocks,
+            log.info("Ray executor: the model actor holds the KV, %d blocks (%.1f MiB), %s%s%s", self.kv_spec.num_blocks,
                      self.kv_spec.num_blocks * self.kv_spec.bytes_per_block / 2**20, c.kv_format,
-                     reserve_note(self.kv_spec))
+                     reserve_note(self.kv_spec), f", {self.kv_spec.shards[0]} of them on its accelerator (partial "
+                     "offload)" if self.kv_spec.promote_to is not None else "")
         else:
             self._start_actors(model_dir, placement, model_opts, threads, actor_cpus, use_gpu)
         cfg = self.model_cfg
@@ -196,7 +200,15 @@ class RayBackend(Backend):
 
     def live_shards(self) -> set[int]:
         self._poll()
-        return set() if self.model_down else set(range(len(self.cpu_actors) or 1)) - self.down
+        if self.model_down:
+            return set()
+        if not self.cpu_actors:  # the backend actor's shards (partial offload's two pools), up with it
+            return super().live_shards()
+        return set(range(len(self.cpu_actors))) - self.down
+
+    def open_shards(self) -> set[int]:
+        live = self.live_shards()
+        return live if self._open is None else live & self._open
 
     def health(self) -> str:
         if self.model_down or (self.cpu_actors and len(self.down) == len(self.cpu_actors)):
@@ -234,9 +246,11 @@ class RayBackend(Backend):
             self._step_sock.close()
             self.model_down = True
             self._unsent_frees = inp.freed_seq_ids
+            self._open = None  # a restarted actor's pools start open
             raise WorkerLost(f"the accelerator worker is lost ({type(exc).__name__}); restarting it") from None
         if isinstance(out, Exception):
             raise out
+        self._open = out.open_shards
         return out
 
     def close(self) -> None:

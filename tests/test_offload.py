@@ -11,7 +11,7 @@ from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.device_attn import DeviceAttentionWorker
 from hetcore.backend import KVSpec
 from server.block_manager import BlockManager
-from server.config import ServeConfig
+from server.config import ServeConfig, offload_runs
 from benchmarks.bench_gpu_offload import SHAPES, random_model
 from hetcore.backend import KVCapacityError
 from server.backend_config import BackendConfig
@@ -179,10 +179,14 @@ def test_offload_server_gives_the_host_only_greedy_text(server):
         offload.close()
 
 
-def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server):
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server, executor):
     """Two short requests fill the accelerator's pool (4-block prompts, 11 blocks), four long ones that come while they
     run go to the host's; as the short ones end, host-placed ones move there (their KV copied) and finish there, with
-    the all-host server's greedy text."""
+    the all-host server's greedy text. On Ray the pools sit in the one backend actor, which says after each step
+    which shards are open."""
+    if executor == "ray":
+        pytest.importorskip("ray")
     import time
 
     import httpx
@@ -197,9 +201,10 @@ def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server
 
     reference = [text(server.url, i) for i in range(6)]
     offload = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
-                                        gpu_kv_cache_bytes=11 * BYTES_PER_BLOCK_FP32))
+                                        gpu_kv_cache_bytes=11 * BYTES_PER_BLOCK_FP32, executor=executor))
     try:
         assert offload.engine.blocks.spec.promote_to == 0
+        assert offload.engine.backend.live_shards() == offload.engine.backend.open_shards() == {0, 1}
         with ThreadPoolExecutor(6) as pool:
             short = [pool.submit(text, offload.url, i) for i in range(2)]
             while len(offload.engine.scheduler.running) < 2 and not all(f.done() for f in short):
@@ -231,8 +236,8 @@ def test_offload_server_with_fp8_accelerator_kv():
 
 
 def test_offload_is_refused_beside_what_it_cannot_serve():
-    with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs executor local"):
-        ServeConfig(gpu_kv_cache_bytes=2**20, executor="ray")
+    with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs executor local or ray with ray_cpu_actors 0"):
+        ServeConfig(gpu_kv_cache_bytes=2**20, executor="ray", ray_cpu_actors=2)
     with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs"):
         ServeConfig(gpu_kv_cache_bytes=2**20, speculative_method="ngram")
     with pytest.raises(ValueError, match="gpu_kv_dtype fp8 is for partial offload"):
@@ -252,11 +257,18 @@ def test_gpu_hosts_offload_by_default_within_what_is_free():
     assert device_kv_budget(free=10 * gib, total=16 * gib) == 8 * gib  # the 2 GiB floor
     assert device_kv_budget(free=gib, total=16 * gib) == 0
     assert ServeConfig().offload_possible and ServeConfig(gpu_kv_cache_bytes=0).gpu_kv_cache_bytes == 0
-    assert not ServeConfig(executor="ray").offload_possible  # unset: no error, no offload
+    assert ServeConfig(executor="ray").offload_possible  # one backend actor holds model and KV
+    assert not ServeConfig(executor="ray", ray_cpu_actors=2).offload_possible  # unset: no error, no offload
     assert not ServeConfig(speculative_method="ngram").offload_possible
     assert not ServeConfig(device="cpu").offload_by_default
     assert not ServeConfig(gpu_kv_cache_bytes=0).offload_by_default
     assert ServeConfig().offload_by_default == torch.cuda.is_available()
+    # where the backend is built (the server's process, or Ray's backend actor on its node) the same rule decides
+    assert [offload_runs(b, d, cuda) for b, d, cuda in ((None, "auto", True), (None, "cuda", True), (None, "cpu", True),
+                                                          (None, "auto", False), (0, "cuda", True), (5, "cpu", False))] \
+        == [True, True, False, False, False, True]
+    assert BackendConfig.from_serve_config(ServeConfig(speculative_method="ngram")).gpu_kv_cache_bytes == 0
+    assert BackendConfig.from_serve_config(ServeConfig(executor="ray")).gpu_kv_cache_bytes is None
 
 
 def test_an_unsized_offload_on_the_cpu_is_refused_in_one_line():
