@@ -73,6 +73,10 @@ class DeviceAttentionWorker:
         self._seqs: list[tuple[int, int, int, slice | torch.Tensor]] = []
         """Per chunk: (first row, rows, start position, its context's slots: a slice where consecutive)."""
 
+    @property
+    def num_blocks(self) -> int:
+        return self.k_cache.shape[2] // self.block_size
+
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                         dtype: torch.dtype) -> int:

@@ -149,9 +149,8 @@ class ServeConfig:
                                           "and to the host's KV (--kv-cache-bytes) once it is full, each step "
                                           "attending both at once; 0 = none, every sequence's KV on the host (default: "
                                           "on a CUDA device, what it has free after the weights less a tenth of its "
-                                          "memory, where the KV sits beside the model (executor local, or ray with "
-                                          "ray_cpu_actors 0), backend hetero, speculative_method off and kv_policy "
-                                          "full; otherwise none)", parse=parse_bytes)
+                                          "memory, where backend hetero, speculative_method off and kv_policy full; "
+                                          "otherwise none)", parse=parse_bytes)
     gpu_kv_dtype: str = _opt("auto", "partial offload: the accelerator's KV values: auto (the model's dtype, bfloat16 "
                                      "on CUDA) or fp8 (float8 e4m3, scale 1 as vLLM's default: half the bytes, so "
                                      "twice the sequences fit; each value rounded to 3 mantissa bits)")
@@ -279,14 +278,12 @@ class ServeConfig:
                              "backend hetero and executor local or ray with ray_cpu_actors 0 (its rows are compacted "
                              "in a plain paged store)")
         if self.gpu_kv_cache_bytes and not self.offload_possible:
-            raise ValueError("gpu_kv_cache_bytes needs executor local or ray with ray_cpu_actors 0, backend hetero, "
-                             "speculative_method off and kv_policy full (the accelerator's KV pool sits beside the "
-                             "model and takes exact one-token and prompt rows only)")
+            raise ValueError("gpu_kv_cache_bytes needs backend hetero, speculative_method off and kv_policy full (the "
+                             "accelerator's KV takes exact one-token and prompt rows only)")
         if self.gpu_kv_dtype != "auto" and not (self.gpu_kv_cache_bytes or self.offload_by_default):
             raise ValueError(f"gpu_kv_dtype {self.gpu_kv_dtype} is for partial offload's accelerator KV: pass "
                              "gpu_kv_cache_bytes, or serve on a CUDA device (offload is its default there), with "
-                             "executor local or ray with ray_cpu_actors 0, backend hetero, speculative_method off "
-                             "and kv_policy full")
+                             "backend hetero, speculative_method off and kv_policy full")
         if self.backend not in ("hetero", "sim"):
             raise ValueError(f"backend must be hetero or sim, not {self.backend!r}")
         if self.backend == "sim":
@@ -306,10 +303,9 @@ class ServeConfig:
 
     @property
     def offload_possible(self) -> bool:
-        """Whether partial offload (gpu_kv_cache_bytes) can serve this configuration: the accelerator's KV pool sits
-        beside the model (the local executor, or Ray's one backend actor) and takes exact one-token and prompt rows
-        only, on the hetero backend."""
-        return (self.kv_beside_model and self.backend == "hetero" and self.speculative_method == "off"
+        """Whether partial offload (gpu_kv_cache_bytes) can serve this configuration: the accelerator's KV pool, beside
+        the model on either executor, takes exact one-token and prompt rows only, on the hetero backend."""
+        return (self.backend == "hetero" and self.speculative_method == "off"
                 and not self.kv_policy_config().is_layered)
 
     @property

@@ -1,4 +1,5 @@
-"""Partial offload (`--gpu-kv-cache-bytes`; the local executor, or Ray's one backend actor): the KV of some sequences on the
+"""Partial offload (`--gpu-kv-cache-bytes`; the local executor, or Ray's one backend actor; Ray's model actor
+with CPU attention actors does the same in server/ray_actors.ModelActor): the KV of some sequences on the
 accelerator, the rest on the host, both attended in every step at the same time (NEO's asymmetric
 pipelining).
 
@@ -84,35 +85,42 @@ def build_backend(model_dir: Path | None, config: BackendConfig) -> HeteroBacken
     return HeteroBackend(model_dir, config)
 
 
+def device_pool(model, config: BackendConfig) -> DeviceAttentionWorker:
+    """The accelerator's KV pool beside `model` (the model worker's process): config.gpu_kv_cache_bytes of blocks,
+    unset: what the CUDA device has free after the model, less the activations' reserve. Raises KVCapacityError
+    where that is unset off CUDA or holds no block."""
+    cfg, dev = model.cfg, model.device
+    dtype = store_dtype(config.gpu_kv_dtype, model.dtype)
+    per_block = DeviceAttentionWorker.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                      config.block_size, dtype)
+    budget = config.gpu_kv_cache_bytes
+    if budget is None:
+        if dev.type != "cuda":
+            raise KVCapacityError(f"partial offload with the model on {dev} needs --gpu-kv-cache-bytes")
+        budget = device_kv_budget(*torch.cuda.mem_get_info(dev))
+        log.info("partial offload: %.1f GiB of %s free after the model for its KV (--gpu-kv-cache-bytes sets "
+                 "it, 0 turns offload off)", budget / 2**30, dev)
+    num_device = budget // per_block
+    if num_device < 1:
+        raise KVCapacityError(f"{budget} B of KV on {dev} (--gpu-kv-cache-bytes) has no room for one block of "
+                              f"{per_block} B ({dtype}); --gpu-kv-cache-bytes 0 keeps every sequence's KV on the "
+                              "host")
+    log.info("partial offload: %d blocks of %d tokens on %s (%.1f MiB of %s KV)", num_device, config.block_size,
+             dev, num_device * per_block / 2**20, dtype)
+    return DeviceAttentionWorker(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, num_device,
+                                 dev, dtype)
+
+
 class OffloadBackend(HeteroBackend):
     def __init__(self, model_dir: Path | None, config: BackendConfig, model=None):
         super().__init__(model_dir, config, model)
-        cfg, dev = self.model_cfg, self.model.device
-        dtype = store_dtype(config.gpu_kv_dtype, self.model.dtype)
-        per_block = DeviceAttentionWorker.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                                          config.block_size, dtype)
-        budget = config.gpu_kv_cache_bytes
-        if budget is None:
-            if dev.type != "cuda":
-                raise KVCapacityError(f"partial offload with the model on {dev} needs --gpu-kv-cache-bytes")
-            budget = device_kv_budget(*torch.cuda.mem_get_info(dev))
-            log.info("partial offload: %.1f GiB of %s free after the model for its KV (--gpu-kv-cache-bytes sets "
-                     "it, 0 turns offload off)", budget / 2**30, dev)
-        num_device = budget // per_block
-        if num_device < 1:
-            raise KVCapacityError(f"{budget} B of KV on {dev} (--gpu-kv-cache-bytes) has no room for one block of "
-                                  f"{per_block} B ({dtype}); --gpu-kv-cache-bytes 0 keeps every sequence's KV on the "
-                                  "host")
-        self.num_device_blocks = num_device
-        self.device_attn = DeviceAttentionWorker(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                                                 num_device, dev, dtype)
+        self.device_attn = device_pool(self.model, config)
+        num_device = self.num_device_blocks = self.device_attn.num_blocks
         host = self.kv_spec
         self.kv_spec = replace(host, num_blocks=num_device + host.num_blocks, shards=(num_device, host.num_blocks),
                                first_fit=True, promote_to=DEVICE if self.attn_worker.sparse is None else None)
         self.guard = OffloadGuard()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetserve-host-attn")
-        log.info("partial offload: %d blocks of %d tokens on %s (%.1f MiB of %s KV) before the host's %d",
-                 num_device, config.block_size, dev, num_device * per_block / 2**20, dtype, host.num_blocks)
 
     def open_shards(self) -> set[int]:
         return {DEVICE, HOST} if self.guard.is_open else {DEVICE}

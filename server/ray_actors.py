@@ -76,6 +76,13 @@ class AttentionActor:
             self.worker.free(h["seq_ids"])
             return
         try:
+            if h["op"] == "gather":  # a sequence moving to the accelerator's pool: its KV, then it is forgotten here
+                table = [b - self.first_block for b in h["table"]]
+                kv = [self.worker.store.gather(layer, table, h["num_tokens"])
+                      for layer in range(self.worker.store.num_layers)]
+                self.worker.free([h["seq_id"]])
+                channel.send(conn, {}, [np.stack([k for k, _ in kv]), np.stack([v for _, v in kv])])
+                return
             worker = self.workers[h["mb"]]
             if "layout" in h:
                 worker.begin_step([ChunkLayout(n, start, tuple(b - self.first_block for b in table), seq, drafts)
@@ -165,10 +172,14 @@ class BackendActor:
 
 
 class ModelActor:
-    """The accelerator side: the model worker, and one channel per attention shard."""
+    """The accelerator side: the model worker, one channel per CPU attention actor and, with partial offload, the
+    accelerator's KV pool (server/offload.py): block ids [0, Nd) are shard 0, attended here; the CPU actors' blocks
+    follow, actor a being shard a + 1. A step's sequences placed here are one micro-batch of their own, attended
+    on the accelerator while the CPU actors attend the others'."""
 
     def __init__(self, model_dir: str, config: BackendConfig, threads: int, microbatches: int):
         from server.hetero import model_worker, pick_device, pick_dtype
+        from server.offload import OffloadGuard, device_pool
 
         if threads:
             _set_threads(threads)
@@ -176,6 +187,10 @@ class ModelActor:
         self.model_dir = Path(model_dir)
         self.model = config.load_model(self.model_dir, device, pick_dtype(config.dtype, device))
         self.worker = model_worker(self.model, config.lsh, device)
+        self.device_attn = device_pool(self.model, config) if config.offloads(torch.cuda.is_available()) else None
+        self.guard = OffloadGuard()
+        self.base = 0 if self.device_attn is None else 1
+        """The shard id of CPU actor 0."""
         self.addresses: list[tuple[str, int] | None] = []
         self.first_blocks: list[int] = []
         self.socks: list[socket.socket | None] = []
@@ -186,12 +201,27 @@ class ModelActor:
     def config(self):
         return self.model.cfg
 
+    def device_blocks(self) -> int:
+        """Blocks of the accelerator's KV pool, shard 0 (0: no partial offload)."""
+        return 0 if self.device_attn is None else self.device_attn.num_blocks
+
     def thresholds(self, path: str | None):
         from server.hetero import oaken_thresholds
 
         return oaken_thresholds(self.model, self.model_dir, path)
 
-    def set_shards(self, first_blocks: list[int]) -> None:
+    def set_shards(self, first_blocks: list[int], device_blocks: int) -> None:
+        """The CPU actors' first block ids, and the accelerator pool's blocks the server allocates in (a restarted
+        actor sized its pool again from what the device has free: it takes the server's size)."""
+        from gpu_model.device_attn import DeviceAttentionWorker
+
+        if self.device_attn is not None and self.device_attn.num_blocks != device_blocks:
+            pool, self.device_attn = self.device_attn, None
+            num_layers, num_kv_heads, _, head_dim = pool.k_cache.shape
+            shape = (num_layers, num_kv_heads, head_dim, pool.block_size)
+            dev, dtype = pool.k_cache.device, pool.k_cache.dtype
+            del pool
+            self.device_attn = DeviceAttentionWorker(*shape, device_blocks, dev, dtype)
         self.first_blocks = first_blocks
         self.addresses = [None] * len(first_blocks)
         self.socks = [None] * len(first_blocks)
@@ -217,10 +247,10 @@ class ModelActor:
                     self.connect(s, self.addresses[s])
                 except OSError:
                     self.addresses[s] = None
-        return WorkerLost(f"CPU attention worker {shard} lost: {type(exc).__name__}: {exc}", shard)
+        return WorkerLost(f"CPU attention worker {shard} lost: {type(exc).__name__}: {exc}", shard + self.base)
 
     def step(self, inp: StepInput) -> StepOutput:
-        from server.hetero import sample_batches
+        from server.hetero import flatten, sample_batches
 
         t0 = time.perf_counter()
         self.trimmer.maybe_release()  # what the previous steps freed (server/memory.py)
@@ -231,9 +261,19 @@ class ModelActor:
             if pending and self.socks[s] is not None:
                 self._send(s, {"op": "free", "seq_ids": pending}, [])
                 pending.clear()
+        for move in inp.moves:
+            self._move(move)
         if not inp.chunks:
             return StepOutput(sampled={})
-        mbs = [self._micro_batch(c) for c in split(inp.chunks, self.microbatches)]
+        nd = self.device_blocks()
+        host = [c for c in inp.chunks if c.block_table[0] >= nd]
+        mbs = [self._micro_batch(c) for c in split(host, self.microbatches)] if host else []
+        here = tuple(c for c in inp.chunks if c.block_table[0] < nd)  # attended on the accelerator, a micro-batch
+        if here:
+            b = flatten(StepInput(here))
+            self.device_attn.begin_step(b.layouts)
+            mbs.append((b, None))
+        pending: dict[int, torch.Tensor] = {}
         busy: dict[int, float] = {}
         dense: float | None = None  # of busy, the layers MagicPIG keeps exact (with a sparse part)
         centers: list = []  # key centers the CPU actors chose (AttentionWorker.take_centers), for the coder
@@ -243,6 +283,9 @@ class ModelActor:
         # (an OpenMP parallel region waits for a thread with no core to run on) before all frames are
         # out, and the shards' rows are gathered and scattered with NumPy, on this thread.
         def send(m, layer, q, k, v, codes):
+            if mbs[m][1] is None:  # on the accelerator's pool
+                pending[m] = self.device_attn.attend(layer, q, k, v)
+                return
             arrays = [t.numpy() for t in (q, k, v, *(codes or ()))]  # codes: the decode rows' q codes, k codes
             frames = [(s, layout, arrays if rows is None else [a[decodes if i == 3 else rows]
                                                                for i, a in enumerate(arrays)])
@@ -256,6 +299,8 @@ class ModelActor:
         def recv(m):
             nonlocal dense
             b, parts = mbs[m]
+            if parts is None:
+                return pending.pop(m)
             out = None
             for s, (rows, _, _) in parts.items():
                 h, arrays = self._recv(s)
@@ -273,14 +318,38 @@ class ModelActor:
             return torch.from_numpy(out)
 
         logits, accel_s = self.worker.forward_pipelined(
-            [(b.token_ids, b.positions, b.logit_rows, b.chunks) for b, _ in mbs], send, recv)
+            [(b.token_ids, b.positions, b.logit_rows, b.chunks) for b, _ in mbs], send, recv,
+            on_device=[parts is None for _, parts in mbs])
         self.worker.set_centers(centers)
         t1 = time.perf_counter()
         out = sample_batches(logits, [b for b, _ in mbs])
         step_s = time.perf_counter() - t0
         accel_s += time.perf_counter() - t1
-        return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=sum(busy.values()), step_s=step_s,
-                                                cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values())))
+        if self.device_attn is None:
+            return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=sum(busy.values()), step_s=step_s,
+                                                    cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values())))
+        if busy:
+            self.guard.observe(max(busy.values()), accel_s)
+        shards = range(len(self.first_blocks) + 1) if self.guard.is_open else (0,)
+        timings = StepTimings(accelerator_s=accel_s, cpu_attn_s=sum(busy.values()), step_s=step_s,
+                              cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values(), default=None),
+                              gpu_attn_s=self.device_attn.take_timings()["gpu_attn"])
+        return replace(out, timings=timings, open_shards=frozenset(shards))
+
+    def _move(self, move) -> None:
+        """A sequence's KV copied from its CPU actor (which then forgets it) into its new blocks of the accelerator's
+        pool (StepInput.moves)."""
+        s = bisect.bisect_right(self.first_blocks, move.src_table[0]) - 1
+        if self.socks[s] is None:
+            raise self._lost(s, ConnectionError("not connected"))
+        self._send(s, {"op": "gather", "table": list(move.src_table), "num_tokens": move.num_tokens,
+                       "seq_id": move.seq_id}, [])
+        h, arrays = self._recv(s)
+        if "error" in h:
+            raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
+        k, v = arrays
+        for layer in range(len(k)):
+            self.device_attn.load(layer, move.dst_table, torch.from_numpy(k[layer]), torch.from_numpy(v[layer]))
 
     def _micro_batch(self, chunks) -> tuple:
         """The flat batch of `chunks` and, per shard, (its rows and its rows among the decode rows

@@ -84,7 +84,7 @@ class RayBackend(Backend):
                 str(model_dir), c, threads)
             self.model_cfg = ray.get(self.model_actor.config.remote())
             self.kv_spec = ray.get(self.model_actor.kv_spec.remote())
-            self.cpu_actors, self.first_blocks, self.down = [], [], set()
+            self.cpu_actors, self.first_blocks, self.down, self.device_blocks = [], [], set(), 0
             self._connect_all()
             log.info("Ray executor: the model actor holds the KV, %d blocks (%.1f MiB), %s%s%s", self.kv_spec.num_blocks,
                      self.kv_spec.num_blocks * self.kv_spec.bytes_per_block / 2**20, c.kv_format,
@@ -110,24 +110,29 @@ class RayBackend(Backend):
         microbatches = placement.microbatches or (2 if use_gpu else 1)
         self.model_actor = ray.remote(ModelActor).options(**model_opts).remote(str(model_dir), c, threads, microbatches)
         cfg = self.model_cfg = ray.get(self.model_actor.config.remote())
+        self.device_blocks = ray.get(self.model_actor.device_blocks.remote())
         cal = ray.get(self.model_actor.thresholds.remote(c.oaken_thresholds_path)) if c.kv_format == "oaken" else None
         shard = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes // num_actors, c.block_size, c.oaken_sparse_fraction,
                         c.oaken_recent_blocks, c.lsh, c.max_num_seqs)
         num_blocks, per_block = shard.num_blocks, shard.bytes_per_block
-        self.first_blocks = [i * num_blocks for i in range(num_actors)]
+        self.first_blocks = [self.device_blocks + i * num_blocks for i in range(num_actors)]
         actor_opts = {"num_cpus": actor_cpus, **_restartable(OMP_WAIT_POLICY="PASSIVE")}
         if placement.kv_resource:
             actor_opts["resources"] = {placement.kv_resource: 1}
         self.cpu_actors = [ray.remote(AttentionActor).options(**actor_opts).remote(cfg, c, num_blocks, first, cal,
                                                                                    actor_cpus)
                            for first in self.first_blocks]
-        self.kv_spec = replace(shard, num_blocks=num_blocks * num_actors, shards=(num_blocks,) * num_actors)
+        nd = self.device_blocks  # partial offload: the model actor's pool is shard 0, filled first
+        self.kv_spec = replace(shard, num_blocks=nd + num_blocks * num_actors,
+                               shards=((nd,) if nd else ()) + (num_blocks,) * num_actors, first_fit=bool(nd),
+                               promote_to=0 if nd and c.lsh is None else None)
         self.down: set[int] = set(range(num_actors))
         self._connect_all()
         if self.down:
             raise RuntimeError(f"CPU attention actors {sorted(self.down)} did not start")
-        log.info("Ray executor: %d CPU attention actors x %d CPUs, %d KV blocks each (%.1f MiB), %s%s",
-                 num_actors, actor_cpus, num_blocks, num_blocks * per_block / 2**20, c.kv_format, reserve_note(shard))
+        log.info("Ray executor: %d CPU attention actors x %d CPUs, %d KV blocks each (%.1f MiB), %s%s%s",
+                 num_actors, actor_cpus, num_blocks, num_blocks * per_block / 2**20, c.kv_format, reserve_note(shard),
+                 f"; {nd} blocks on the model actor's accelerator first (partial offload)" if nd else "")
 
     def _connect_all(self, timeout_s: float = 300.0) -> None:
         if not self.cpu_actors:  # the backend actor: its step channel
@@ -137,7 +142,7 @@ class RayBackend(Backend):
             self._step_sock = channel.connect(self._step_address, STEP_TIMEOUT_S, self._step_token)
             return
         addresses = self.ray.get([a.address.remote() for a in self.cpu_actors], timeout=timeout_s)
-        self.ray.get(self.model_actor.set_shards.remote(self.first_blocks))
+        self.ray.get(self.model_actor.set_shards.remote(self.first_blocks, self.device_blocks))
         for s, address in enumerate(addresses):
             self.ray.get(self.model_actor.connect.remote(s, address))
             self.down.discard(s)
@@ -204,7 +209,13 @@ class RayBackend(Backend):
             return set()
         if not self.cpu_actors:  # the backend actor's shards (partial offload's two pools), up with it
             return super().live_shards()
-        return set(range(len(self.cpu_actors))) - self.down
+        base = self.shard_base
+        return ({0} if base else set()) | {a + base for a in range(len(self.cpu_actors)) if a not in self.down}
+
+    @property
+    def shard_base(self) -> int:
+        """The shard id of CPU actor 0: 1 where the model actor's accelerator pool is shard 0, else 0."""
+        return 1 if self.device_blocks else 0
 
     def open_shards(self) -> set[int]:
         live = self.live_shards()
@@ -230,12 +241,14 @@ class RayBackend(Backend):
             out = self.ray.get(self.model_actor.step.remote(inp), timeout=STEP_TIMEOUT_S)
         except WorkerLost as exc:  # raised in the model actor, after it took the frees; Ray hands it back wrapped
             lost = exc.cause if isinstance(exc, RayTaskError) else exc
-            self.down.add(lost.shard)
+            self.down.add(lost.shard - self.shard_base)
             raise WorkerLost(str(lost), lost.shard) from None
         except (RayActorError, GetTimeoutError) as exc:
             self.model_down = True
             self._unsent_frees = inp.freed_seq_ids
+            self._open = None
             raise WorkerLost(f"the accelerator worker died ({type(exc).__name__}); restarting it") from None
+        self._open = out.open_shards
         return out
 
     def _step_backend_actor(self, inp: StepInput) -> StepOutput:

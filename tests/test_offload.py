@@ -179,12 +179,13 @@ def test_offload_server_gives_the_host_only_greedy_text(server):
         offload.close()
 
 
-@pytest.mark.parametrize("executor", ["local", "ray"])
-def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server, executor):
+@pytest.mark.parametrize("executor, cpu_actors", [("local", 0), ("ray", 0), ("ray", 2)])
+def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server, executor, cpu_actors):
     """Two short requests fill the accelerator's pool (4-block prompts, 11 blocks), four long ones that come while they
     run go to the host's; as the short ones end, host-placed ones move there (their KV copied) and finish there, with
-    the all-host server's greedy text. On Ray the pools sit in the one backend actor, which says after each step
-    which shards are open."""
+    the all-host server's greedy text. On Ray the pools sit in the one backend actor, or the accelerator's in the
+    model actor (shard 0) and the host's in two CPU attention actors (shards 1 and 2, which the moves gather from);
+    the actor says after each step which shards are open."""
     if executor == "ray":
         pytest.importorskip("ray")
     import time
@@ -201,10 +202,12 @@ def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server
 
     reference = [text(server.url, i) for i in range(6)]
     offload = RunningServer(ServeConfig(kv_format="fp32", kv_cache_bytes=256 * 2**20, cpu_linear_dtype="float32",
-                                        gpu_kv_cache_bytes=11 * BYTES_PER_BLOCK_FP32, executor=executor))
+                                        gpu_kv_cache_bytes=11 * BYTES_PER_BLOCK_FP32, executor=executor,
+                                        ray_cpu_actors=cpu_actors, ray_microbatches=2))
     try:
-        assert offload.engine.blocks.spec.promote_to == 0
-        assert offload.engine.backend.live_shards() == offload.engine.backend.open_shards() == {0, 1}
+        spec = offload.engine.blocks.spec
+        assert spec.promote_to == 0 and spec.shards[0] == 11 and len(spec.shards) == 1 + max(1, cpu_actors)
+        assert offload.engine.backend.live_shards() == offload.engine.backend.open_shards() == set(range(len(spec.shards)))
         with ThreadPoolExecutor(6) as pool:
             short = [pool.submit(text, offload.url, i) for i in range(2)]
             while len(offload.engine.scheduler.running) < 2 and not all(f.done() for f in short):
@@ -213,6 +216,9 @@ def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server
             assert [f.result() for f in short + long] == reference
         assert offload.engine.scheduler.num_moves >= 1
         assert offload.engine.blocks.used_bytes == 0
+        step = offload.engine.metrics.step
+        seconds = {s.labels["part"]: s.value for m in step.collect() for s in m.samples if s.name.endswith("_sum")}
+        assert seconds["gpu_attn"] > 0 and seconds["cpu_attn"] > 0  # both pools attended
     finally:
         offload.close()
 
@@ -236,8 +242,6 @@ def test_offload_server_with_fp8_accelerator_kv():
 
 
 def test_offload_is_refused_beside_what_it_cannot_serve():
-    with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs executor local or ray with ray_cpu_actors 0"):
-        ServeConfig(gpu_kv_cache_bytes=2**20, executor="ray", ray_cpu_actors=2)
     with pytest.raises(ValueError, match="gpu_kv_cache_bytes needs"):
         ServeConfig(gpu_kv_cache_bytes=2**20, speculative_method="ngram")
     with pytest.raises(ValueError, match="gpu_kv_dtype fp8 is for partial offload"):
@@ -257,8 +261,7 @@ def test_gpu_hosts_offload_by_default_within_what_is_free():
     assert device_kv_budget(free=10 * gib, total=16 * gib) == 8 * gib  # the 2 GiB floor
     assert device_kv_budget(free=gib, total=16 * gib) == 0
     assert ServeConfig().offload_possible and ServeConfig(gpu_kv_cache_bytes=0).gpu_kv_cache_bytes == 0
-    assert ServeConfig(executor="ray").offload_possible  # one backend actor holds model and KV
-    assert not ServeConfig(executor="ray", ray_cpu_actors=2).offload_possible  # unset: no error, no offload
+    assert ServeConfig(executor="ray").offload_possible and ServeConfig(executor="ray", ray_cpu_actors=2).offload_possible
     assert not ServeConfig(speculative_method="ngram").offload_possible
     assert not ServeConfig(device="cpu").offload_by_default
     assert not ServeConfig(gpu_kv_cache_bytes=0).offload_by_default
