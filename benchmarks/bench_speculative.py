@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--long-batches", action="store_true", help="also run contexts > 1024 at concurrency > 1")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--serve-args", default="", help="extra `hetserve serve` flags for every method")
+    ap.add_argument("--speculative-model", help="method draft-model: the model that drafts (--speculative-model)")
     ap.add_argument("--name", default="bench_speculative", help="results file names (JSON, PNG) without suffix")
     args = ap.parse_args()
 
@@ -142,7 +143,9 @@ def main() -> None:
     results, servers = [], {}
     try:
         for j, method in enumerate(args.methods):
-            proc, ready_s = start_hetserve(args.port + j, "--speculative-method", method, *args.serve_args.split())
+            draft = ("--speculative-model", args.speculative_model) if method == "draft-model" else ()
+            proc, ready_s = start_hetserve(args.port + j, "--speculative-method", method, *draft,
+                                           *args.serve_args.split())
             servers[method] = (proc, f"http://127.0.0.1:{args.port + j}")
             print(f"{method}: ready in {ready_s:.0f} s", flush=True)
         for i, (kind, context, c, t) in enumerate(grid):

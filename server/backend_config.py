@@ -53,6 +53,8 @@ class BackendConfig:
     """How many tokens each layer's KV keeps (hetcore/kv_policy.py; layered needs kv_format fp16 or fp32)."""
     draft_weight_format: str | None = None
     """Speculative self-mx: the weight format of a second copy of the model that drafts (None: none)."""
+    draft_model: str | None = None
+    """Speculative draft-model: the path of the model that drafts (server/draft_model.py; None: none)."""
     gpu_kv_cache_bytes: int | None = None
     """Partial offload (server/offload.OffloadBackend): a KV pool of this many bytes on the model's device, filled
     first; 0: none; None: where the linears run on a CUDA device, what it has free after the model
@@ -93,6 +95,7 @@ class BackendConfig:
                    oaken_sparse_fraction=cfg.oaken_sparse_fraction, oaken_recent_blocks=recent,
                    lsh=cfg.lsh_config(), max_num_seqs=cfg.max_num_seqs, kv_policy=cfg.kv_policy_config(),
                    draft_weight_format=cfg.speculative_config().draft_weight_format,
+                   draft_model=cfg.speculative_model,
                    gpu_kv_cache_bytes=cfg.gpu_kv_cache_bytes if cfg.offload_possible else 0,
                    gpu_kv_dtype=cfg.gpu_kv_dtype)
 

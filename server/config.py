@@ -168,9 +168,9 @@ class ServeConfig:
                                           "the latest earlier occurrence of the sequence's last tokens, prompt "
                                           "lookup); self-sparse (the model drafts with attention over "
                                           "speculative_sinks + speculative_window tokens); self-mx (a copy of the "
-                                          "model with MXFP4 weights drafts); self-mx-sparse (both; the self "
-                                          "methods need the KV in the model's process: executor local, or ray "
-                                          "with ray_cpu_actors 0); each "
+                                          "model with MXFP4 weights drafts); self-mx-sparse (both); draft-model "
+                                          "(speculative_model drafts; these four need the KV in the model's "
+                                          "process: executor local, or ray with ray_cpu_actors 0); each "
                                           "emitted token is the one the model samples without speculation; needs "
                                           "kv_format fp16 or fp32 and attention exact; see docs/speculative.md")
     num_speculative_tokens: int = _opt(4, "speculative decoding: most draft tokens a sequence sends per step (1-16); "
@@ -180,6 +180,9 @@ class ServeConfig:
     ngram_max: int = _opt(4, "speculative method ngram: longest suffix looked up (the longest found wins)")
     speculative_sinks: int = _opt(16, "speculative method self-sparse: first tokens a draft step attends to")
     speculative_window: int = _opt(256, "speculative method self-sparse: latest tokens a draft step attends to")
+    speculative_model: str | None = _opt(None, "speculative method draft-model: the model that drafts, a GGUF file "
+                                               "or a Hugging Face directory with the model's tokenizer (a smaller "
+                                               "sibling); its KV takes a share of kv_cache_bytes")
     executor: str = _opt("local", "how workers run: local (one process), or ray (a model actor, and CPU attention "
                                   "actors if ray_cpu_actors > 0; a local Ray cluster unless ray_address is given)")
     ray_address: str | None = _opt(None, "ray executor: address of an existing Ray cluster to join, e.g. auto or "
@@ -268,7 +271,7 @@ class ServeConfig:
                                                  or self.backend != "hetero"):
             raise ValueError(f"speculative_method {self.speculative_method} needs kv_format fp16 or fp32, attention "
                              "exact and backend hetero (its rejected drafts' KV must not stay in the store)")
-        if self.speculative_method.startswith("self") and not self.kv_beside_model:
+        if self.speculative_config().backend_drafts and not self.kv_beside_model:
             raise ValueError(f"speculative_method {self.speculative_method} needs executor local, or ray with "
                              "ray_cpu_actors 0 (its draft steps run where the model and the KV are)")
         if self.kv_policy_config().is_layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
@@ -322,7 +325,7 @@ class ServeConfig:
         from server.speculative import SpecConfig
 
         return SpecConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
-                          self.speculative_sinks, self.speculative_window)
+                          self.speculative_sinks, self.speculative_window, self.speculative_model)
 
     def kv_policy_config(self):
         """The KV policy (hetcore.kv_policy.KVPolicy); raises KVPolicyError (a ValueError) on bad settings."""

