@@ -81,7 +81,9 @@ class AttentionActor:
                 kv = [self.worker.store.gather(layer, table, h["num_tokens"])
                       for layer in range(self.worker.store.num_layers)]
                 self.worker.free([h["seq_id"]])
-                channel.send(conn, {}, [np.stack([k for k, _ in kv]), np.stack([v for _, v in kv])])
+                wire = np.dtype(h["dtype"])  # float16 where the pool keeps 16 bits or fewer: half the bytes
+                channel.send(conn, {}, [np.stack([k for k, _ in kv]).astype(wire, copy=False),
+                                        np.stack([v for _, v in kv]).astype(wire, copy=False)])
                 return
             worker = self.workers[h["mb"]]
             if "layout" in h:
@@ -338,12 +340,14 @@ class ModelActor:
 
     def _move(self, move) -> None:
         """A sequence's KV copied from its CPU actor (which then forgets it) into its new blocks of the accelerator's
-        pool (StepInput.moves)."""
+        pool (StepInput.moves), before the step: float16 on the wire unless the pool is float32 (bf16 and fp8 keep
+        fewer bits), every layer's rows in one frame each for K and V."""
         s = bisect.bisect_right(self.first_blocks, move.src_table[0]) - 1
         if self.socks[s] is None:
             raise self._lost(s, ConnectionError("not connected"))
+        wire = "float32" if self.device_attn.k_cache.dtype == torch.float32 else "float16"
         self._send(s, {"op": "gather", "table": list(move.src_table), "num_tokens": move.num_tokens,
-                       "seq_id": move.seq_id}, [])
+                       "seq_id": move.seq_id, "dtype": wire}, [])
         h, arrays = self._recv(s)
         if "error" in h:
             raise RuntimeError(f"CPU attention worker {s}: {h['error']}")
