@@ -28,7 +28,7 @@ fi
   free -g
   python3 -c "import numba, numpy, torch; print('numba', numba.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT/gpu_env.log"
-[ -z "$SKIP_TESTS" ] && timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py -q 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+[ -z "$SKIP_TESTS" ] && timeout 420 python3 -m pytest -p no:cacheprovider -m gpu tests/test_gpu.py -q 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 for ctx in ${CTXS:-65536}; do
   left=$(( ${TOTAL:-900} - ($(date +%s) - T0) ))
   [ $left -lt 60 ] && { echo "no time left for context $ctx"; break; }
