@@ -32,6 +32,7 @@ from gpu_model.model import LlamaModel
 from gpu_model.sampler import sample
 from gpu_model.worker import ModelWorker
 from hetcore.backend import SeqChunk, StepInput
+from server.backend_config import BackendConfig
 
 
 @dataclass
@@ -60,7 +61,7 @@ class _Sync:
         self.synced = self.base = synced
 
 
-def load_draft(path: str, target_dir: Path, target_cfg, config, device, dtype) -> LlamaModel:
+def load_draft(path: str, target_dir: Path, target_cfg, config: BackendConfig, device, dtype) -> LlamaModel:
     """The draft model at `path` (a GGUF file or a Hugging Face directory; `config`: the BackendConfig whose
     weight settings it loads with), on the target's device and dtype. Raises ModelLoadError, in one line, where
     its vocabulary is not the target's."""
