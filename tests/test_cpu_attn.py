@@ -143,8 +143,10 @@ def test_write_then_gather_roundtrip(dtype):
     assert not store.k[1].any()  # other layers untouched
 
 
-@pytest.mark.parametrize("start_pos,num_tokens", [(0, 7), (5, 3), (12, 1)])
+@pytest.mark.parametrize("start_pos,num_tokens", [(0, 7), (5, 3), (12, 1), (5, 9), (64, 64), (300, 17)])
 def test_prefill_attention_matches_numpy(start_pos, num_tokens):
+    """Each query attends keys 0 .. its position: one SDPA with a mask where the chunk is longer than what came
+    before it, else the earlier keys and the chunk's own in two parts joined by their log-sum-exps."""
     rng = np.random.default_rng(4)
     q = rng.standard_normal((num_tokens, 6, 32)).astype(np.float32)
     k = rng.standard_normal((start_pos + num_tokens, 2, 32)).astype(np.float32)
