@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import Counter
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,8 @@ class _Live:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Of prompt positions 1, 2, ... as the prefill chunks score them (a recomputed chunk's again: dropped)."""
     prompt_logprobs_sent: bool = False
+    emitted: int = 0
+    """Output tokens applied to the request so far (the sequence may hold more of the step in hand)."""
 
 
 class Engine:
@@ -254,8 +257,10 @@ class Engine:
                 if pos == len(live.prompt_logprobs) + 1:
                     live.prompt_logprobs.append(lp)
         now = time.monotonic()
+        new_tokens = self.scheduler.update(out)
+        per_seq = Counter(seq.seq_id for seq, _ in new_tokens)
         nth: dict[int, int] = {}
-        for seq, token in self.scheduler.update(out):
+        for seq, token in new_tokens:
             live = self._live.get(seq.seq_id)
             if live is None:  # ended at an earlier token of this step (a stop among accepted drafts)
                 continue
@@ -265,7 +270,8 @@ class Engine:
             if live.first_token_s is None:
                 live.first_token_s = now
                 self.metrics.on_first_token(now - live.req.arrival_s)
-            self._on_token(live, token, lp)
+            # the sequence holds this step's tokens already: this one is its output's n-th
+            self._on_token(live, token, lp, len(seq.output_token_ids) - (per_seq[seq.seq_id] - 1 - i))
 
     def _free_finished(self, inp: StepInput) -> None:
         """A step with nothing to run still tells the backend which sequences ended (it drops their
@@ -275,11 +281,13 @@ class Engine:
         except WorkerLost as exc:
             log.warning("finished sequences not freed in the backend yet: %s", exc)
 
-    def _on_token(self, live: _Live, token: int, logprobs: TokenLogprobs | None) -> None:
+    def _on_token(self, live: _Live, token: int, logprobs: TokenLogprobs | None, n: int) -> None:
+        """Apply the request's n-th output token (a step with accepted drafts brings several)."""
         req, seq = live.req, live.seq
         if req.max_tokens == 0:  # echo's prompt scoring alone: the prompt's logprobs came with this token, dropped
             self._finish(live, "length")
             return
+        live.emitted = n
         reason, lps = None, () if logprobs is None else (logprobs,)
         grammar = self.grammars.consume(seq.seq_id, token)  # None, "stop" (complete) or why it broke
         if grammar not in (None, "stop"):
@@ -293,7 +301,7 @@ class Engine:
                 reason = "stop"
         if reason is None and grammar == "stop":
             reason = "stop"
-        if reason is None and (len(seq.output_token_ids) >= req.max_tokens or seq.num_tokens >= self.backend.max_model_len):
+        if reason is None and (n >= req.max_tokens or len(seq.prompt_token_ids) + n >= self.backend.max_model_len):
             reason = "length"
         if reason is None:
             req.on_event(self._event(live, text, (token,), logprobs=lps))
@@ -307,7 +315,7 @@ class Engine:
         if error is None and live.req.sampling.prompt_logprobs is not None and not live.prompt_logprobs_sent:
             prompt, live.prompt_logprobs_sent = tuple(live.prompt_logprobs), True
         return RequestEvent(live.req.request_id, text, token_ids, len(live.seq.prompt_token_ids),
-                            min(len(live.seq.output_token_ids), live.req.max_tokens), reason, error, sim, logprobs,
+                            live.emitted, reason, error, sim, logprobs,
                             prompt, live.seq.num_cached_tokens)
 
     def _finish(self, live: _Live, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
@@ -322,7 +330,7 @@ class Engine:
         self.grammars.remove(live.seq.seq_id)
         if reason != "error":
             text += live.detok.flush()
-        now, n = time.monotonic(), len(live.seq.output_token_ids)
+        now, n = time.monotonic(), live.emitted
         first = live.first_token_s
         self.metrics.on_finish(reason, now - live.req.arrival_s, (now - first) / (n - 1) if first and n > 1 else None)
         live.req.on_event(replace(self._event(live, text, token_ids, reason, error, logprobs), stop_reason=stop_reason))

@@ -1,6 +1,7 @@
 """Speculative decoding: n-gram drafts, the policy, the scheduler's draft accounting, acceptance, and
 exactness end to end (the text equals the text without speculation, token for token)."""
 import random
+import types
 from pathlib import Path
 
 import httpx
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetcore.backend import KVSpec, SamplingParams, StepOutput, StepTimings
+from hetcore.backend import Backend, KVSpec, SamplingParams, StepOutput, StepTimings
 from server.block_manager import BlockManager
 from server.config import ServeConfig
 from server.hetero import accept
@@ -480,3 +481,62 @@ def test_constrained_requests_speculate_within_their_grammar(server, spec_server
     after = float([line for line in httpx.get(spec_server.url + "/metrics").text.splitlines()
                    if line.startswith("hetserve:spec_decode_num_draft_tokens")][0].split()[-1])
     assert after > before  # it did speculate
+
+
+class RepeatingBackend(Backend):
+    """Continues a repeating pattern of tokens with every draft accepted (a decode step of a drafting sequence brings
+    1 + its drafts); step times that make drafting pay."""
+
+    def __init__(self, pattern: list[int]):
+        self.pattern = pattern
+        self.kv_spec, self.max_model_len = KVSpec(16, 256, 1024), 4096
+        self.model_cfg = types.SimpleNamespace(eos_token_ids=())
+
+    def step(self, inp):
+        sampled, accepted = {}, {}
+        for c in inp.chunks:
+            if c.sampling is not None:
+                drafts = c.token_ids[len(c.token_ids) - c.num_draft:] if c.num_draft else ()
+                end = c.start_pos + len(c.token_ids)
+                assert list(drafts) == [self.pattern[p % len(self.pattern)] for p in range(end - len(drafts), end)]
+                accepted[c.seq_id], sampled[c.seq_id] = drafts, self.pattern[end % len(self.pattern)]
+        tokens = sum(len(c.token_ids) for c in inp.chunks)
+        return StepOutput(sampled, accepted=accepted, timings=StepTimings(0.01, 0.0, 0.01 + 1e-4 * tokens))
+
+    def close(self):
+        pass
+
+
+def test_a_step_that_reaches_max_tokens_with_drafts_sends_every_token():
+    """Steps of several tokens (accepted drafts) that end exactly at max_tokens: every token is sent to the client
+    and counted once; an earlier engine finished at the step's first token and dropped the rest."""
+    import threading
+
+    from gpu_model.loader import resolve_model_dir
+    from gpu_model.tokenizer import Tokenizer
+    from server.engine import Engine
+    from server.request import EngineRequest
+
+    tok = Tokenizer(resolve_model_dir(None), ())
+    pattern = tok.encode(" one two three four five six seven")
+    engine = Engine(RepeatingBackend(pattern), tok, SchedulerConfig(4, 512, False, SpecConfig("ngram", 4)))
+    threading.Thread(target=engine.run, daemon=True).start()
+    try:
+        for max_tokens in (12, 13, 9):
+            events, done = [], threading.Event()
+
+            def on_event(ev, events=events, done=done):
+                events.append(ev)
+                if ev.finish_reason:
+                    done.set()
+
+            prompt = pattern * 3
+            engine.submit(EngineRequest(f"r{max_tokens}", prompt, GREEDY, max_tokens, on_event=on_event))
+            assert done.wait(60)
+            tokens = [t for ev in events for t in ev.token_ids]
+            want = [pattern[p % len(pattern)] for p in range(len(prompt), len(prompt) + max_tokens)]
+            assert tokens == want and "".join(ev.text for ev in events) == tok.decode(want)
+            assert events[-1].finish_reason == "length" and events[-1].num_output_tokens == max_tokens
+        assert engine.scheduler.num_accepted_tokens > 0
+    finally:
+        engine.stop()
