@@ -179,7 +179,8 @@ def test_offload_server_gives_the_host_only_greedy_text(server):
         offload.close()
 
 
-@pytest.mark.parametrize("executor, cpu_actors", [("local", 0), ("ray", 0), ("ray", 2)])
+@pytest.mark.parametrize("executor, cpu_actors", [("local", 0), pytest.param("ray", 0, marks=pytest.mark.slow),
+                                                   ("ray", 2)])
 def test_host_sequences_move_to_the_accelerator_with_the_same_greedy_text(server, executor, cpu_actors):
     """Two short requests fill the accelerator's pool (4-block prompts, 11 blocks), four long ones that come while they
     run go to the host's; as the short ones end, host-placed ones move there (their KV copied) and finish there, with
