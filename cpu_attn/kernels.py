@@ -44,6 +44,21 @@ def write_kv(k_cache, v_cache, slot_mapping, k, v):
             v_cache[block, h, offset, :] = v[t, h, :]
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def gather_rows(cache, blocks, seq_len, out):
+    """out[t] = the rows of positions t < seq_len as float32, a block at a time in parallel: cache [num_blocks, Hkv,
+    block_size, D] of one layer (float32, or uint16 holding fp16 bits, widened as the kernels widen them), blocks:
+    the sequence's block ids, out [>= seq_len, Hkv, D] float32."""
+    num_kv_heads, block_size, head_dim = cache.shape[1], cache.shape[2], cache.shape[3]
+    for j in prange((seq_len + block_size - 1) // block_size):
+        scratch = np.empty((block_size, head_dim), np.float32)
+        width = min(block_size, seq_len - j * block_size)
+        for h in range(num_kv_heads):
+            rows = widen_block(cache[blocks[j], h], width, scratch)
+            for r in range(width):
+                out[j * block_size + r, h, :] = rows[r]
+
+
 _ROW_VECTORS = 8  # vectors of 8 floats: the 64 values of a row chunk _add_weighted_rows keeps in registers
 
 

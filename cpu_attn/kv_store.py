@@ -17,8 +17,8 @@ from typing import Protocol
 import numpy as np
 
 from cpu_attn.calibrate import SPARSE_FRACTION, OakenThresholds
-from cpu_attn.kernels import (attention_scratch, paged_decode_attention, paged_verify_attention, split_parts,
-                              verify_scratch, write_kv, zeros_aligned)
+from cpu_attn.kernels import (attention_scratch, gather_rows, paged_decode_attention, paged_verify_attention,
+                              split_parts, verify_scratch, write_kv, zeros_aligned)
 from cpu_attn.oaken.store import OakenKVStore
 
 # fp16 is kept as raw uint16 bits (Numba has no CPU float16); see fp16.py
@@ -73,23 +73,18 @@ class PagedKVStore:
     def _encode(self, x: np.ndarray) -> np.ndarray:
         return x.astype(np.float16).view(np.uint16) if self.dtype == "float16" else np.ascontiguousarray(x, np.float32)
 
-    def _decode(self, x: np.ndarray) -> np.ndarray:
-        return x.view(np.float16).astype(np.float32) if self.dtype == "float16" else x.astype(np.float32)
-
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
               positions: np.ndarray | None = None) -> None:
         """slot_mapping: [T] int64; k, v: [T, Hkv, D] float32 (positions: unused here)."""
         write_kv(self.k[layer], self.v[layer], slot_mapping, self._encode(k), self._encode(v))
 
     def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """One sequence's first `seq_len` positions -> k, v: [seq_len, Hkv, D] float32."""
+        """One sequence's first `seq_len` positions -> k, v: [seq_len, Hkv, D] float32 (kernels.gather_rows)."""
         blocks = np.asarray(block_table[: -(-seq_len // self.block_size)], dtype=np.int64)
-
-        def rows(cache: np.ndarray) -> np.ndarray:
-            x = cache[layer, blocks].transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)
-            return self._decode(x[:seq_len])
-
-        return rows(self.k), rows(self.v)
+        k, v = (np.empty((seq_len, self.num_kv_heads, self.head_dim), np.float32) for _ in range(2))
+        gather_rows(self.k[layer], blocks, seq_len, k)
+        gather_rows(self.v[layer], blocks, seq_len, v)
+        return k, v
 
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          scale: float) -> tuple[np.ndarray, np.ndarray]:
