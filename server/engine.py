@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections import Counter
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Callable
