@@ -15,20 +15,10 @@ import argparse
 import statistics
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.bench_decode_attn import HEAD_DIM, HEADS, KV_HEADS, limits
 from benchmarks.common import RESULTS, machine, print_table, times_ms, write_json
-from cpu_attn.prefill import prefill_attention
-
-
-def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float) -> torch.Tensor:
-    """The baseline: one SDPA over the whole context with a boolean causal mask at the chunk's offset."""
-    num_ctx = k.shape[0]
-    mask = torch.arange(num_ctx)[None, :] <= torch.arange(start_pos, num_ctx)[:, None]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
+from cpu_attn.prefill import masked_attention, prefill_attention
 
 
 def plot(rows: list[dict], path) -> None:
@@ -69,11 +59,11 @@ def main() -> None:
             start = context - chunk
             q = torch.randn(chunk, HEADS, HEAD_DIM, generator=gen)
             k, v = (torch.randn(context, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
-            err = (prefill_attention(q, k, v, start, scale) - masked_sdpa(q, k, v, start, scale)).abs().max().item()
+            err = (prefill_attention(q, k, v, start, scale) - masked_attention(q, k, v, start, scale)).abs().max().item()
             flops = 4 * HEADS * HEAD_DIM * (chunk * start + chunk * (chunk + 1) / 2)
             base, mine = [], []
             for _ in range(3):  # interleaved, so that a neighbour's burst hits both
-                base += times_ms(lambda: masked_sdpa(q, k, v, start, scale), args.repeats)
+                base += times_ms(lambda: masked_attention(q, k, v, start, scale), args.repeats)
                 mine += times_ms(lambda: prefill_attention(q, k, v, start, scale), args.repeats)
             b, m = statistics.median(base), statistics.median(mine)
             rows.append({"chunk": chunk, "context": context, "sdpa_mask_ms": b, "hetserve_ms": m,

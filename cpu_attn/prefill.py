@@ -23,10 +23,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_p
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
     if start_pos < num_tokens or q.dtype != torch.float32 or q.device.type != "cpu":
-        q_pos = torch.arange(start_pos, num_ctx)[:, None]
-        mask = torch.arange(num_ctx)[None, :] <= q_pos  # [T, S]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
+        return masked_attention(q, k, v, start_pos, scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -42,3 +39,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_p
     top = torch.maximum(past_lse, own_lse)
     w_past, w_own = torch.exp(past_lse - top), torch.exp(own_lse - top)
     return ((past * w_past + own * w_own) / (w_past + w_own)).transpose(0, 1)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float) -> torch.Tensor:
+    """prefill_attention by one SDPA over the whole context with a boolean causal mask at the chunk's offset."""
+    num_ctx = k.shape[0]
+    mask = torch.arange(num_ctx)[None, :] <= torch.arange(start_pos, num_ctx)[:, None]  # [T, S]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

@@ -23,16 +23,16 @@ of another request's decodes that never drafted) drafts from wrong rows there: f
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpu_attn.kv_store import PagedKVStore
 from cpu_attn.worker import AttentionWorker, ChunkLayout
 from gpu_model.model import LlamaModel
-from gpu_model.sampler import sample
 from gpu_model.worker import ModelWorker
 from hetcore.backend import SeqChunk, StepInput
 from server.backend_config import BackendConfig
+from server.self_draft import sample_drafts, with_drafts
 
 
 @dataclass
@@ -134,10 +134,7 @@ class DraftModel:
             active = [c for c, _, _ in runs]
             logits, took = self._run(runs, last_rows=True)
             t0 = time.perf_counter()
-            # draft j + 1 is sampled as the target's row at c.start_pos + j will be: its output index, its history
-            histories = [c.output_token_ids + tuple(drafts[c.seq_id]) if c.sampling.has_penalties else ()
-                         for c in active]
-            tokens = sample(logits, [c.sampling for c in active], [c.output_index + j for c in active], histories)
+            tokens = sample_drafts(logits, active, j, drafts)
             busy_s += took + time.perf_counter() - t0
             for c, token in zip(active, tokens):
                 drafts[c.seq_id].append(token)
@@ -145,6 +142,4 @@ class DraftModel:
             runs = [(c, c.start_pos + j + 1, [drafts[c.seq_id][-1]]) for c in active if c.self_draft > j + 1]
         for c in drafting:  # rows written: c.start_pos .. c.start_pos + self_draft - 1 (the last draft's is not)
             self._seqs[c.seq_id].synced = c.start_pos + c.self_draft
-        chunks = tuple(replace(c, token_ids=c.token_ids + tuple(drafts[c.seq_id]), num_draft=c.self_draft,
-                               self_draft=0) if c.self_draft else c for c in inp.chunks)
-        return replace(inp, chunks=chunks), busy_s
+        return with_drafts(inp, drafts), busy_s

@@ -12,7 +12,6 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Callable
@@ -257,10 +256,8 @@ class Engine:
                 if pos == len(live.prompt_logprobs) + 1:
                     live.prompt_logprobs.append(lp)
         now = time.monotonic()
-        new_tokens = self.scheduler.update(out)
-        per_seq = Counter(seq.seq_id for seq, _ in new_tokens)
         nth: dict[int, int] = {}
-        for seq, token in new_tokens:
+        for seq, token in self.scheduler.update(out):
             live = self._live.get(seq.seq_id)
             if live is None:  # ended at an earlier token of this step (a stop among accepted drafts)
                 continue
@@ -270,8 +267,7 @@ class Engine:
             if live.first_token_s is None:
                 live.first_token_s = now
                 self.metrics.on_first_token(now - live.req.arrival_s)
-            # the sequence holds this step's tokens already: this one is its output's n-th
-            self._on_token(live, token, lp, len(seq.output_token_ids) - (per_seq[seq.seq_id] - 1 - i))
+            self._on_token(live, token, lp)
 
     def _free_finished(self, inp: StepInput) -> None:
         """A step with nothing to run still tells the backend which sequences ended (it drops their
@@ -281,13 +277,14 @@ class Engine:
         except WorkerLost as exc:
             log.warning("finished sequences not freed in the backend yet: %s", exc)
 
-    def _on_token(self, live: _Live, token: int, logprobs: TokenLogprobs | None, n: int) -> None:
-        """Apply the request's n-th output token (a step with accepted drafts brings several)."""
+    def _on_token(self, live: _Live, token: int, logprobs: TokenLogprobs | None) -> None:
+        """Apply the request's next output token. The sequence already holds all of this step's (a step with
+        accepted drafts brings several), so the checks below count the tokens applied, not the sequence's."""
         req, seq = live.req, live.seq
         if req.max_tokens == 0:  # echo's prompt scoring alone: the prompt's logprobs came with this token, dropped
             self._finish(live, "length")
             return
-        live.emitted = n
+        n = live.emitted = live.emitted + 1
         reason, lps = None, () if logprobs is None else (logprobs,)
         grammar = self.grammars.consume(seq.seq_id, token)  # None, "stop" (complete) or why it broke
         if grammar not in (None, "stop"):

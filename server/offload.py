@@ -43,7 +43,7 @@ from server.hetero import HeteroBackend, flatten, sample_batches
 
 log = logging.getLogger(__name__)
 
-DEVICE, HOST = 0, 1  # the shards
+DEVICE = 0  # the accelerator pool's shard; the host's store is shard 1 (Ray: the CPU actors' are 1 .. N)
 
 
 ACTIVATION_RESERVE = 0.1
@@ -75,6 +75,11 @@ class OffloadGuard:
             self.is_open = False
         elif not self.is_open and host <= self.reopen * accel:
             self.is_open = True
+
+    def shards(self, num_shards: int) -> frozenset[int]:
+        """The shards new sequences may go to: the accelerator's pool (DEVICE, 0) always, the host's (1 ..
+        num_shards - 1) while open."""
+        return frozenset(range(num_shards) if self.is_open else (DEVICE,))
 
 
 def build_backend(model_dir: Path | None, config: BackendConfig) -> HeteroBackend:
@@ -123,7 +128,7 @@ class OffloadBackend(HeteroBackend):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetserve-host-attn")
 
     def open_shards(self) -> set[int]:
-        return {DEVICE, HOST} if self.guard.is_open else {DEVICE}
+        return set(self.guard.shards(2))
 
     def _host_layout(self, c: ChunkLayout) -> ChunkLayout:
         """The host store's own block ids (the shard starts at num_device_blocks)."""
@@ -182,7 +187,7 @@ class OffloadBackend(HeteroBackend):
         return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=host["cpu_attn"],
                                                 step_s=time.perf_counter() - t0,
                                                 cpu_attn_dense_s=host.get("cpu_attn_dense"), gpu_attn_s=gpu),
-                       open_shards=frozenset(self.open_shards()))
+                       open_shards=self.guard.shards(2))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -218,12 +218,11 @@ class ModelActor:
         from gpu_model.device_attn import DeviceAttentionWorker
 
         if self.device_attn is not None and self.device_attn.num_blocks != device_blocks:
-            pool, self.device_attn = self.device_attn, None
-            num_layers, num_kv_heads, _, head_dim = pool.k_cache.shape
-            shape = (num_layers, num_kv_heads, head_dim, pool.block_size)
-            dev, dtype = pool.k_cache.device, pool.k_cache.dtype
+            pool, self.device_attn = self.device_attn, None  # released before the new pool takes its room
+            cfg, dev, dtype, block_size = self.model.cfg, pool.k_cache.device, pool.k_cache.dtype, pool.block_size
             del pool
-            self.device_attn = DeviceAttentionWorker(*shape, device_blocks, dev, dtype)
+            self.device_attn = DeviceAttentionWorker(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
+                                                     device_blocks, dev, dtype)
         self.first_blocks = first_blocks
         self.addresses = [None] * len(first_blocks)
         self.socks = [None] * len(first_blocks)
@@ -332,11 +331,10 @@ class ModelActor:
                                                     cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values())))
         if busy:
             self.guard.observe(max(busy.values()), accel_s)
-        shards = range(len(self.first_blocks) + 1) if self.guard.is_open else (0,)
         timings = StepTimings(accelerator_s=accel_s, cpu_attn_s=sum(busy.values()), step_s=step_s,
                               cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values(), default=None),
                               gpu_attn_s=self.device_attn.take_timings()["gpu_attn"])
-        return replace(out, timings=timings, open_shards=frozenset(shards))
+        return replace(out, timings=timings, open_shards=self.guard.shards(len(self.first_blocks) + 1))
 
     def _move(self, move) -> None:
         """A sequence's KV copied from its CPU actor (which then forgets it) into its new blocks of the accelerator's

@@ -44,22 +44,31 @@ def self_drafts(inp: StepInput, model: ModelWorker, attn: AttentionWorker, block
     """inp with every chunk that has self_draft k turned into one with its k draft tokens (num_draft k); and the
     seconds the draft steps spent outside attention."""
     drafting = [c for c in inp.chunks if c.self_draft]
-    tokens = {c.seq_id: [c.token_ids[-1]] for c in drafting}
+    drafts: dict[int, list[int]] = {c.seq_id: [] for c in drafting}
     busy_s = 0.0
     for j in range(max((c.self_draft for c in drafting), default=0)):
         active = [c for c in drafting if c.self_draft > j]
         layouts = [view_layout(c, j, block_size) for c in active]
         attn.begin_step(layouts)
-        logits, took = model.forward([tokens[c.seq_id][-1] for c in active], [c.start_pos + j for c in active],
-                                     list(range(len(active))), attn.attend,
+        inputs = [drafts[c.seq_id][-1] if j else c.token_ids[-1] for c in active]  # the token before draft j + 1
+        logits, took = model.forward(inputs, [c.start_pos + j for c in active], list(range(len(active))), attn.attend,
                                      [(c.seq_id, lay.start_pos, 1) for c, lay in zip(active, layouts)])
         t0 = time.perf_counter()
-        histories = [c.output_token_ids + tuple(tokens[c.seq_id][1:]) if c.sampling.has_penalties else ()
-                     for c in active]
-        drafted = sample(logits, [c.sampling for c in active], [c.output_index + j for c in active], histories)
-        for c, token in zip(active, drafted):
-            tokens[c.seq_id].append(token)
+        for c, token in zip(active, sample_drafts(logits, active, j, drafts)):
+            drafts[c.seq_id].append(token)
         busy_s += took + time.perf_counter() - t0
-    chunks = tuple(replace(c, token_ids=c.token_ids + tuple(tokens[c.seq_id][1:]), num_draft=c.self_draft, self_draft=0)
-                   if c.self_draft else c for c in inp.chunks)
-    return replace(inp, chunks=chunks), busy_s
+    return with_drafts(inp, drafts), busy_s
+
+
+def sample_drafts(logits, active: list[SeqChunk], j: int, drafts: dict[int, list[int]]) -> list[int]:
+    """Each active chunk's draft j + 1 from logits [len(active), V], sampled as the target's row at c.start_pos + j will
+    be: the same parameters, the random stream of its output index, its penalties' history with drafts[seq_id] (the
+    drafts before it)."""
+    histories = [c.output_token_ids + tuple(drafts[c.seq_id]) if c.sampling.has_penalties else () for c in active]
+    return sample(logits, [c.sampling for c in active], [c.output_index + j for c in active], histories)
+
+
+def with_drafts(inp: StepInput, drafts: dict[int, list[int]]) -> StepInput:
+    """inp with every chunk that has self_draft k carrying drafts[seq_id] (k tokens) as its num_draft drafts."""
+    return replace(inp, chunks=tuple(replace(c, token_ids=c.token_ids + tuple(drafts[c.seq_id]), num_draft=c.self_draft,
+                                             self_draft=0) if c.self_draft else c for c in inp.chunks))
