@@ -28,8 +28,8 @@ from gpu_model.quant import load_quant, read_gguf_quant, save_quant
 from gpu_model.quant_amx import is_available as has_tiles
 from gpu_model.quant_vnni import is_available as has_vnni
 from gpu_model.quant_vnni import mx_available
-from gpu_model.weight_format import (MX_FILE, WeightFormat, WeightFormatError, attach, cache_path, dense_with_mx,
-                                     tied_head_values)
+from gpu_model.weight_format import (MX_FILE, WeightFormat, WeightFormatError, attach, attach_device, cache_path,
+                                     dense_with_mx, tied_head_values)
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,9 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     `weight_format` (gpu_model/weight_format.py) picks the linears' format: auto keeps the above;
     gguf, bf16 and fp32 force one; an MX format converts the dense weights (cached under
     `cache_dir`) and serves steps of at most `gguf_blocks_max_tokens` tokens (default: MX_MAX_TOKENS's
-    rules) with the MX kernels, the dense copy holding the same values. A directory written by `hetserve
-    quantize` loads its own MX weights."""
+    rules) with the MX kernels, the dense copy holding the same values; on an accelerator the MX weights stay
+    packed there for every step and the dense copies are dropped (weight_format.attach_device). A directory
+    written by `hetserve quantize` loads its own MX weights."""
     wf = weight_format or WeightFormat()
     cfg = ModelConfig.from_dir(model_dir)
     sd = read_dense(model_dir)
@@ -199,10 +200,14 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     model.inv_freq.copy_(rope_inv_freq(cfg))
     model.load_hf_state_dict(sd)
     model = model.to(dtype).eval().requires_grad_(False)
-    if device != "cpu" or dtype != torch.float32:
+    if device != "cpu":
+        if mx_weights is not None:  # packed on the device, decoded one linear at a time
+            attach_device(model, mx_weights)
+        return model
+    if dtype != torch.float32:
         if mx_weights is not None:
-            log.warning("%s weights on %s/%s: no MX kernel there; the dense weights hold the MX values",
-                        wf.name, device, dtype)
+            log.warning("%s weights in a %s model on the CPU: no MX kernel there; the dense weights hold the MX "
+                        "values", wf.name, dtype)
             tied_head_values(model, mx_weights)
         return model
     bf16 = resolve_linear_dtype(cpu_linear_dtype) == torch.bfloat16

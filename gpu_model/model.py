@@ -20,6 +20,8 @@ from gpu_model.quant_vnni import VnniWeight
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 """A layer's linear modules, in the order a step runs them (fused q|k|v and gate|up)."""
+ALL_STEPS = 1 << 62
+"""A quant_max_tokens that sends every step to the block weights (MX weights packed on an accelerator)."""
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

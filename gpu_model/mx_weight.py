@@ -93,10 +93,6 @@ class MXWeight:
         return self.codes.nbytes + self.scales.nbytes
 
     @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
-
-    @property
     def bits_per_weight(self) -> float:
         return mx.get_format(self.fmt).bits_per_weight
 

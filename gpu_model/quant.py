@@ -43,7 +43,7 @@ class BlockWeight(Protocol):
     @property
     def nbytes(self) -> int: ...  # what a multiplication reads: the packed weights and their scales
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...  # x: [M, in] float32 on the CPU -> x @ W.T: [M, out]
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...  # x: [M, in] on the weight's device -> x @ W.T: [M, out]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_model.mx_device import DeviceMXWeight
 from gpu_model.mx_weight import ROTATIONS, MXWeight
 from gpu_model.quant import BlockWeight
 from gpu_model.quant_vnni import MX_KINDS, VnniWeight, mx_available
@@ -215,6 +216,25 @@ def attach(model, weights: dict[str, MXWeight], max_tokens: int, vnni: bool = Fa
     tied_head_values(model, weights)
 
 
+def attach_device(model, weights: dict[str, MXWeight]) -> None:
+    """Every step multiplies by the MX weights kept packed on the model's device (gpu_model/mx_device.py), and
+    the dense linears they replace are dropped (their shapes stay, on the meta device): the device holds the
+    format's bytes, not bf16's. A tied head in the format leaves the embedding table dense for lookups."""
+    from gpu_model.model import ALL_STEPS, LINEARS
+
+    blocks = {key: DeviceMXWeight(w, model.device) for key, w in fused(weights, model.cfg.num_layers).items()}
+    model.attach_blocks(blocks, ALL_STEPS)
+    linears = [getattr(layer, name) for layer in model.layers for name in LINEARS]
+    if "head" in blocks:
+        model.head_weight = None
+        if model.lm_head is not None:
+            linears.append(model.lm_head)
+    for linear in linears:
+        linear.weight = torch.nn.Parameter(linear.weight.to("meta"), requires_grad=False)
+    if model.device.type == "cuda":  # hand the dense copies' memory back, so that free memory (the KV pool) sees it
+        torch.cuda.empty_cache()
+
+
 def tied_head_values(model, weights: dict[str, MXWeight]) -> None:
     """A quantized head tied to the embeddings: larger steps multiply by its MX values too, as the
     linears do (the embedding lookup keeps the dense table)."""
@@ -239,7 +259,7 @@ def weight_bits(model) -> float:
         q = model.quant.get(key) if model.quant_max_tokens > 0 else None
         if q is None:
             bits = 8 * w.element_size()
-        elif isinstance(q, MXWeight) or q.kind in MX_KINDS:
+        elif isinstance(q, (MXWeight, DeviceMXWeight)) or q.kind in MX_KINDS:
             bits = q.bits_per_weight
         else:
             bits = nominal[q.kind]

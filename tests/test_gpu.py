@@ -21,6 +21,25 @@ def test_cuda_bf16_agrees_with_fp32_on_most_tokens(tmp_path):
     assert first_tokens_equal >= 2, (fp32, bf16)
 
 
+def test_cuda_mx_weights_stay_packed_on_the_gpu(tmp_path):
+    """--weight-format mxfp6 on CUDA: the linears stay packed in GPU memory (6.25 bits a weight, the dense copies
+    dropped) and are decoded per call; greedy tokens agree with the CPU's MX kernels on most first tokens."""
+    from gpu_model.loader import load_model
+    from gpu_model.model import LINEARS
+    from gpu_model.weight_format import WeightFormat, weight_bits
+
+    model_dir, _ = tiny_model_dir(tmp_path, tie_word_embeddings=True)
+    model = load_model(model_dir, device="cuda", dtype=torch.bfloat16, weight_format=WeightFormat("mxfp6"),
+                       cache_dir=tmp_path)
+    assert all(getattr(layer, name).weight.is_meta for layer in model.layers for name in LINEARS)
+    assert weight_bits(model) == 6.25 and model.quant["layers.0.qkv"].codes.is_cuda
+    args = dict(num_new=10, weight_format="mxfp6", model_cache_dir=str(tmp_path))
+    cpu = greedy_through_backend(model_dir, PROMPTS_TINY, **args)
+    cuda = greedy_through_backend(model_dir, PROMPTS_TINY, device="cuda", dtype="bfloat16", **args)
+    assert [len(t) for t in cuda] == [10] * len(PROMPTS_TINY)
+    assert sum(a[0] == b[0] for a, b in zip(cpu, cuda)) >= 2, (cpu, cuda)
+
+
 def test_cuda_magicpig_hashes_on_the_gpu_through_prefill_and_decode(tmp_path):
     """MagicPIG's codes made on the GPU: prefill-only steps (no decode rows to hash) and sampled decode.
     The first token comes from exact prefill attention and must match the CPU's; later ones may

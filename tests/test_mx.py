@@ -126,6 +126,42 @@ def test_kernel_decode_bit_for_bit(fmt):
         assert np.all(row[expect[n] == 0] == 0)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_device_decode_bit_for_bit(fmt):
+    """The packed weights decoded by torch operations (gpu_model/mx_device.py, as on a GPU) against mx.decode,
+    float32 and bf16 (exact there too), NaN scales and a padded last block included."""
+    import torch
+    from gpu_model.mx_device import DeviceMXWeight
+
+    rng = np.random.default_rng(4)
+    f = mx.FORMATS[fmt]
+    codes = mx.pack(rng.integers(0, 1 << f.code_bits, (5, 4, 32)).astype(np.uint8), f)
+    scales = rng.integers(60, 190, (5, 4)).astype(np.uint8)
+    scales[0] = [0, 255, 254, 1]
+    w = DeviceMXWeight(MXWeight(fmt, codes, scales, 120), "cpu")
+    expect = mx.decode(codes, scales, f, 120)
+    got = w.decode(torch.float32).numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(expect))
+    assert np.array_equal(got.view(np.uint32)[~np.isnan(got)], expect.view(np.uint32)[~np.isnan(expect)])
+    normal = np.abs(expect[1:]) >= 2.0 ** -126  # bf16 keeps float32's exponents; subnormals aside
+    bf16 = w.decode(torch.bfloat16)[1:].float().numpy()
+    assert np.array_equal(bf16[normal & ~np.isnan(expect[1:])], expect[1:][normal & ~np.isnan(expect[1:])])
+
+
+@pytest.mark.parametrize("fmt, rotation", [("mxfp6", "none"), ("mxfp4", "hadamard"), ("mxint8", "none")])
+def test_device_matmul_against_the_dense_weight(fmt, rotation):
+    import torch
+    from gpu_model.mx_device import DeviceMXWeight
+
+    rng = np.random.default_rng(5)
+    w = MXWeight.encode(rng.standard_normal((40, 96)).astype(np.float32), fmt, rotation)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    dev = DeviceMXWeight(w, "cpu")
+    assert dev.shape == w.shape and dev.nbytes == w.nbytes
+    got = dev.matmul(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.dense().T.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
 def test_bits_per_weight():
     assert [mx.FORMATS[f].bits_per_weight for f in ("mxfp8", "mxfp6", "mxfp4", "mxint8")] == [8.25, 6.25, 4.25, 8.25]
     w = MXWeight.encode(np.ones((3, 64), np.float32), "mxfp6")

@@ -12,7 +12,8 @@ from gpu_model.loader import (GGUF_BLOCKS_MAX_TOKENS_BF16, GGUF_BLOCKS_MAX_TOKEN
 from gpu_model.quant_amx import is_available as has_tiles
 from gpu_model.mx_weight import MXWeight
 from gpu_model.quant_vnni import VnniWeight, mx_available
-from gpu_model.weight_format import MX_FILE, WeightFormat, WeightFormatError, load_packed, save_packed, weight_bits
+from gpu_model.weight_format import (MX_FILE, WeightFormat, WeightFormatError, attach_device, load_packed, save_packed,
+                                     weight_bits)
 from server.config import ServeConfig
 from tests.test_model import greedy_through_backend, tiny_model_dir
 
@@ -72,6 +73,33 @@ def test_dense_head_and_rotation(model_dir, tmp_path, linears):
     exact = load_model(model_dir, cpu_linear_dtype="float32", weight_format=wf, cache_dir=tmp_path).layers[0].o.weight
     got, want = model._linear("layers.0.o", model.layers[0].o.weight, x), x @ exact.T  # bf16's dense copy rounds W
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("fmt, rotation", [("mxfp8", "none"), ("mxfp6", "none"), ("mxfp4", "hadamard")])
+def test_packed_on_the_device_multiplies_as_the_dense_values(model_dir, tmp_path, fmt, rotation):
+    """On an accelerator the linears stay packed (attach_device; run here on the CPU): the dense copies are gone,
+    every step size decodes the codes per call, and the products are those of a bf16 model holding the MX values."""
+    from gpu_model.model import LINEARS
+
+    wf = WeightFormat(fmt, rotation)
+    dense = load_model(model_dir, dtype=torch.bfloat16, weight_format=wf, cache_dir=tmp_path)
+    packed = load_model(model_dir, dtype=torch.bfloat16, weight_format=wf, cache_dir=tmp_path)
+    attach_device(packed, load_packed(next(tmp_path.glob("weight-formats/*/*.safetensors")))[1])
+    assert all(getattr(layer, name).weight.is_meta for layer in packed.layers for name in LINEARS)
+    assert weight_bits(packed) == {"mxfp8": 8.25, "mxfp6": 6.25, "mxfp4": 4.25}[fmt]
+    assert packed.step_weight_bytes(512) == sum(w.nbytes for w in packed.quant.values())
+    for rows in (1, 300):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        for key in ("layers.1.qkv", "layers.0.down"):
+            weight = dense.matmul_weights()[key]
+            x_in = torch.randn(rows, weight.shape[1]).to(torch.bfloat16)
+            got, want = packed._linear(key, weight, x_in), dense._linear(key, weight, x_in)
+            if rotation == "none":
+                assert torch.equal(got, want)
+            else:  # x H is rounded to bf16 before the product
+                assert ((got - want).abs().max() / want.abs().max()).item() < 0.03
+        got, want = packed.logits(x), dense.logits(x)
+        assert torch.equal(got, want) if rotation == "none" else torch.allclose(got, want, rtol=0.05, atol=0.05)
 
 
 def test_serving_path_matches_the_dense_copy(model_dir, tmp_path):
