@@ -34,7 +34,8 @@ from numba.extending import intrinsic
 from cpu_attn.llvm_ir import _as_f32, c_array, host_has, prefetch_ir
 from gpu_model.quant import BLOCK, PREFETCH_BYTES
 from gpu_model.quant_vnni import (_BLOCK_BYTES, MX_KINDS, NO_NORM, ROWS, VnniWeight, _hadamard_blocks, _input_row,
-                                  _mx_table, _splat, _vload, block_arrays, kind_codegen, matvec)
+                                  _mx_table, _splat, _vload, block_arrays, gguf_scale_bytes, gguf_scale_vectors,
+                                  kind_codegen, matvec)
 
 TILE_ROWS = 16  # rows of x a tile holds
 CHUNK = 4  # blocks whose B tiles are decoded before the first of them is loaded
@@ -171,7 +172,8 @@ def _codegen(kind: str):
         num_out = cgutils.unpack_tuple(builder, out.shape, 2)[1]
         block_bytes = _BLOCK_BYTES[kind]
         nscales = 2 if kind == "q4_1" else 1
-        scale_bytes = ROWS * (1 if is_mx else 4 * nscales)
+        item = 1 if is_mx else gguf_scale_bytes(signature, 2)  # bytes of one scale
+        scale_bytes = ROWS * nscales * item
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
 
         def buffer(size):
@@ -202,8 +204,8 @@ def _codegen(kind: str):
         def decode(group, b):  # block b's B tile into its chunk slot
             at = builder.add(builder.mul(group, num_blocks), b)
             q_at = builder.mul(at, _I64(block_bytes))
-            s_at = builder.mul(at, _I64(scale_bytes if is_mx else ROWS * nscales))
-            for array, offset, size, step in ((qa, q_at, 1, block_bytes), (sa, s_at, 1 if is_mx else 4, scale_bytes)):
+            s_at = builder.mul(at, _I64(ROWS * nscales))
+            for array, offset, size, step in ((qa, q_at, 1, block_bytes), (sa, s_at, item, scale_bytes)):
                 ahead = PREFETCH_BYTES * step // block_bytes
                 byte = builder.mul(offset, _I64(size))
                 for line in range(0, step, 64):
@@ -221,16 +223,14 @@ def _codegen(kind: str):
             _amx(builder, "tilestored64", _I8(0), slot(b), _I64(64))
 
         def scale(group, b):  # block b's products from its ring slot, scaled, into the sums
-            s_at = builder.mul(builder.add(builder.mul(group, num_blocks), b),
-                               _I64(scale_bytes if is_mx else ROWS * nscales))
+            s_at = builder.mul(builder.add(builder.mul(group, num_blocks), b), _I64(ROWS * nscales))
             if is_mx:
                 e8m0 = builder.zext(_vload(builder, builder.gep(sa.data, [s_at]), ir.VectorType(_I8, ROWS)), _VI)
                 d = builder.fmul(builder.bitcast(builder.shl(e8m0, ir.Constant(_VI, [23] * ROWS)), _VF),
                                  ir.Constant(_VF, [2.0 ** -MX_KINDS[kind]] * ROWS))
                 m = None
             else:
-                d, m = (_vload(builder, builder.gep(sa.data, [builder.add(s_at, _I64(ROWS * k))]), _VF, 4)
-                        if k < nscales else None for k in range(2))
+                d, m = (gguf_scale_vectors(builder, sa, s_at, nscales, item) + [None])[:2]
             c = builder.bitcast(slot(b), _VF.as_pointer())
             with cgutils.for_range(builder, num_x) as row:
                 i = row.index

@@ -21,7 +21,8 @@ are the 16 outputs, stored as one vector. The vectors come straight from the GGU
          weight 2t + e (low nibble, V_t) and 2t + 16 + e (high nibble, V_t+8): one load widened to 16 bits
          gives V_t (& 15) and V_t+8 (>> 4)
     Q8_0 qs [G, NB, 16, 32] i8: [g, b, t, 2l + e] = weight 2t + e of row 16 g + l's block b
-    scales [G, NB, 2 | 1, 16] f32: d, then Q4_1's m, of the group's 16 rows
+    scales [G, NB, 2 | 1, 16] f16 bits (uint16; float32 where a value is not a float16): d, then Q4_1's m,
+         of the group's 16 rows (a GGUF stores them as float16: 5 and 8.5 bits a weight in all, not 6 and 9)
 
 MX weights (gpu_model/mx.py) take the same route: an element is I x 2^-k with I a small integer (mxfp4
 2 x E2M1, |I| <= 12, k = 1; mxfp6 8 x E2M3, |I| <= 60, k = 3; mxint8 the code, k = 6), so a block's dot
@@ -75,11 +76,11 @@ def mx_available(fmt: str) -> bool:
 
 @dataclass(frozen=True)
 class VnniWeight:
-    """Q4_1 or Q8_0 blocks in the layout above, scales (and Q4_1's mins) in float32, loaded as vectors."""
+    """Q4_1 or Q8_0 blocks (or MX codes) in the layout above, loaded as vectors."""
 
     kind: str
     """q4_1, q8_0, or an MX_KINDS format."""
-    scales: np.ndarray  # [G, NB, 2 | 1, ROWS] float32; MX: [G, NB, 1, ROWS] uint8 E8M0
+    scales: np.ndarray  # [G, NB, 2 | 1, ROWS] float16 bits (uint16) or float32; MX: [G, NB, 1, ROWS] uint8 E8M0
     qs: np.ndarray
     """[G, NB, 8, 32] uint8 (Q4_1, mxfp4), [G, NB, 16, 32] int8 (Q8_0, mxint8), [G, NB, 12, 32] uint8 (mxfp6)."""
     rotation: str = "none"
@@ -119,6 +120,9 @@ class VnniWeight:
         qs = w.qs.reshape(g, ROWS, nb, -1, 2).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1, 2 * ROWS)
         parts = [w.scales] if w.kind == "q8_0" else [w.scales, w.mins]
         scales = np.stack([p.astype(np.float32).reshape(g, ROWS, nb).transpose(0, 2, 1) for p in parts], axis=2)
+        half = scales.astype(np.float16)
+        if np.array_equal(half.astype(np.float32), scales):  # a GGUF's own scales: float16, read as such (fewer bytes)
+            scales = half.view(np.uint16)
         return VnniWeight(w.kind, np.ascontiguousarray(scales), np.ascontiguousarray(qs))
 
     @staticmethod
@@ -229,6 +233,21 @@ def _splat(builder, scalar, kind):
     return builder.shuffle_vector(one, one, ir.Constant(_VI, [0] * ROWS))
 
 
+def gguf_scale_bytes(signature, scales_arg: int) -> int:
+    """Bytes of one GGUF scale in the block kernels' scales argument: 2 (float16 bits, uint16) or 4 (float32)."""
+    return 2 if signature.args[scales_arg].dtype == types.uint16 else 4
+
+
+def gguf_scale_vectors(builder, sa, s_at, nscales: int, item_bytes: int) -> list:
+    """LLVM IR: the <16 x float> d (and Q4_1's m) of the block whose scales start at element s_at of sa, stored as
+    float32 or as float16 bits (item_bytes 4 or 2; the latter widened, exactly)."""
+    at = [builder.gep(sa.data, [builder.add(s_at, _I64(ROWS * k))]) for k in range(nscales)]
+    if item_bytes == 4:
+        return [_vload(builder, a, _VF, 4) for a in at]
+    bits = [_vload(builder, a, ir.VectorType(ir.IntType(16), ROWS), 2) for a in at]
+    return [builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), ROWS)), _VF) for v in bits]
+
+
 def _mx_table(fmt: str) -> list[int]:
     """I = element x 2^k of every code of `fmt` (16 or 64 entries), as bytes (-0 as 0)."""
     values = mx.element_values(mx.get_format(fmt)) * 2 ** MX_KINDS[fmt]
@@ -293,6 +312,7 @@ def _codegen(kind: str):
     is_mx = kind in MX_KINDS
 
     def codegen(context, builder, signature, args):
+        item = 1 if is_mx else gguf_scale_bytes(signature, 3)  # bytes of one scale
         xa, da, ma, sa, qa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in range(5))
         out = context.make_array(signature.args[6])(context, builder, args[6])
         group = args[5]
@@ -301,7 +321,7 @@ def _codegen(kind: str):
         num_out = cgutils.unpack_tuple(builder, out.shape, 2)[1]
         block_bytes = _BLOCK_BYTES[kind]
         nscales = 2 if kind == "q4_1" else 1  # scale vectors a block
-        scale_bytes = ROWS * (1 if is_mx else 4 * nscales)  # of a block in scales
+        scale_bytes = ROWS * nscales * item  # of a block in scales
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI] * 3),
                                              "llvm.x86.avx512.vpdpwssd.512")
@@ -316,9 +336,8 @@ def _codegen(kind: str):
                 b = loop.index
                 at = builder.add(first, b)
                 q_at = builder.mul(at, _I64(block_bytes))
-                s_at = builder.mul(at, _I64(scale_bytes if is_mx else ROWS * nscales))  # elements of scales
-                for array, offset, size, step in ((qa, q_at, 1, block_bytes),
-                                                  (sa, s_at, 1 if is_mx else 4, scale_bytes)):
+                s_at = builder.mul(at, _I64(ROWS * nscales))  # elements of scales
+                for array, offset, size, step in ((qa, q_at, 1, block_bytes), (sa, s_at, item, scale_bytes)):
                     ahead = PREFETCH_BYTES * step // block_bytes  # bytes ahead in this stream: the next groups follow
                     byte = builder.mul(offset, _I64(size))
                     for line in range(0, step, 64):
@@ -340,8 +359,7 @@ def _codegen(kind: str):
                     e8m0 = builder.zext(e8m0, _VI)
                     svec = [builder.bitcast(builder.shl(e8m0, ir.Constant(_VI, [23] * ROWS)), _VF)]
                 else:
-                    svec = [_vload(builder, builder.gep(sa.data, [builder.add(s_at, _I64(ROWS * k))]), _VF, 4)
-                            for k in range(nscales)]
+                    svec = gguf_scale_vectors(builder, sa, s_at, nscales, item)
                 for i in range(count):
                     total = partials[i][0]
                     for extra in partials[i][1:]:
@@ -367,9 +385,9 @@ def _codegen(kind: str):
 
 
 def block_arrays(scales, qs) -> bool:
-    """Typing check of the block kernels' weights: scales float32 (GGUF) or uint8 (MX E8M0), qs uint8 or int8, each
-    [G, NB, planes, ROWS | 32] C-contiguous."""
-    return ((c_array(scales, 4, types.float32) or c_array(scales, 4, types.uint8))
+    """Typing check of the block kernels' weights: scales float32 or float16 bits (uint16; GGUF) or uint8 (MX E8M0),
+    qs uint8 or int8, each [G, NB, planes, ROWS | 32] C-contiguous."""
+    return ((c_array(scales, 4, types.float32) or c_array(scales, 4, types.uint16) or c_array(scales, 4, types.uint8))
             and (c_array(qs, 4, types.uint8) or c_array(qs, 4, types.int8)))
 
 

@@ -176,3 +176,16 @@ def test_default_model_layer_matches_the_float_kernels():
              (vnni.post_attention(3, x, attn), plain.post_attention(3, x, attn)), (vnni.logits(x), plain.logits(x))]
     for a, b in pairs:
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_float16_scales_as_read_from_the_gguf(kind):
+    """from_blocks keeps a GGUF's float16 scales as float16 bits (fewer bytes a step); the kernels widen them
+    exactly, so the products equal those of the same weights with float32 scales, bit for bit."""
+    w, packed = weights(kind, num_rows=32, num_blocks=6, seed=3)
+    assert packed.scales.dtype == np.uint16
+    wide = VnniWeight(kind, packed.scales.view(np.float16).astype(np.float32), packed.qs)
+    assert packed.nbytes < wide.nbytes
+    for num_x in (1, 4, 9):
+        x = np.random.default_rng(num_x).standard_normal((num_x, w.shape[1])).astype(np.float32)
+        assert np.array_equal(vnni_matmul(x, packed), vnni_matmul(x, wide))
