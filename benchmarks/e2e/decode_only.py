@@ -67,9 +67,12 @@ def prefill_one(backend, prompt: list[int], blocks: tuple[int, ...]) -> int:
 
 
 def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, warmup_steps: int = 2,
-        is_distinct: bool = False, prefill=prefill_one) -> list[dict]:
+        is_distinct: bool = False, prefill=prefill_one, self_draft: int = 0,
+        draft_view: tuple[int, int] = (16, 256)) -> list[dict]:
     """`prefill(backend, prompt, blocks)` fills sequence 0's KV (and MagicPIG state) and returns its
-    first token (default: prefill_one)."""
+    first token (default: prefill_one). With `self_draft` k every step of every sequence also drafts k
+    tokens with the model over its KV view `draft_view` (sinks, window; speculative method self-sparse)
+    and verifies them; a sequence advances by the drafts accepted plus one."""
     from hetcore.backend import SamplingParams, SeqChunk, StepInput
 
     bs = backend.kv_spec.block_size
@@ -80,7 +83,7 @@ def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, wa
     t0 = time.perf_counter()
     first = prefill(backend, prompt, prefix)
     prefill_s = time.perf_counter() - t0
-    per_seq = math.ceil((num_steps + 1) / bs) + 1
+    per_seq = math.ceil((num_steps * (self_draft + 1) + 1) / bs) + 1
     next_seq, rows = 1, []
     for c in concurrencies:
         next_block = num_prefix  # the blocks of the previous concurrency's sequences, freed, are reused
@@ -100,15 +103,21 @@ def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, wa
                 _copy_blocks(backend.attn_worker.store, prefix, tables[s])
         assert next_block <= backend.kv_spec.num_blocks, "raise --kv-cache-bytes"
         last = {s: first for s in seqs}
-        step_s, parts = [], {}
+        pos = {s: len(prompt) for s in seqs}
+        step_s, parts, emitted, accepted = [], {}, 0, 0
         for i in range(num_steps):
-            pos = len(prompt) + i
-            table_len = pos // bs + 1
-            chunks = tuple(SeqChunk(s, (last[s],), pos, (tables[s] + own[s])[:table_len], greedy, i) for s in seqs)
+            chunks = tuple(SeqChunk(s, (last[s],), pos[s], (tables[s] + own[s])[:(pos[s] + self_draft) // bs + 1], greedy,
+                                    pos[s] - len(prompt), self_draft=self_draft, draft_view=draft_view)
+                           for s in seqs)
             t0 = time.perf_counter()
             out = backend.step(StepInput(chunks))
             dt = time.perf_counter() - t0
             last.update(out.sampled)
+            for s in seqs:
+                n = len(out.accepted.get(s, ()))
+                pos[s] += 1 + n
+                if i >= warmup_steps:
+                    emitted, accepted = emitted + 1 + n, accepted + n
             if i >= warmup_steps:
                 step_s.append(dt)
                 for k, v in (out.timings.parts() if out.timings else {}).items():
@@ -116,7 +125,8 @@ def run(backend, prompt: list[int], concurrencies: list[int], num_steps: int, wa
         backend.step(StepInput((), freed_seq_ids=tuple(seqs)))
         mean_step = float(np.mean(step_s))
         rows.append({"concurrency": c, "context_tokens": len(prompt), "num_steps": len(step_s),
-                     "decode_tok_s": c / mean_step, "mean_step_ms": 1e3 * mean_step,
+                     "decode_tok_s": emitted / sum(step_s), "mean_step_ms": 1e3 * mean_step,
+                     "self_draft": self_draft, "accepted_per_step": accepted / (c * len(step_s)),
                      "p50_step_ms": 1e3 * float(np.median(step_s)), "p99_step_ms": 1e3 * float(np.percentile(step_s, 99)),
                      "parts_ms": {k: round(1e3 * float(np.mean(v)), 2) for k, v in parts.items()},
                      "prefill_one_prompt_s": round(prefill_s, 2), "is_distinct_kv": is_distinct})
@@ -131,6 +141,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48, help="decode steps per concurrency (2 more are warm-up)")
     ap.add_argument("--distinct", action="store_true",
                     help="copy the prompt's KV blocks per sequence instead of sharing them (no cache sharing)")
+    ap.add_argument("--self-draft", type=int, default=0,
+                    help="draft this many tokens a step with the model over a small KV view, then verify them "
+                         "(speculative method self-sparse at a fixed K; needs exact attention, fp16/fp32 KV)")
+    ap.add_argument("--draft-view", default="16,256", help="--self-draft: sinks,window of the KV view")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: `hetserve serve` options")
     args = ap.parse_args()
@@ -149,13 +163,16 @@ def main() -> None:
     if cfg.kv_cache_bytes is None:  # room for the prompt and every sequence at SmolLM2's shape, MagicPIG's state too
         seqs = max(args.concurrency) + 1
         cfg = dataclasses.replace(cfg, kv_cache_bytes=kv_capacity_for(
-            SMOLLM2, cfg.kv_format, cfg.block_size, seqs, args.context_tokens + args.steps + 2 * 16, cfg.lsh_config(),
+            SMOLLM2, cfg.kv_format, cfg.block_size, seqs, args.context_tokens + (args.steps + 2) * (args.self_draft + 1)
+            + 2 * 16, cfg.lsh_config(),
             recent_blocks=seqs))
     engine, _, _ = build_engine(cfg)  # the engine thread is not started: the backend is driven directly
     tok = TargetTokenizer.load(None)
     text = PromptBuilder(tok, Path(DEFAULT_TEXT).read_text(encoding="utf-8"), seed=0).build(args.context_tokens).text
     prompt = tok._tok.encode(text, add_special_tokens=True)[:args.context_tokens]
-    rows = run(engine.backend, prompt, args.concurrency, args.steps + 2, is_distinct=args.distinct)
+    sinks, window = (int(v) for v in args.draft_view.split(","))
+    rows = run(engine.backend, prompt, args.concurrency, args.steps + 2, is_distinct=args.distinct,
+               self_draft=args.self_draft, draft_view=(sinks, window))
     if isinstance(engine.backend, HeteroBackend):  # the model is in this process: the step's read bound
         gb_s = memory_read_gb_s()
         for r in rows:
