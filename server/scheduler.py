@@ -219,7 +219,7 @@ class Scheduler:
             return {}
         outputs = sum(seq.num_tokens - seq.num_computed == 1 for seq in self.running)
         ks = self.policy.plan(base_tokens, outputs, [(self.policy.rate(s.seq_id), len(p)) for s, p in decoding],
-                              budget - base_tokens)
+                              budget - base_tokens, probe=self.drafter is None)
         drafts = {}
         for (seq, proposal), k in zip(decoding, ks):
             if k and self.blocks.can_hold(seq.seq_id, seq.num_computed + 1 + k):

@@ -81,6 +81,22 @@ def test_policy_sends_drafts_only_where_they_pay():
     assert ks[1] >= ks[0] and sum(ks) <= 4
 
 
+def test_policy_probes_backend_drafts_where_accepted_drafts_would_pay():
+    """Self-drafts are learned only by sending them: with rates too low to draft, one step in explore_every sends each
+    sequence one draft, where drafts that were all accepted would pay (at long contexts verification reads the KV
+    once for every row), and never where even those would not (each draft costs a whole step)."""
+    cheap = SpecPolicy(max_tokens=4)
+    measure(cheap, {16: 0.40, 32: 0.50, 80: 0.90})
+    plans = [cheap.plan(16, 16, [(0.1, 4)] * 16, 256, probe=True) for _ in range(2 * cheap.explore_every)]
+    probes = [i for i, ks in enumerate(plans) if any(ks)]
+    assert probes == [cheap.explore_every - 1, 2 * cheap.explore_every - 1]
+    assert plans[probes[0]] == [1] * 16
+    assert not any(any(cheap.plan(16, 16, [(0.1, 4)] * 16, 256)) for _ in range(2 * cheap.explore_every))
+    dear = SpecPolicy(max_tokens=4)
+    measure(dear, {n: 0.025 * n for n in range(16, 81)})
+    assert not any(any(dear.plan(16, 16, [(0.1, 4)] * 16, 256, probe=True)) for _ in range(2 * dear.explore_every))
+
+
 def test_policy_acceptance_rate_follows_what_was_accepted():
     policy = SpecPolicy(max_tokens=4)
     for _ in range(30):
