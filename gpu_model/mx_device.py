@@ -33,8 +33,10 @@ class DeviceMXWeight:
         self._format = fmt
         self.codes = torch.from_numpy(w.codes).to(device)
         self.scales = torch.from_numpy(w.scales).to(device)
-        self.table = torch.from_numpy(mx.element_values(fmt).astype("float32")).to(device)
-        self.high_bits = torch.from_numpy(mx.FP6_HIGH_BITS.astype("int64")).to(device)
+        table = torch.from_numpy(mx.element_values(fmt).astype("float32")).to(device)
+        self.tables = {torch.float32: table, torch.bfloat16: table.to(torch.bfloat16)}
+        """The element values in each dtype decode() forms products in (exact in bf16: at most 8 significant bits)."""
+        self.high_bits = torch.from_numpy(mx.FP6_HIGH_BITS.astype("int64")).to(device) if fmt.block_bytes == 24 else None
         self.hadamard = torch.from_numpy(hadamard()).to(device) if w.rotation == "hadamard" else None
 
     @property
@@ -69,7 +71,7 @@ class DeviceMXWeight:
         scale = torch.where(s == 0, 1 << 22, s << 23).view(torch.float32)
         scale = torch.where(s == mx.SCALE_NAN, torch.nan, scale).to(work)
         codes = self.element_codes()
-        values = torch.index_select(self.table.to(work), 0, codes.flatten()).view(codes.shape)
+        values = torch.index_select(self.tables[work], 0, codes.flatten()).view(codes.shape)
         return (values * scale[..., None]).flatten(1)[:, :self.in_features].to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -282,10 +282,11 @@ class SpecPolicy:
             ks[i] += 1
         if probe and not best_total:
             declined = self._declined_steps[base_outputs] = self._declined_steps.get(base_outputs, 0) + 1
-            drafting = [i for i, (_, avail) in enumerate(candidates) if avail > 0][:budget]
-            if declined % self.explore_every == 0 and self.would_pay(base_tokens, base_outputs, len(drafting)):
-                for i in drafting:
-                    ks[i] = 1
+            if declined % self.explore_every == 0:
+                drafting = [i for i, (_, avail) in enumerate(candidates) if avail > 0][:budget]
+                if self.would_pay(base_tokens, base_outputs, len(drafting)):
+                    for i in drafting:
+                        ks[i] = 1
         return ks
 
     def would_pay(self, base_tokens: int, base_outputs: int, num_drafting: int) -> bool:
