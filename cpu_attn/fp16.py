@@ -90,3 +90,59 @@ def widen_exact(src, out):
     """Test hook: src [N] uint16 fp16 bits -> out [N] float32 by fp16_to_f32 (the path without F16C)."""
     for i in range(src.shape[0]):
         out[i] = fp16_to_f32(src[i])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def f32_to_fp16(f):
+    """float32 -> float16 bits, rounded to nearest even as numpy's astype(np.float16) rounds (subnormals, overflow
+    to inf, inf and nan, the nan's top payload bits kept and never turned into inf)."""
+    u32 = np.uint32
+    u = _as_u32(f)
+    sign = u32(u32(u >> 16) & 0x8000)
+    a = u32(u & 0x7FFFFFFF)
+    if a >= u32(0x7F800000):  # inf, nan
+        if a == u32(0x7F800000):
+            return np.uint16(sign | 0x7C00)
+        payload = u32(u32(a & 0x7FFFFF) >> 13)
+        return np.uint16(sign | 0x7C00 | (payload if payload != 0 else u32(1)))
+    if a >= u32(0x47800000):  # 2^16 and above: past the largest half even before rounding
+        return np.uint16(sign | 0x7C00)
+    if a >= u32(0x38800000):  # a normal half (rounding may carry into the exponent, up to inf)
+        h = u32(u32(u32(a >> 23) - 112) << 10) | u32(u32(a & 0x7FFFFF) >> 13)
+        rest = u32(a & 0x1FFF)
+        if rest > u32(0x1000) or (rest == u32(0x1000) and u32(h & 1) == u32(1)):
+            h += u32(1)
+        return np.uint16(sign | h)
+    if a < u32(0x33000000):  # at most half the smallest subnormal: zero (the tie rounds to even)
+        return np.uint16(sign)
+    shift = u32(126 - u32(a >> 23))  # a subnormal half: units of 2^-24
+    sig = u32(u32(a & 0x7FFFFF) | 0x800000)
+    h = u32(sig >> shift)
+    rest = u32(sig & u32(u32(u32(1) << shift) - 1))
+    half = u32(u32(1) << u32(shift - 1))
+    if rest > half or (rest == half and u32(h & 1) == u32(1)):
+        h += u32(1)
+    return np.uint16(sign | h)
+
+
+def narrow_row(src, dst):
+    """dst[:] = src: a float32 row [D] into a cache row [D], float32 (a copy) or uint16 fp16 bits (f32_to_fp16)."""
+
+
+@overload(narrow_row, jit_options={"nogil": True})
+def _narrow_row_impl(src, dst):
+    if dst.dtype == types.float32:
+        def copy(src, dst):
+            dst[:] = src
+        return copy
+
+    def narrow(src, dst):
+        for d in range(dst.shape[0]):
+            dst[d] = f32_to_fp16(src[d])
+    return narrow
+
+
+@njit(cache=True, nogil=True)
+def narrow(src, out):
+    """Test hook: src [N] float32 -> out [N] uint16 fp16 bits (f32_to_fp16)."""
+    narrow_row(src, out)

@@ -70,6 +70,12 @@ class PagedKVStore:
         return self.num_blocks * self.bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim,
                                                       self.block_size, self.dtype)
 
+    def rows_as_written(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The caches k, v [layers, num_blocks, Hkv, block_size, D] (float32, or uint16 fp16 bits) for a kernel that
+        writes rows itself (gpu_model/cpu_decode.decode_layers): a row is stored as it comes, narrowed to fp16 or
+        not. None where `write` does more."""
+        return self.k, self.v
+
     def _encode(self, x: np.ndarray) -> np.ndarray:
         return x.astype(np.float16).view(np.uint16) if self.dtype == "float16" else np.ascontiguousarray(x, np.float32)
 
@@ -148,6 +154,9 @@ class SimQuantKVStore(PagedKVStore):
             raise ValueError(f"unknown simulated KV format {kind!r}")
         super().__init__(num_layers, num_kv_heads, head_dim, block_size, num_blocks, "float32")
         self.kind = kind
+
+    def rows_as_written(self) -> None:
+        return None  # write quantizes
 
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
               positions: np.ndarray | None = None) -> None:

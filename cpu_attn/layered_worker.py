@@ -101,6 +101,9 @@ class LayeredAttentionWorker(AttentionWorker):
                     grown[:, :, :have.shape[2]] = have
                 self._scores[c.seq_id] = grown
 
+    def decode_kv(self, num_heads: int) -> None:
+        return None  # rows per layer group, scores and eviction: a layer at a time, through attend
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:
         """As AttentionWorker.attend; layers past group 0 on their group's rows."""
         group, slot = self.layout.group_of(layer)

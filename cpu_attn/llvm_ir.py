@@ -161,3 +161,12 @@ def lane_sums(builder, vectors):
 def _llvm_fn(builder, name, ret, params):
     """LLVM IR: the intrinsic `name` (declared in the module on first use)."""
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
+
+
+@intrinsic
+def cycles(typingctx):
+    """The CPU's cycle counter (LLVM's readcyclecounter: rdtsc on x86, constant rate), to split one kernel call's
+    time between its parts."""
+    def codegen(context, builder, signature, args):
+        return builder.call(_llvm_fn(builder, "llvm.readcyclecounter", ir.IntType(64), []), [])
+    return types.int64(), codegen

@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from cpu_attn.kv_store import KVStore
+from cpu_attn.kernels import attention_scratch, split_parts
+from cpu_attn.kv_store import KVStore, PagedKVStore
 from cpu_attn.magicpig import MagicPig
 from cpu_attn.prefill import prefill_attention
 from cpu_attn.topk import TopK
@@ -49,6 +50,21 @@ class _StepPlan:
     verify: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     """With a chunk with draft tokens: the decode rows per sequence, (block_tables [S, max_blocks], the first row's
     seq_len [S], first decode row [S], rows [S]) for the store's verify_attention; None otherwise."""
+
+
+class DecodeKV(NamedTuple):
+    """A decode-only step's KV, for a kernel that runs the step's layers in one call and writes and attends the
+    rows itself (gpu_model/cpu_decode.decode_layers), as `attend` would layer by layer."""
+
+    k: np.ndarray
+    """[layers, num_blocks, Hkv, block_size, D] float32, or uint16 fp16 bits (PagedKVStore.rows_as_written)."""
+    v: np.ndarray
+    slot_mapping: np.ndarray  # [B] int64, each row's slot
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    seq_lens: np.ndarray  # [B] int32, tokens incl. the row's own
+    scale: float
+    scratch: tuple
+    """kernels.attention_scratch for the step, as a plain tuple (kernels.paged_decode_attention)."""
 
 
 class AttentionWorker:
@@ -109,6 +125,24 @@ class AttentionWorker:
             tables[i, : len(t)] = t
         first, rows, lens = (np.array([g[i] for g in groups], dtype=np.int32) for i in range(3))
         return tables, lens, first, rows
+
+    def decode_kv(self, num_heads: int) -> DecodeKV | None:
+        """The step's KV for a whole-step decode kernel where every row is a one-token decode attended exactly over a
+        store that keeps rows as written (fp16, fp32), with no sparse part; else None (then `attend`, a layer at
+        a time). After such a kernel, `count` its attention's seconds."""
+        plan = self._plan
+        rows = self.store.rows_as_written() if isinstance(self.store, PagedKVStore) else None
+        if rows is None or self.sparse is not None or plan.prefills or plan.verify is not None:
+            return None
+        store = self.store
+        work = len(plan.seq_lens) * store.num_kv_heads
+        scratch = attention_scratch(work, num_heads // store.num_kv_heads, store.block_size, store.head_dim,
+                                    split_parts(work, plan.seq_lens, store.block_size))
+        return DecodeKV(*rows, plan.slot_mapping, plan.block_tables, plan.seq_lens, self.scale, tuple(scratch))
+
+    def count(self, seconds: float) -> None:
+        """Add `seconds` of attention and KV writes done outside `attend` (decode_kv) to the step's timings."""
+        self.busy_s += seconds
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:
         """q: [T, Hq, D], k, v: [T, Hkv, D] (CPU float32), codes: (decode rows' q codes, k codes)

@@ -11,10 +11,11 @@ import math
 import torch
 from torch import nn
 
+from cpu_attn.worker import DecodeKV
 from gpu_model.config import ModelConfig
 from gpu_model.quant import BlockWeight, QuantWeight
 from gpu_model import cpu_decode
-from gpu_model.cpu_decode import DecodeWeights
+from gpu_model.cpu_decode import DecodeStack, DecodeWeights
 from gpu_model.quant_amx import block_matmul
 from gpu_model.quant_vnni import VnniWeight
 
@@ -114,6 +115,9 @@ class LlamaModel(nn.Module):
         self.decode_weights: list[DecodeWeights | None] = []
         """Per layer, its linears when all four are in the integer-dot layout: such steps run the layer's
         linears in two calls (gpu_model/cpu_decode.py)."""
+        self.decode_stack: DecodeStack | None = None
+        """With decode_weights of one kind per linear in every layer: all layers' weights stacked (decode_weights
+        are views of it), so that a decode step can run every layer in one call (decode_layers)."""
         self.head_weight: torch.Tensor | None = None
         """The output projection in the linears' dtype when that is not the embedding's (cast_linears)."""
         self.packed: dict[str, torch.Tensor] = {}
@@ -193,6 +197,17 @@ class LlamaModel(nn.Module):
         h = x + self._linear(f"layers.{i}.o", layer.o.weight, attn)
         gate, up = self._linear(f"layers.{i}.gate_up", layer.gate_up.weight, rms_norm(h, layer.mlp_norm, eps)).chunk(2, -1)
         return h + self._linear(f"layers.{i}.down", layer.down.weight, nn.functional.silu(gate) * up)
+
+    def decode_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DecodeKV) -> tuple[torch.Tensor, float]:
+        """Every layer of a step of one-token decodes in one call (cpu_decode.decode_layers; kv: the attention
+        worker's DecodeKV; needs decode_stack and at most quant_max_tokens tokens) -> the last layer's output
+        [T, hidden] and the share of the time spent writing and attending KV."""
+        assert self.decode_stack is not None and x.shape[0] <= self.quant_max_tokens
+        out = x.detach().numpy().copy()
+        share = cpu_decode.decode_layers(out, self.decode_stack, self.cfg.rms_norm_eps,
+                                         cos.numpy().reshape(x.shape[0], -1), sin.numpy().reshape(x.shape[0], -1), kv,
+                                         self.cfg.num_heads, self.tile_rows)
+        return torch.from_numpy(out), share
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> [N, vocab] in float32."""
@@ -284,3 +299,14 @@ class LlamaModel(nn.Module):
         layers = [tuple(self.quant.get(f"layers.{i}.{name}") for name in LINEARS) for i in range(self.cfg.num_layers)]
         self.decode_weights = [DecodeWeights(*ws) if all(isinstance(w, VnniWeight) for w in ws) else None
                                for ws in layers]
+        self.decode_stack = None
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            norms = [torch.stack([getattr(layer, name).detach() for layer in self.layers]) for name in ("attn_norm",
+                                                                                                      "mlp_norm")]
+            stacked = cpu_decode.stack_layers(self.decode_weights, *(n.numpy() for n in norms))
+            if stacked is not None:
+                self.decode_stack, self.decode_weights = stacked
+                for i, layer in enumerate(self.layers):  # the norms live in the stack: a later load writes both
+                    layer.attn_norm.data, layer.mlp_norm.data = norms[0][i], norms[1][i]
+                    for name, w in zip(LINEARS, self.decode_weights[i]):
+                        self.quant[f"layers.{i}.{name}"] = w

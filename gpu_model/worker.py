@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from cpu_attn.simhash import LshCoder
+from cpu_attn.worker import DecodeKV
 from gpu_model.model import LlamaModel
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], codes) -> [T, Hq * D], all CPU float32;
@@ -45,6 +46,27 @@ class ModelWorker:
         (logits,), busy_s = self.forward_pipelined([(token_ids, positions, logit_rows, chunks)],
                                                    lambda _, *args: sent.append(args), lambda _: attend(*sent.pop()))
         return logits, busy_s
+
+    def fuses_decode(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` one-token decodes can run every layer in one call (forward_decode)."""
+        return self.lsh is None and self.is_cpu and self.model.decode_stack is not None \
+            and num_tokens <= self.model.quant_max_tokens
+
+    @torch.inference_mode()
+    def forward_decode(self, token_ids: Sequence[int], positions: Sequence[int], logit_rows: Sequence[int],
+                       kv: DecodeKV) -> tuple[torch.Tensor, float, float]:
+        """`forward` of a step of one-token decodes (fuses_decode) with every layer in one call that also writes and
+        attends their KV as `kv` (the attention worker's DecodeKV) says -> the logits at `logit_rows`, the seconds
+        outside attention and the seconds of attention and KV writes."""
+        t0 = time.perf_counter()
+        m = self.model
+        x = m.embed(torch.tensor(token_ids))
+        cos, sin = m.rope(torch.tensor(positions))
+        t1 = time.perf_counter()
+        x, share = m.decode_layers(x, cos, sin, kv)
+        attn_s = share * (time.perf_counter() - t1)
+        logits = m.logits(x[torch.tensor(logit_rows, dtype=torch.long)])
+        return logits, time.perf_counter() - t0 - attn_s, attn_s
 
     @torch.inference_mode()
     def forward_pipelined(self, batches: Sequence[tuple], send: Callable, recv: Callable,

@@ -1,0 +1,64 @@
+"""A decode step with every layer in one call (gpu_model/cpu_decode.decode_layers) against the same step run a
+layer at a time: the same tokens, log-probabilities and KV cache, bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpu_attn.fp16 import narrow
+from hetcore.backend import SamplingParams, SeqChunk, StepInput
+from server.block_manager import BlockManager
+
+GREEDY = SamplingParams(temperature=0.0, logprobs=5)
+
+
+def test_narrowing_to_fp16_rounds_as_numpy():
+    """f32_to_fp16 against astype(np.float16): random bit patterns (nan and inf among them) and every half's
+    neighbourhood (ties, carries into the exponent, subnormals, overflow to inf)."""
+    bits = np.random.default_rng(0).integers(0, 2**32, size=200_000, dtype=np.int64)
+    halves = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.uint32).astype(np.int64)
+    near = np.concatenate([halves + d for d in (-1, 0, 1, 0xFFF, 0x1000, 0x1001)])
+    x = (np.concatenate([bits, near]) % 2**32).astype(np.uint32).view(np.float32)
+    out = np.empty(x.shape, np.uint16)
+    narrow(x, out)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(out, x.astype(np.float16).view(np.uint16))
+
+
+@pytest.mark.parametrize("kv_format", ["fp16", "fp32"])
+def test_decode_in_one_call_gives_the_layer_by_layer_bits(kv_format, monkeypatch):
+    from gpu_model.loader import resolve_model_dir
+    from server.backend_config import BackendConfig
+    from server.hetero import HeteroBackend
+
+    config = BackendConfig(kv_format=kv_format, kv_capacity_bytes=16 * 2**20)
+    fused, layered = (HeteroBackend(resolve_model_dir(None), config) for _ in range(2))
+    if not fused.model_worker.fuses_decode(1):
+        pytest.skip("the default linears are not in the integer-dot layout on this CPU (no AVX512-VNNI)")
+    monkeypatch.setattr(layered.model_worker, "fuses_decode", lambda num_tokens: False)
+    one_call = []
+    forward_decode = fused.model_worker.forward_decode
+    monkeypatch.setattr(fused.model_worker, "forward_decode", lambda *args: one_call.append(1) or forward_decode(*args))
+    prompts = [list(range(100, 137)), [5, 6, 7, 8, 9], list(range(300, 360))]
+    blocks = BlockManager(fused.kv_spec)
+    tokens = [list(p) for p in prompts]
+    for step in range(14):
+        chunks = []
+        for i, seq in enumerate(tokens):
+            if step == 0 or (i == 1 and step % 3):  # prompts first; then sequence 1 decodes alone every third step
+                start, new = (0, seq) if step == 0 else (len(seq) - 1, seq[-1:])
+                chunks.append(SeqChunk(i, tuple(new), start, blocks.allocate(i, len(seq)), GREEDY,
+                                       len(seq) - len(prompts[i])))
+        if step and step % 3 == 0:  # every sequence decodes
+            chunks = [SeqChunk(i, (seq[-1],), len(seq) - 1, blocks.allocate(i, len(seq)), GREEDY,
+                               len(seq) - len(prompts[i])) for i, seq in enumerate(tokens)]
+        inp = StepInput(tuple(chunks))
+        a, b = fused.step(inp), layered.step(inp)
+        assert a.sampled == b.sampled and a.logprobs == b.logprobs
+        if step:
+            assert a.timings.cpu_attn_s > 0  # the one call's attention share is counted as attention
+        for seq_id, tok in a.sampled.items():
+            tokens[seq_id].append(tok)
+    assert len(one_call) == 13
+    assert np.array_equal(fused.attn_worker.store.k, layered.attn_worker.store.k)
+    assert np.array_equal(fused.attn_worker.store.v, layered.attn_worker.store.v)
