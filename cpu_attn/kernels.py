@@ -9,7 +9,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from cpu_attn.fp16 import widen_block
 from cpu_attn.llvm_ir import _FAST, f32_matrices, lane_sums, prefetch, row_kernel_args, splat
@@ -318,6 +318,26 @@ def verify_scratch(work: int, rows: int, group: int, block_size: int, head_dim: 
     return (np.empty((units, n, head_dim), f32), np.empty((units, n, block_size), f32),
             np.empty((units, block_size, head_dim), f32), np.empty((units, block_size, head_dim), f32),
             np.empty((units, n), f32), np.empty((units, n), f32), np.empty((units, n, head_dim), f32))
+
+
+def attend_rows(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, scratch):
+    """One layer's exact attention of a step's decode rows, from Numba code: paged_decode_attention (one row a
+    sequence; scratch: attention_scratch as a tuple, row_first and row_count unused) or, where the scratch is
+    verify_scratch's seven arrays, paged_verify_attention (rows of draft tokens; block_tables, seq_lens,
+    row_first, row_count per sequence as there)."""
+
+
+@overload(attend_rows, jit_options={"nogil": True})
+def _attend_rows_impl(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, scratch):
+    if len(scratch) == 7:
+        def verify(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, scratch):
+            paged_verify_attention(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse,
+                                   scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], scratch[5], scratch[6])
+        return verify
+
+    def decode(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, scratch):
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse, scratch)
+    return decode
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from cpu_attn.kernels import attention_scratch, split_parts
+from cpu_attn.kernels import attention_scratch, split_parts, verify_scratch
 from cpu_attn.kv_store import KVStore, PagedKVStore
 from cpu_attn.magicpig import MagicPig
 from cpu_attn.prefill import prefill_attention
@@ -53,18 +53,20 @@ class _StepPlan:
 
 
 class DecodeKV(NamedTuple):
-    """A decode-only step's KV, for a kernel that runs the step's layers in one call and writes and attends the
-    rows itself (gpu_model/cpu_decode.decode_layers), as `attend` would layer by layer."""
+    """A step of decode rows only, for a kernel that runs the step's layers in one call and writes and attends the
+    rows itself (gpu_model/cpu_decode.decode_layers), as `attend` would layer by layer (kernels.attend_rows)."""
 
     k: np.ndarray
     """[layers, num_blocks, Hkv, block_size, D] float32, or uint16 fp16 bits (PagedKVStore.rows_as_written)."""
     v: np.ndarray
-    slot_mapping: np.ndarray  # [B] int64, each row's slot
-    block_tables: np.ndarray  # [B, max_blocks] int32
-    seq_lens: np.ndarray  # [B] int32, tokens incl. the row's own
+    slot_mapping: np.ndarray  # [T] int64, each row's slot
+    block_tables: np.ndarray  # [B, max_blocks] int32: per row, or per sequence with drafts
+    seq_lens: np.ndarray  # [B] int32: tokens a row sees, or a sequence's first row sees with drafts
+    row_first: np.ndarray  # with drafts: [B] int32, each sequence's first row; else empty
+    row_count: np.ndarray  # with drafts: [B] int32, each sequence's rows; else empty
     scale: float
     scratch: tuple
-    """kernels.attention_scratch for the step, as a plain tuple (kernels.paged_decode_attention)."""
+    """kernels.attention_scratch (one row a sequence) or verify_scratch (drafts), as a plain tuple."""
 
 
 class AttentionWorker:
@@ -127,18 +129,27 @@ class AttentionWorker:
         return tables, lens, first, rows
 
     def decode_kv(self, num_heads: int) -> DecodeKV | None:
-        """The step's KV for a whole-step decode kernel where every row is a one-token decode attended exactly over a
-        store that keeps rows as written (fp16, fp32), with no sparse part; else None (then `attend`, a layer at
-        a time). After such a kernel, `count` its attention's seconds."""
+        """The step's KV for a whole-step decode kernel where every row is a decode row (one-token decodes, or
+        decodes with draft tokens) attended exactly over a store that keeps rows as written (fp16, fp32), with no
+        sparse part; else None (then `attend`, a layer at a time). After such a kernel, `count` its attention's
+        seconds."""
         plan = self._plan
         rows = self.store.rows_as_written() if isinstance(self.store, PagedKVStore) else None
-        if rows is None or self.sparse is not None or plan.prefills or plan.verify is not None:
+        if rows is None or self.sparse is not None or plan.prefills:
             return None
-        store = self.store
-        work = len(plan.seq_lens) * store.num_kv_heads
-        scratch = attention_scratch(work, num_heads // store.num_kv_heads, store.block_size, store.head_dim,
-                                    split_parts(work, plan.seq_lens, store.block_size))
-        return DecodeKV(*rows, plan.slot_mapping, plan.block_tables, plan.seq_lens, self.scale, tuple(scratch))
+        store, group = self.store, num_heads // self.store.num_kv_heads
+        if plan.verify is None:
+            work = len(plan.seq_lens) * store.num_kv_heads
+            scratch = attention_scratch(work, group, store.block_size, store.head_dim,
+                                        split_parts(work, plan.seq_lens, store.block_size))
+            none = np.zeros(0, np.int32)
+            return DecodeKV(*rows, plan.slot_mapping, plan.block_tables, plan.seq_lens, none, none, self.scale,
+                            tuple(scratch))
+        tables, seq_lens, row_first, row_count = plan.verify
+        work, most = len(seq_lens) * store.num_kv_heads, int(row_count.max())
+        splits = split_parts(work, seq_lens + row_count - 1, store.block_size, most)
+        return DecodeKV(*rows, plan.slot_mapping, tables, seq_lens, row_first, row_count, self.scale,
+                        verify_scratch(work, most, group, store.block_size, store.head_dim, splits))
 
     def count(self, seconds: float) -> None:
         """Add `seconds` of attention and KV writes done outside `attend` (decode_kv) to the step's timings."""

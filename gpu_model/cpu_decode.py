@@ -9,10 +9,11 @@ computed while the matmul's input is rounded, and each call is one parallel regi
 one token a step, the nine tensor operations and five kernel calls these replace cost more than the
 matmuls of a small model's layer.
 
-A decode-only step whose attention is exact over a store that keeps rows as written runs all its layers in one
-call, `decode_layers`: pre, the KV rows' write, the paged decode attention and post of each layer, the same
-kernels in the same order, so the same bits as layer by layer. At one token a step on two cores the Python
-between a layer's calls (~60 us a layer) was a quarter of the step.
+A step of decode rows only (one-token decodes, or decodes with draft tokens) whose attention is exact over a
+store that keeps rows as written runs all its layers in one call, `decode_layers`: pre, the KV rows' write, the
+paged decode (or verify) attention and post of each layer, the same kernels in the same order, so the same bits
+as layer by layer. At one token a step on two cores the Python between a layer's calls (~60-100 us a layer) was
+a third of the step.
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ import torch
 from numba import njit
 
 from cpu_attn.fp16 import narrow_row
-from cpu_attn.kernels import paged_decode_attention
+from cpu_attn.kernels import attend_rows
 from cpu_attn.llvm_ir import cycles
 from cpu_attn.worker import DecodeKV
-from gpu_model.quant_amx import block_matvec
+from gpu_model.quant_amx import _block_matvec, block_matvec
 from gpu_model.quant_vnni import ROWS, VnniWeight
 
 
@@ -90,8 +91,8 @@ def stack_layers(layers: list[DecodeWeights | None], attn_norms: np.ndarray,
 
 @njit(cache=True, nogil=True, parallel=True)
 def _decode_layers(x, eps, hadamard, attn_norms, qkv_scales, qkv_qs, o_scales, o_qs, mlp_norms, gu_scales, gu_qs,
-                   down_scales, down_qs, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, scale, scratch,
-                   qkv, q, attn, lse, h, gate_up, tile_rows, spent):
+                   down_scales, down_qs, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, row_first,
+                   row_count, scale, scratch, qkv, q, attn, lse, h, gate_up, tile_rows, spent):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[3]
     q_width = num_heads * head_dim
@@ -99,7 +100,7 @@ def _decode_layers(x, eps, hadamard, attn_norms, qkv_scales, qkv_qs, o_scales, o
     no_norm = np.empty(0, np.float32)
     start, in_attn = cycles(), 0
     for i in range(attn_norms.shape[0]):
-        block_matvec(x, attn_norms[i], eps, False, hadamard, qkv_scales[i], qkv_qs[i], qkv, tile_rows)
+        _block_matvec(x, attn_norms[i], eps, False, hadamard, qkv_scales[i], qkv_qs[i], qkv, tile_rows)
         rope_rows(qkv, num_heads + num_kv_heads, head_dim, cos, sin)
         t0 = cycles()
         for t in range(num_tokens):
@@ -109,12 +110,12 @@ def _decode_layers(x, eps, hadamard, attn_norms, qkv_scales, qkv_qs, o_scales, o
                 narrow_row(qkv[t, k_at:k_at + head_dim], k_cache[i, block, kvh, offset])
                 narrow_row(qkv[t, v_at:v_at + head_dim], v_cache[i, block, kvh, offset])
             q_rows[t] = qkv[t, :q_width]
-        paged_decode_attention(q, k_cache[i], v_cache[i], block_tables, seq_lens, scale, attn, lse, scratch)
+        attend_rows(q, k_cache[i], v_cache[i], block_tables, seq_lens, row_first, row_count, scale, attn, lse, scratch)
         in_attn += cycles() - t0
-        block_matvec(attn_rows, no_norm, 0.0, False, hadamard, o_scales[i], o_qs[i], h, tile_rows)
+        _block_matvec(attn_rows, no_norm, 0.0, False, hadamard, o_scales[i], o_qs[i], h, tile_rows)
         h += x
-        block_matvec(h, mlp_norms[i], eps, False, hadamard, gu_scales[i], gu_qs[i], gate_up, tile_rows)
-        block_matvec(gate_up, no_norm, 0.0, True, hadamard, down_scales[i], down_qs[i], x, tile_rows)
+        _block_matvec(h, mlp_norms[i], eps, False, hadamard, gu_scales[i], gu_qs[i], gate_up, tile_rows)
+        _block_matvec(gate_up, no_norm, 0.0, True, hadamard, down_scales[i], down_qs[i], x, tile_rows)
         x += h
     spent[0] = in_attn
     spent[1] = cycles() - start
@@ -122,8 +123,8 @@ def _decode_layers(x, eps, hadamard, attn_norms, qkv_scales, qkv_qs, o_scales, o
 
 def decode_layers(x: np.ndarray, w: DecodeStack, eps: float, cos: np.ndarray, sin: np.ndarray, kv: DecodeKV,
                   num_heads: int, tile_rows: int) -> float:
-    """Run every layer over x [T, hidden] float32 (C, overwritten with the last layer's output), T one-token decodes
-    laid out as `kv` says: their K, V rows are written to its caches and attended (kernels.paged_decode_attention);
+    """Run every layer over x [T, hidden] float32 (C, overwritten with the last layer's output), T decode rows
+    laid out as `kv` says: their K, V rows are written to its caches and attended (kernels.attend_rows);
     cos, sin [T, D]. Returns the share of the call's time spent writing and attending KV."""
     num_tokens, head_dim = x.shape[0], cos.shape[1]
     num_kv_heads = kv.k.shape[2]
@@ -134,7 +135,7 @@ def decode_layers(x: np.ndarray, w: DecodeStack, eps: float, cos: np.ndarray, si
     spent = np.zeros(2, np.int64)
     _decode_layers(x, eps, w.qkv.rotated, w.attn_norms, w.qkv.scales, w.qkv.qs, w.o.scales, w.o.qs, w.mlp_norms,
                    w.gate_up.scales, w.gate_up.qs, w.down.scales, w.down.qs, cos, sin, kv.k, kv.v, kv.slot_mapping,
-                   kv.block_tables, kv.seq_lens, np.float32(kv.scale), kv.scratch, qkv, q, attn,
+                   kv.block_tables, kv.seq_lens, kv.row_first, kv.row_count, np.float32(kv.scale), kv.scratch, qkv, q, attn,
                    np.empty((num_tokens, num_heads), np.float32), h, gate_up, tile_rows, spent)
     return float(spent[0] / spent[1]) if spent[1] > 0 else 0.0
 

@@ -48,14 +48,14 @@ class ModelWorker:
         return logits, busy_s
 
     def fuses_decode(self, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` one-token decodes can run every layer in one call (forward_decode)."""
+        """Whether a step of `num_tokens` decode rows can run every layer in one call (forward_decode)."""
         return self.lsh is None and self.is_cpu and self.model.decode_stack is not None \
             and num_tokens <= self.model.quant_max_tokens
 
     @torch.inference_mode()
     def forward_decode(self, token_ids: Sequence[int], positions: Sequence[int], logit_rows: Sequence[int],
                        kv: DecodeKV) -> tuple[torch.Tensor, float, float]:
-        """`forward` of a step of one-token decodes (fuses_decode) with every layer in one call that also writes and
+        """`forward` of a step of decode rows (fuses_decode) with every layer in one call that also writes and
         attends their KV as `kv` (the attention worker's DecodeKV) says -> the logits at `logit_rows`, the seconds
         outside attention and the seconds of attention and KV writes."""
         t0 = time.perf_counter()

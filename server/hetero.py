@@ -311,7 +311,7 @@ class HeteroBackend(Backend):
         if not b.token_ids:
             return StepOutput(sampled={})
         kv = self.attn_worker.decode_kv(cfg.num_heads) if self.model_worker.fuses_decode(len(b.token_ids)) else None
-        if kv is not None:  # one-token decodes, exact attention: every layer in one call
+        if kv is not None:  # decode rows only, exact attention: every layer in one call
             logits, accel_s, attn_s = self.model_worker.forward_decode(b.token_ids, b.positions, b.logit_rows, kv)
             self.attn_worker.count(attn_s)
         else:

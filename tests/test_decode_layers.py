@@ -1,5 +1,5 @@
 """A decode step with every layer in one call (gpu_model/cpu_decode.decode_layers) against the same step run a
-layer at a time: the same tokens, log-probabilities and KV cache, bit for bit."""
+layer at a time: the same tokens, log-probabilities, accepted drafts and KV cache, bit for bit."""
 from __future__ import annotations
 
 import numpy as np
@@ -42,23 +42,26 @@ def test_decode_in_one_call_gives_the_layer_by_layer_bits(kv_format, monkeypatch
     prompts = [list(range(100, 137)), [5, 6, 7, 8, 9], list(range(300, 360))]
     blocks = BlockManager(fused.kv_spec)
     tokens = [list(p) for p in prompts]
-    for step in range(14):
-        chunks = []
-        for i, seq in enumerate(tokens):
-            if step == 0 or (i == 1 and step % 3):  # prompts first; then sequence 1 decodes alone every third step
-                start, new = (0, seq) if step == 0 else (len(seq) - 1, seq[-1:])
-                chunks.append(SeqChunk(i, tuple(new), start, blocks.allocate(i, len(seq)), GREEDY,
-                                       len(seq) - len(prompts[i])))
-        if step and step % 3 == 0:  # every sequence decodes
-            chunks = [SeqChunk(i, (seq[-1],), len(seq) - 1, blocks.allocate(i, len(seq)), GREEDY,
-                               len(seq) - len(prompts[i])) for i, seq in enumerate(tokens)]
-        inp = StepInput(tuple(chunks))
+
+    def chunk(i: int, drafts: tuple[int, ...] = ()) -> SeqChunk:
+        seq = tokens[i]
+        return SeqChunk(i, (seq[-1], *drafts), len(seq) - 1, blocks.allocate(i, len(seq) + len(drafts)), GREEDY,
+                        len(seq) - len(prompts[i]), num_draft=len(drafts))
+
+    steps = [[SeqChunk(i, tuple(p), 0, blocks.allocate(i, len(p)), GREEDY) for i, p in enumerate(prompts)]]
+    steps += [lambda: [chunk(1)]] * 2 + [lambda: [chunk(i) for i in range(3)]]  # one sequence; all three
+    steps += [lambda: [chunk(i, tuple(tokens[i][-3:])) for i in range(3)]]  # three drafts each (accepted or not)
+    steps += [lambda: [chunk(0, (7,)), chunk(1), chunk(2, tuple(tokens[2][-5:-1]))]]  # drafts beside a decode
+    steps += [lambda: [chunk(i) for i in range(3)]] * 4
+    for step, make in enumerate(steps):
+        inp = StepInput(tuple(make if step == 0 else make()))
         a, b = fused.step(inp), layered.step(inp)
-        assert a.sampled == b.sampled and a.logprobs == b.logprobs
+        assert (a.sampled, a.logprobs, a.accepted, a.accepted_logprobs) == (b.sampled, b.logprobs, b.accepted,
+                                                                             b.accepted_logprobs)
         if step:
             assert a.timings.cpu_attn_s > 0  # the one call's attention share is counted as attention
         for seq_id, tok in a.sampled.items():
-            tokens[seq_id].append(tok)
-    assert len(one_call) == 13
+            tokens[seq_id].extend((*a.accepted.get(seq_id, ()), tok))
+    assert len(one_call) == len(steps) - 1
     assert np.array_equal(fused.attn_worker.store.k, layered.attn_worker.store.k)
     assert np.array_equal(fused.attn_worker.store.v, layered.attn_worker.store.v)
