@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from cpu_attn.simhash import LshCoder
-from cpu_attn.worker import DecodeKV
+from cpu_attn.worker import AttentionWorker, DecodeKV
 from gpu_model.model import LlamaModel
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], codes) -> [T, Hq * D], all CPU float32;
@@ -46,6 +46,17 @@ class ModelWorker:
         (logits,), busy_s = self.forward_pipelined([(token_ids, positions, logit_rows, chunks)],
                                                    lambda _, *args: sent.append(args), lambda _: attend(*sent.pop()))
         return logits, busy_s
+
+    def run(self, attn: AttentionWorker, token_ids: Sequence[int], positions: Sequence[int],
+            logit_rows: Sequence[int], chunks: Chunks = ()) -> tuple[torch.Tensor, float]:
+        """`forward` with `attn` (after its begin_step) attending: every layer in one call where the step allows it
+        (forward_decode, its attention's seconds counted on `attn`), else a layer at a time."""
+        kv = attn.decode_kv(self.model.cfg.num_heads) if self.fuses_decode(len(token_ids)) else None
+        if kv is None:
+            return self.forward(token_ids, positions, logit_rows, attn.attend, chunks)
+        logits, accel_s, attn_s = self.forward_decode(token_ids, positions, logit_rows, kv)
+        attn.count(attn_s)
+        return logits, accel_s
 
     def fuses_decode(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` decode rows can run every layer in one call (forward_decode)."""

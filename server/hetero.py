@@ -298,7 +298,7 @@ class HeteroBackend(Backend):
                  num_blocks * per_block / 2**20, c.kv_format, device, reserve_note(self.kv_spec))
 
     def step(self, inp: StepInput) -> StepOutput:
-        t0, cfg = time.perf_counter(), self.model_cfg
+        t0 = time.perf_counter()
         self.model_worker.free(inp.freed_seq_ids)
         self.attn_worker.free(inp.freed_seq_ids)
         draft_s = 0.0
@@ -310,13 +310,7 @@ class HeteroBackend(Backend):
         self.attn_worker.begin_step(b.layouts)
         if not b.token_ids:
             return StepOutput(sampled={})
-        kv = self.attn_worker.decode_kv(cfg.num_heads) if self.model_worker.fuses_decode(len(b.token_ids)) else None
-        if kv is not None:  # decode rows only, exact attention: every layer in one call
-            logits, accel_s, attn_s = self.model_worker.forward_decode(b.token_ids, b.positions, b.logit_rows, kv)
-            self.attn_worker.count(attn_s)
-        else:
-            logits, accel_s = self.model_worker.forward(b.token_ids, b.positions, b.logit_rows,
-                                                        self.attn_worker.attend, b.chunks)
+        logits, accel_s = self.model_worker.run(self.attn_worker, b.token_ids, b.positions, b.logit_rows, b.chunks)
         accel_s += draft_s
         self.model_worker.set_centers(self.attn_worker.take_centers())
         t1 = time.perf_counter()
