@@ -9,7 +9,8 @@ the answer quotes; wikitext: plain continuation) x context (prompt tokens; chat 
 length) x streams x temperature. Each cell sends `concurrency` requests at once, `--rounds` times, every
 request with its own prompt; each round's batch goes to every method's server in turn (the order rotating
 by round), the others idle meanwhile, so that the machine's drift (a busy neighbour) falls on all alike.
-A request streams up to `--output-tokens` tokens (wikitext: exactly that many, ignore_eos). Per cell:
+A request streams up to `--output-tokens` tokens (wikitext: exactly that many, ignore_eos); with
+--cached-prompts every server has seen the cell's prompts before it is timed (prefix cache). Per cell:
 output tok/s over the cell's wall time, decode tok/s per stream (tokens after the first over the time
 after the first), TTFT p50, and the drafts' acceptance from the server's /metrics.
 Table, JSON and PNG in benchmarks/results/.
@@ -129,6 +130,10 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="batches of `concurrency` requests per cell")
     ap.add_argument("--long-batches", action="store_true", help="also run contexts > 1024 at concurrency > 1")
+    ap.add_argument("--cached-prompts", action="store_true",
+                    help="before a cell is timed, send each server its requests with max_tokens 1, so that the timed "
+                         "ones find their prompts in the prefix cache: the cell measures decoding (documents a "
+                         "server has seen before); the KV cache must hold the cell's prompts")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--serve-args", default="", help="extra `hetserve serve` flags for every method")
     ap.add_argument("--speculative-model", help="method draft-model: the model that drafts (--speculative-model)")
@@ -150,6 +155,9 @@ def main() -> None:
             print(f"{method}: ready in {ready_s:.0f} s", flush=True)
         for i, (kind, context, c, t) in enumerate(grid):
             reqs = requests_for(kind, context, c * args.rounds, tokenizer, args.output_tokens, t)
+            if args.cached_prompts:
+                for _, url in servers.values():
+                    asyncio.run(run_cell(url, [(p, {**b, "max_tokens": 1}) for p, b in reqs], c))
             before = {m: read_counters(url) for m, (_, url) in servers.items()}
             done, wall = {m: [] for m in servers}, dict.fromkeys(servers, 0.0)
             for r in range(args.rounds):

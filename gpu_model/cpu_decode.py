@@ -28,7 +28,7 @@ from cpu_attn.fp16 import narrow_row
 from cpu_attn.kernels import attend_rows
 from cpu_attn.llvm_ir import cycles
 from cpu_attn.worker import DecodeKV
-from gpu_model.quant_amx import _block_matvec, block_matvec
+from gpu_model.quant_amx import block_matvec, parallel_matvec
 from gpu_model.quant_vnni import ROWS, VnniWeight
 
 
@@ -100,7 +100,7 @@ def _decode_layers(x, eps, hadamard, attn_norms, qkv_scales, qkv_qs, o_scales, o
     no_norm = np.empty(0, np.float32)
     start, in_attn = cycles(), 0
     for i in range(attn_norms.shape[0]):
-        _block_matvec(x, attn_norms[i], eps, False, hadamard, qkv_scales[i], qkv_qs[i], qkv, tile_rows)
+        parallel_matvec(x, attn_norms[i], eps, False, hadamard, qkv_scales[i], qkv_qs[i], qkv, tile_rows)
         rope_rows(qkv, num_heads + num_kv_heads, head_dim, cos, sin)
         t0 = cycles()
         for t in range(num_tokens):
@@ -112,10 +112,10 @@ def _decode_layers(x, eps, hadamard, attn_norms, qkv_scales, qkv_qs, o_scales, o
             q_rows[t] = qkv[t, :q_width]
         attend_rows(q, k_cache[i], v_cache[i], block_tables, seq_lens, row_first, row_count, scale, attn, lse, scratch)
         in_attn += cycles() - t0
-        _block_matvec(attn_rows, no_norm, 0.0, False, hadamard, o_scales[i], o_qs[i], h, tile_rows)
+        parallel_matvec(attn_rows, no_norm, 0.0, False, hadamard, o_scales[i], o_qs[i], h, tile_rows)
         h += x
-        _block_matvec(h, mlp_norms[i], eps, False, hadamard, gu_scales[i], gu_qs[i], gate_up, tile_rows)
-        _block_matvec(gate_up, no_norm, 0.0, True, hadamard, down_scales[i], down_qs[i], x, tile_rows)
+        parallel_matvec(h, mlp_norms[i], eps, False, hadamard, gu_scales[i], gu_qs[i], gate_up, tile_rows)
+        parallel_matvec(gate_up, no_norm, 0.0, True, hadamard, down_scales[i], down_qs[i], x, tile_rows)
         x += h
     spent[0] = in_attn
     spent[1] = cycles() - start
@@ -135,8 +135,8 @@ def decode_layers(x: np.ndarray, w: DecodeStack, eps: float, cos: np.ndarray, si
     spent = np.zeros(2, np.int64)
     _decode_layers(x, eps, w.qkv.rotated, w.attn_norms, w.qkv.scales, w.qkv.qs, w.o.scales, w.o.qs, w.mlp_norms,
                    w.gate_up.scales, w.gate_up.qs, w.down.scales, w.down.qs, cos, sin, kv.k, kv.v, kv.slot_mapping,
-                   kv.block_tables, kv.seq_lens, kv.row_first, kv.row_count, np.float32(kv.scale), kv.scratch, qkv, q, attn,
-                   np.empty((num_tokens, num_heads), np.float32), h, gate_up, tile_rows, spent)
+                   kv.block_tables, kv.seq_lens, kv.row_first, kv.row_count, np.float32(kv.scale), kv.scratch, qkv, q,
+                   attn, np.empty((num_tokens, num_heads), np.float32), h, gate_up, tile_rows, spent)
     return float(spent[0] / spent[1]) if spent[1] > 0 else 0.0
 
 

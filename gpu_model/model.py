@@ -198,7 +198,8 @@ class LlamaModel(nn.Module):
         gate, up = self._linear(f"layers.{i}.gate_up", layer.gate_up.weight, rms_norm(h, layer.mlp_norm, eps)).chunk(2, -1)
         return h + self._linear(f"layers.{i}.down", layer.down.weight, nn.functional.silu(gate) * up)
 
-    def decode_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DecodeKV) -> tuple[torch.Tensor, float]:
+    def decode_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv: DecodeKV) -> tuple[torch.Tensor, float]:
         """Every layer of a step of decode rows in one call (cpu_decode.decode_layers; kv: the attention
         worker's DecodeKV; needs decode_stack and at most quant_max_tokens tokens) -> the last layer's output
         [T, hidden] and the share of the time spent writing and attending KV."""

@@ -312,7 +312,9 @@ def block_matvec(x, norm, eps, gated, hadamard, scales, qs, out, tile_rows):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _block_matvec(x, norm, eps, gated, hadamard, scales, qs, out, tile_rows):
+def parallel_matvec(x, norm, eps, gated, hadamard, scales, qs, out, tile_rows):
+    """block_matvec as a parallel function of its own (one compiled copy per weight kind), for block_matmul and
+    for Numba code that runs one matvec after another (cpu_decode.decode_layers)."""
     block_matvec(x, norm, eps, gated, hadamard, scales, qs, out, tile_rows)
 
 
@@ -321,6 +323,6 @@ def block_matmul(x: torch.Tensor, w: VnniWeight, tile_rows: int, norm: torch.Ten
     """x @ W.T as block_matvec (`norm`, `eps`, `gated` as quant_vnni.vnni_matmul) -> [M, N] float32."""
     xn = np.ascontiguousarray(x.detach().numpy())
     out = np.empty((xn.shape[0], w.shape[0]), np.float32)
-    _block_matvec(xn, NO_NORM if norm is None else norm.detach().numpy(), eps, gated, w.rotated, w.scales, w.qs, out,
+    parallel_matvec(xn, NO_NORM if norm is None else norm.detach().numpy(), eps, gated, w.rotated, w.scales, w.qs, out,
                   tile_rows)
     return torch.from_numpy(out)

@@ -154,6 +154,8 @@ class SpecPolicy:
     _blocked_steps: dict[int, int] = field(default_factory=dict)
     _declined_steps: dict[int, int] = field(default_factory=dict)
     """Per batch size, the steps whose plan sent no drafts (probe, in plan)."""
+    probed: bool = False
+    """Whether the last plan's drafts are a probe (plan): its step is left out of the outcomes (observe_outcome)."""
     free_drafts: bool = False
     """Every step size costs the same (assume_free_drafts)."""
     unmeasured_row_cost: float = 0.01
@@ -174,10 +176,11 @@ class SpecPolicy:
         """A decode-only step of num_seqs sequences and num_tokens tokens (drafts included) emitted `emitted` tokens in
         `seconds` (before observe_step has seen it). A stall (over STALL_FACTOR times the step's estimated cost: a
         kernel loaded on first use, a busy neighbour) is left out: it says nothing of whether drafts pay, and one
-        could hold drafting back for hundreds of steps."""
-        if seconds > STALL_FACTOR * self.cost(num_tokens):
-            return
+        could hold drafting back for hundreds of steps. So is a probe's step (one draft a sequence, sent to learn the
+        rates, not because it pays): counted, such steps kept backend drafts from the steps they pay in."""
         drafted = num_tokens > num_seqs
+        if seconds > STALL_FACTOR * self.cost(num_tokens) or (drafted and self.probed):
+            return
         tokens, secs, count = self.outcomes.get((num_seqs, drafted), (0.0, 0.0, 0))
         self.outcomes[num_seqs, drafted] = (tokens * decay + emitted, secs * decay + seconds, count + 1)
 
@@ -257,6 +260,7 @@ class SpecPolicy:
         explore_every sends each candidate one draft: otherwise a sequence whose first drafts failed (a rate
         fallen from its prior) would never draft again, however well it would draft later."""
         ks = [0] * len(candidates)
+        self.probed = False
         if not candidates or budget <= 0 or base_tokens not in self.step_s:
             return ks  # a step of this size without drafts is measured first: the baseline drafts must beat
         if not self.drafting_pays(base_outputs):
@@ -285,6 +289,7 @@ class SpecPolicy:
             if declined % self.explore_every == 0:
                 drafting = [i for i, (_, avail) in enumerate(candidates) if avail > 0][:budget]
                 if self.would_pay(base_tokens, base_outputs, len(drafting)):
+                    self.probed = True
                     for i in drafting:
                         ks[i] = 1
         return ks

@@ -91,6 +91,8 @@ def test_policy_probes_backend_drafts_where_accepted_drafts_would_pay():
     probes = [i for i, ks in enumerate(plans) if any(ks)]
     assert probes == [cheap.explore_every - 1, 2 * cheap.explore_every - 1]
     assert plans[probes[0]] == [1] * 16
+    cheap.observe_outcome(16, 32, 16, 1.0)  # the probe's step, however slow, does not say drafting does not pay
+    assert cheap.outcomes.get((16, True)) is None
     assert not any(any(cheap.plan(16, 16, [(0.1, 4)] * 16, 256)) for _ in range(2 * cheap.explore_every))
     dear = SpecPolicy(max_tokens=4)
     measure(dear, {n: 0.025 * n for n in range(16, 81)})
