@@ -106,7 +106,7 @@ class DraftModel:
             layouts.append(ChunkLayout(len(tokens), start, c.block_table[:-(-end // self.block_size)], c.seq_id))
             chunks.append((c.seq_id, start, len(tokens)))
         self.attn.begin_step(layouts)
-        logits, busy_s = self.worker.forward(token_ids, positions, rows if last_rows else [], self.attn.attend, chunks)
+        logits, busy_s = self.worker.run(self.attn, token_ids, positions, rows if last_rows else [], chunks)
         return (logits if last_rows else None), busy_s
 
     def draft(self, inp: StepInput) -> tuple[StepInput, float]:
