@@ -65,3 +65,26 @@ def test_decode_in_one_call_gives_the_layer_by_layer_bits(kv_format, monkeypatch
     assert len(one_call) == len(steps) - 1
     assert np.array_equal(fused.attn_worker.store.k, layered.attn_worker.store.k)
     assert np.array_equal(fused.attn_worker.store.v, layered.attn_worker.store.v)
+
+
+def test_layers_stack_only_when_each_linear_has_one_kind():
+    """stack_layers: every layer's weights on a leading axis, each layer's DecodeWeights views of them (the same
+    values); None where one linear's kind or shape differs between layers (those models run a layer at a time)."""
+    from gpu_model.cpu_decode import DecodeWeights, stack_layers
+    from tests.test_quant_vnni import weights
+
+    def layer(seed: int, qkv_kind: str = "q4_1") -> DecodeWeights:
+        return DecodeWeights(*(weights(kind, num_rows=32, num_blocks=2, seed=seed + i)[1]
+                               for i, kind in enumerate((qkv_kind, "q4_1", "q4_1", "q4_1"))))
+
+    norms = np.ones((2, 64), np.float32)
+    layers = [layer(0), layer(10)]
+    stack, views = stack_layers(layers, norms, norms)
+    assert stack.qkv.qs.shape == (2, *layers[0].qkv.qs.shape)
+    for got, want in zip(views, layers):
+        for a, b in zip(got, want):
+            assert np.array_equal(a.qs, b.qs) and np.array_equal(a.scales, b.scales)
+            assert np.shares_memory(a.qs, stack.qkv.qs) or np.shares_memory(a.qs, stack.down.qs) \
+                or np.shares_memory(a.qs, stack.o.qs) or np.shares_memory(a.qs, stack.gate_up.qs)
+    assert stack_layers([layer(0), layer(10, qkv_kind="q8_0")], norms, norms) is None
+    assert stack_layers([layer(0), None], norms, norms) is None
