@@ -92,17 +92,28 @@ class PagedKVStore:
         gather_rows(self.v[layer], blocks, seq_len, v)
         return k, v
 
+    def decode_scratch(self, num_heads: int, seq_lens: np.ndarray) -> tuple:
+        """paged_decode_attention's scratch for one query row of `num_heads` heads per sequence of `seq_lens`, as a
+        plain tuple (see oaken/records.py)."""
+        work = len(seq_lens) * self.num_kv_heads
+        return tuple(attention_scratch(work, num_heads // self.num_kv_heads, self.block_size, self.head_dim,
+                                       split_parts(work, seq_lens, self.block_size)))
+
+    def verify_rows_scratch(self, num_heads: int, seq_lens: np.ndarray, row_count: np.ndarray) -> tuple:
+        """paged_verify_attention's scratch for row_count[b] rows of sequence b, its first seeing seq_lens[b]
+        tokens."""
+        work, most = len(seq_lens) * self.num_kv_heads, int(row_count.max())
+        splits = split_parts(work, seq_lens + row_count - 1, self.block_size, most)
+        return verify_scratch(work, most, num_heads // self.num_kv_heads, self.block_size, self.head_dim, splits)
+
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          scale: float) -> tuple[np.ndarray, np.ndarray]:
         """q: [B, Hq, D] float32 -> out [B, Hq, D], lse [B, Hq] (float32)."""
         num_seqs, num_heads, head_dim = q.shape
-        group = num_heads // self.num_kv_heads
-        work = num_seqs * self.num_kv_heads
         out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
-        scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(work, seq_lens, self.block_size))
         paged_decode_attention(np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables, seq_lens,
-                               np.float32(scale), out, lse, tuple(scratch))  # a plain tuple: see oaken/records.py
+                               np.float32(scale), out, lse, self.decode_scratch(num_heads, seq_lens))
         return out, lse
 
     def verify_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
@@ -110,14 +121,11 @@ class PagedKVStore:
         """Consecutive positions per sequence (kernels.paged_verify_attention): q [T, Hq, D] float32, sequence b's
         row_count[b] rows from row_first[b], its first row seeing seq_lens[b] tokens -> out [T, Hq, D], lse [T, Hq]."""
         num_rows, num_heads, head_dim = q.shape
-        group = num_heads // self.num_kv_heads
         out = np.empty((num_rows, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_rows, num_heads), dtype=np.float32)
-        work = len(seq_lens) * self.num_kv_heads
-        splits = split_parts(work, seq_lens + row_count - 1, self.block_size, int(row_count.max()))
-        scratch = verify_scratch(work, int(row_count.max()), group, self.block_size, head_dim, splits)
         paged_verify_attention(np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables,
-                               seq_lens, row_first, row_count, np.float32(scale), out, lse, *scratch)
+                               seq_lens, row_first, row_count, np.float32(scale), out, lse,
+                               *self.verify_rows_scratch(num_heads, seq_lens, row_count))
         return out, lse
 
 

@@ -18,7 +18,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cpu_attn.kernels import attention_scratch, split_parts
 from cpu_attn.kv_policy import (accumulate_probs, compact_rows, observed_attention, paged_decode_attention_scored,
                                 pooled, select_keep)
 from cpu_attn.kv_store import PagedKVStore
@@ -140,16 +139,13 @@ class LayeredAttentionWorker(AttentionWorker):
         """Exact decode attention over the group's rows; each row's probabilities add to its score."""
         store = self.store
         num_seqs, num_heads, head_dim = q.shape
-        group = num_heads // store.num_kv_heads
-        work = num_seqs * store.num_kv_heads
         longest = int(plan.seq_lens.max())
         out = np.empty((num_seqs, num_heads, head_dim), np.float32)
         lse = np.empty((num_seqs, num_heads), np.float32)
         raw = np.empty((num_seqs, num_heads, longest), np.float32)
-        scratch = attention_scratch(work, group, store.block_size, head_dim,
-                                    split_parts(work, plan.seq_lens, store.block_size))
+        scratch = store.decode_scratch(num_heads, plan.seq_lens)
         paged_decode_attention_scored(q, store.k[slot], store.v[slot], plan.block_tables, plan.seq_lens,
-                                      np.float32(self.scale), out, lse, raw, tuple(scratch))
+                                      np.float32(self.scale), out, lse, raw, scratch)
         probs = np.zeros((num_seqs, store.num_kv_heads, longest), np.float32)
         accumulate_probs(raw, lse, plan.seq_lens, store.num_kv_heads, probs)
         decay = self.layout.policy.score_decay

@@ -17,7 +17,6 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from cpu_attn.kernels import attention_scratch, split_parts, verify_scratch
 from cpu_attn.kv_store import KVStore, PagedKVStore
 from cpu_attn.magicpig import MagicPig
 from cpu_attn.prefill import prefill_attention
@@ -137,19 +136,13 @@ class AttentionWorker:
         rows = self.store.rows_as_written() if isinstance(self.store, PagedKVStore) else None
         if rows is None or self.sparse is not None or plan.prefills:
             return None
-        store, group = self.store, num_heads // self.store.num_kv_heads
         if plan.verify is None:
-            work = len(plan.seq_lens) * store.num_kv_heads
-            scratch = attention_scratch(work, group, store.block_size, store.head_dim,
-                                        split_parts(work, plan.seq_lens, store.block_size))
             none = np.zeros(0, np.int32)
             return DecodeKV(*rows, plan.slot_mapping, plan.block_tables, plan.seq_lens, none, none, self.scale,
-                            tuple(scratch))
+                            self.store.decode_scratch(num_heads, plan.seq_lens))
         tables, seq_lens, row_first, row_count = plan.verify
-        work, most = len(seq_lens) * store.num_kv_heads, int(row_count.max())
-        splits = split_parts(work, seq_lens + row_count - 1, store.block_size, most)
         return DecodeKV(*rows, plan.slot_mapping, tables, seq_lens, row_first, row_count, self.scale,
-                        verify_scratch(work, most, group, store.block_size, store.head_dim, splits))
+                        self.store.verify_rows_scratch(num_heads, seq_lens, row_count))
 
     def count(self, seconds: float) -> None:
         """Add `seconds` of attention and KV writes done outside `attend` (decode_kv) to the step's timings."""

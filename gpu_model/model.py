@@ -116,8 +116,9 @@ class LlamaModel(nn.Module):
         """Per layer, its linears when all four are in the integer-dot layout: such steps run the layer's
         linears in two calls (gpu_model/cpu_decode.py)."""
         self.decode_stack: DecodeStack | None = None
-        """With decode_weights of one kind per linear in every layer: all layers' weights stacked (decode_weights
-        are views of it), so that a decode step can run every layer in one call (decode_layers)."""
+        """On the CPU in float32, with decode_weights of one kind per linear in every layer: all layers' weights
+        stacked (decode_weights are views of it), so that a decode step can run every layer in one call
+        (decode_layers)."""
         self.head_weight: torch.Tensor | None = None
         """The output projection in the linears' dtype when that is not the embedding's (cast_linears)."""
         self.packed: dict[str, torch.Tensor] = {}

@@ -60,8 +60,7 @@ class ModelWorker:
 
     def fuses_decode(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` decode rows can run every layer in one call (forward_decode)."""
-        return self.lsh is None and self.is_cpu and self.model.decode_stack is not None \
-            and num_tokens <= self.model.quant_max_tokens
+        return self.lsh is None and self.model.decode_stack is not None and num_tokens <= self.model.quant_max_tokens
 
     @torch.inference_mode()
     def forward_decode(self, token_ids: Sequence[int], positions: Sequence[int], logit_rows: Sequence[int],
