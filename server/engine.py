@@ -41,6 +41,8 @@ class _Live:
     prompt_logprobs_sent: bool = False
     emitted: int = 0
     """Output tokens applied to the request so far (the sequence may hold more of the step in hand)."""
+    pending: list[tuple[str, int, tuple[TokenLogprobs, ...]]] = field(default_factory=list)
+    """This step's applied tokens not yet sent (text, token, logprobs): a step's tokens go out as one event."""
 
 
 class Engine:
@@ -268,6 +270,11 @@ class Engine:
                 live.first_token_s = now
                 self.metrics.on_first_token(now - live.req.arrival_s)
             self._on_token(live, token, lp)
+        for seq_id in nth:  # one event per request a step, however many of its drafts were accepted
+            live = self._live.get(seq_id)
+            if live is not None and live.pending:
+                text, ids, lps = self._take_pending(live)
+                live.req.on_event(self._event(live, text, ids, logprobs=lps))
 
     def _free_finished(self, inp: StepInput) -> None:
         """A step with nothing to run still tells the backend which sequences ended (it drops their
@@ -301,9 +308,18 @@ class Engine:
         if reason is None and (n >= req.max_tokens or len(seq.prompt_token_ids) + n >= self.backend.max_model_len):
             reason = "length"
         if reason is None:
-            req.on_event(self._event(live, text, (token,), logprobs=lps))
+            live.pending.append((text, token, lps))
         else:
             self._finish(live, reason, text=text, token_ids=(token,), logprobs=lps)
+
+    @staticmethod
+    def _take_pending(live: _Live) -> tuple[str, tuple[int, ...], tuple[TokenLogprobs, ...]]:
+        """The step's unsent tokens' text, ids and logprobs, joined; clears them."""
+        text = "".join(t for t, _, _ in live.pending)
+        ids = tuple(tok for _, tok, _ in live.pending)
+        lps = tuple(x for _, _, lp in live.pending for x in lp)
+        live.pending.clear()
+        return text, ids, lps
 
     def _event(self, live: _Live, text: str, token_ids: tuple[int, ...], reason: str | None = None,
                error: str | None = None, logprobs: tuple[TokenLogprobs, ...] = ()) -> RequestEvent:
@@ -325,6 +341,9 @@ class Engine:
             stop_reason = (f"max_tokens ({live.req.max_tokens}) reached before the grammar was complete: the output "
                            "does not match the requested format; raise max_tokens")
         self.grammars.remove(live.seq.seq_id)
+        if live.pending:  # this step's earlier tokens go out with the last
+            before, ids, lps = self._take_pending(live)
+            text, token_ids, logprobs = before + text, ids + token_ids, lps + logprobs
         if reason != "error":
             text += live.detok.flush()
         now, n = time.monotonic(), live.emitted

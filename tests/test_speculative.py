@@ -527,7 +527,8 @@ class RepeatingBackend(Backend):
 
 def test_a_step_that_reaches_max_tokens_with_drafts_sends_every_token():
     """Steps of several tokens (accepted drafts) that end exactly at max_tokens: every token is sent to the client
-    and counted once; an earlier engine finished at the step's first token and dropped the rest."""
+    and counted once (an earlier engine finished at the step's first token and dropped the rest), and a step's
+    tokens go out as one event, not one each."""
     import threading
 
     from gpu_model.loader import resolve_model_dir
@@ -555,6 +556,8 @@ def test_a_step_that_reaches_max_tokens_with_drafts_sends_every_token():
             want = [pattern[p % len(pattern)] for p in range(len(prompt), len(prompt) + max_tokens)]
             assert tokens == want and "".join(ev.text for ev in events) == tok.decode(want)
             assert events[-1].finish_reason == "length" and events[-1].num_output_tokens == max_tokens
+            counts = [len(ev.token_ids) for ev in events]
+            assert [ev.num_output_tokens for ev in events] == list(np.cumsum(counts)) and max(counts) > 1
         assert engine.scheduler.num_accepted_tokens > 0
     finally:
         engine.stop()
