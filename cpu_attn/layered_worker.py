@@ -40,7 +40,8 @@ class _GroupPlan:
     decode_seq_ids: list[int]
     block_tables: np.ndarray  # [B, max_blocks] int32
     seq_lens: np.ndarray  # [B] int32: rows attended, the new one included
-    prefills: list[tuple[int, int, int, tuple[int, ...], int]]  # (first row, num_tokens, rows_before, table, seq_id)
+    prefills: list[tuple[int, int, int, tuple[int, ...], int, int]]
+    """(first row, num_tokens, rows_before, table, seq_id, observed: the last rows whose queries score)"""
     evictions: list[tuple[int, int, int, tuple[int, ...], bool]]
     """(seq_id, rows held, rows kept, table, after a prompt chunk)"""
 
@@ -61,7 +62,7 @@ def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: in
             tables.append(table)
             seq_lens.append(before + 1)
         else:
-            prefills.append((row, c.num_tokens, before, table, c.seq_id))
+            prefills.append((row, c.num_tokens, before, table, c.seq_id, v.observed))
         if after < before + c.num_tokens:
             evictions.append((c.seq_id, before + c.num_tokens, after, table, c.num_tokens > 1))
         row += c.num_tokens
@@ -121,9 +122,9 @@ class LayeredAttentionWorker(AttentionWorker):
             rows = plan.decode_rows
             out[rows] = torch.from_numpy(self._decode_rows(layer, slot, np.ascontiguousarray(q[rows].numpy(),
                                                                                           np.float32), plan, sparse))
-        for first, n, before, table, seq_id in plan.prefills:
+        for first, n, before, table, seq_id, observed in plan.prefills:
             out[first:first + n] = self._prefill(layer, slot, q[first:first + n], k[first:first + n],
-                                                 v[first:first + n], before, table, seq_id, sparse)
+                                                 v[first:first + n], before, table, seq_id, observed if sparse else 0)
         for seq_id, held, kept, table, prompt in plan.evictions:
             self._evict(layer, slot, seq_id, held, kept, table, self.layout.policy.score_pool if prompt else 1)
         self.busy_s += time.perf_counter() - t0
@@ -158,19 +159,19 @@ class LayeredAttentionWorker(AttentionWorker):
         return out
 
     def _prefill(self, layer: int, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, before: int,
-                 table: tuple[int, ...], seq_id: int, sparse: bool) -> torch.Tensor:
+                 table: tuple[int, ...], seq_id: int, observed: int) -> torch.Tensor:
         """A prompt chunk's attention (q: [n, Hq, D]) over the group's rows (its own at before ..
-        before + n - 1, causal by row: the rows before it are earlier tokens, kept); a sparse group's
-        last `observe` queries also score the rows."""
+        before + n - 1, causal by row: the rows before it are earlier tokens, kept); its last `observed`
+        queries also score the rows (a sparse group's, KVView.observed)."""
         n = q.shape[0]
         if before:
             k_np, v_np = self.store.gather(slot, table, before + n)
             k_ctx, v_ctx = torch.from_numpy(k_np), torch.from_numpy(v_np)
         else:
             k_ctx, v_ctx = k, v
-        if not sparse:
+        if observed == 0:
             return prefill_attention(q, k_ctx, v_ctx, before, self.scale)
-        a = min(self.layout.policy.observe, n)
+        a = observed
         out = torch.empty(q.shape, dtype=q.dtype)
         if n > a:
             out[:n - a] = prefill_attention(q[:n - a], k_ctx[:before + n - a], v_ctx[:before + n - a], before,

@@ -187,7 +187,7 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
                 for at in range(start, start + length, chunk):
                     n = min(chunk, start + length - at)
                     run = layered.get(name)
-                    layouts = None if run is None else run.layouts(ids, at, n, at + n == start + length)
+                    layouts = None if run is None else run.layouts(ids, at, n, start + length)
                     logits = _forward(workers[name], attn[name], batch, tables, ids, at, n, layouts)
                 if name in layered and s > 0:
                     layered[name].count_kept(start + length)

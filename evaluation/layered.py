@@ -43,14 +43,15 @@ class LayeredRun:
         self.rows = [SeqRows(layout) for _ in range(num)]
         self.kept_sum, self.kept_count = 0.0, 0
 
-    def layouts(self, seq_ids: list[int], start: int, length: int, is_last: bool) -> list[LayeredChunkLayout]:
-        """The chunk layouts of one step over every window's tokens start .. start + length - 1."""
-        return [self.chunk(i, seq_id, start, length, is_last) for i, seq_id in enumerate(seq_ids)]
+    def layouts(self, seq_ids: list[int], start: int, length: int, end: int) -> list[LayeredChunkLayout]:
+        """The chunk layouts of one step over every window's tokens start .. start + length - 1, of a prefill
+        (or decode) that runs to token `end`."""
+        return [self.chunk(i, seq_id, start, length, end) for i, seq_id in enumerate(seq_ids)]
 
-    def chunk(self, i: int, seq_id: int, start: int, length: int, is_last: bool) -> LayeredChunkLayout:
+    def chunk(self, i: int, seq_id: int, start: int, length: int, end: int) -> LayeredChunkLayout:
         """Window i's chunk of `length` tokens from `start` (its rows move on as SeqRows says)."""
-        before, after = self.rows[i].advance(length, is_last)
-        view = KVView(tuple(self.tables[i][1:]), before, after)
+        before, after, observed = self.rows[i].advance(length, start + length == end, end)
+        view = KVView(tuple(self.tables[i][1:]), before, after, observed)
         return LayeredChunkLayout(num_tokens=length, start_pos=start, block_table=self.tables[i][0], seq_id=seq_id,
                                   kv_view=view)
 

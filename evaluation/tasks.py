@@ -162,7 +162,7 @@ def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], 
     layout = [ChunkLayout(len(s.prompt), 0, t, i) for i, (s, t) in enumerate(zip(samples, tables))]
     for name, w in workers.items():
         run = layered.get(name)
-        w.begin_step(layout if run is None else [run.chunk(i, i, 0, len(s.prompt), True)
+        w.begin_step(layout if run is None else [run.chunk(i, i, 0, len(s.prompt), len(s.prompt))
                                                  for i, s in enumerate(samples)])
     ends = list(itertools.accumulate(len(s.prompt) for s in samples))
     logits, _ = forward([t for s in samples for t in s.prompt], [p for s in samples for p in range(len(s.prompt))],
@@ -180,7 +180,7 @@ def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], 
                 break
             pos = [len(samples[i].prompt) + len(outputs[i]) - 1 for i in live]
             run = layered.get(name)
-            worker.begin_step([ChunkLayout(1, p, tables[i], i) if run is None else run.chunk(i, i, p, 1, True)
+            worker.begin_step([ChunkLayout(1, p, tables[i], i) if run is None else run.chunk(i, i, p, 1, p + 1)
                                for i, p in zip(live, pos)])
             logits, _ = forward([outputs[i][-1] for i in live], pos, list(range(len(live))), worker.attend,
                                 [(i, p, 1) for i, p in zip(live, pos)])

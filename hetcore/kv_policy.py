@@ -59,7 +59,8 @@ class KVPolicy:
     sinks: int = 4
     """layered: the first tokens always kept."""
     observe: int = 32
-    """layered: a prompt chunk's last queries whose attention scores the tokens (SnapKV's observation window)."""
+    """layered: the prompt's last queries whose attention scores the tokens (SnapKV's observation window), over as
+    many prompt chunks as they span; with prefill_evict, each chunk's last ones (its eviction needs scores)."""
     evict_slack: int = 16
     """layered: rows over the budget a sparse layer may hold before it evicts (eviction runs once per this many
     decode steps, not every step)."""
@@ -176,6 +177,8 @@ class KVView:
     """Rows held before this chunk (its tokens are written at rows_before, rows_before + 1, ...)."""
     keep_after: tuple[int, ...]
     """Rows kept after the step: rows_before + the chunk's tokens, or fewer when the step evicts."""
+    observed: int = 0
+    """Of a prompt chunk's tokens, the last ones whose queries score the rows (KVPolicy.observe)."""
 
 
 class SeqRows:
@@ -213,12 +216,19 @@ class SeqRows:
         """Rows each group must have room for to take `num_new` more tokens."""
         return [r + num_new for r in self.rows]
 
-    def advance(self, num_new: int, is_last: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Take a chunk of `num_new` tokens -> (rows_before, keep_after); the counts move to keep_after."""
+    def advance(self, num_new: int, is_last: bool, end: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """Take a chunk of `num_new` tokens of a prefill that runs to token `end` -> (rows_before, keep_after,
+        observed: of the chunk's tokens, the last ones whose queries score the rows); the counts move to
+        keep_after."""
         before = tuple(self.rows)
         after = [r + num_new for r in before]
+        first = self.num_tokens
         self.num_tokens += num_new
         p = self.layout.policy
+        if p.prefill_evict and p.budget_tokens is not None:
+            observed = min(p.observe, num_new)
+        else:  # the prompt's last `observe` tokens, in whichever chunks they fall
+            observed = max(0, min(num_new, self.num_tokens - max(first, end - p.observe)))
         if is_last and not self.prompt_tokens:
             self.prompt_tokens = self.num_tokens
         # within a prompt only a budget in tokens is known (a ratio needs the prompt's length)
@@ -229,7 +239,7 @@ class SeqRows:
                     if rows > budget + p.evict_slack:
                         after[i] = budget
         self.rows = after
-        return before, tuple(after)
+        return before, tuple(after), observed
 
 
 def add_kv_policy_arguments(p) -> None:
@@ -256,6 +266,9 @@ def add_kv_policy_arguments(p) -> None:
     p.add_argument("--kv-score-pool", type=int, default=d.score_pool,
                    help=f"layered: at a prompt's end rank each token by the larger of its score and the mean score of "
                         f"this many tokens around it (odd; 1: its own) (default: {d.score_pool})")
+    p.add_argument("--kv-observe", type=int, default=d.observe,
+                   help=f"layered: the prompt's last queries whose attention scores its tokens (SnapKV's observation "
+                        f"window) (default: {d.observe})")
     p.add_argument("--kv-prefill-evict", choices=("on", "off"), default="off",
                    help="layered with --kv-budget-tokens: evict after every prompt chunk too (a long prompt holds "
                         "budget + a chunk in the sparse layers; later chunks attend to the kept rows) (default: off)")
@@ -264,4 +277,4 @@ def add_kv_policy_arguments(p) -> None:
 def kv_policy_from_args(args) -> KVPolicy:
     return KVPolicy(args.kv_policy, args.kv_full_layers, args.kv_budget_tokens, args.kv_budget_ratio,
                     args.kv_budget_schedule, args.kv_window, args.kv_sinks, prefill_evict=args.kv_prefill_evict == "on",
-                    score_pool=args.kv_score_pool)
+                    observe=args.kv_observe, score_pool=args.kv_score_pool)

@@ -136,6 +136,8 @@ class ServeConfig:
     kv_score_pool: int = _opt(31, "kv_policy layered: at a prompt's end rank each token by the larger of its score "
                                   "and the mean score of this many tokens around it (odd; SnapKV's pooling; 1: its "
                                   "own score)")
+    kv_observe: int = _opt(32, "kv_policy layered: the prompt's last queries whose attention scores its tokens "
+                               "(SnapKV's observation window)")
     kv_window: int = _opt(64, "kv_policy layered: latest tokens always kept")
     kv_sinks: int = _opt(4, "kv_policy layered: first tokens always kept")
     kv_prefill_evict: bool = _opt(False, "kv_policy layered with kv_budget_tokens, on or off: evict after every "
@@ -333,7 +335,7 @@ class ServeConfig:
 
         return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
                         self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict,
-                        score_pool=self.kv_score_pool)
+                        observe=self.kv_observe, score_pool=self.kv_score_pool)
 
     def lsh_config(self):
         """The MagicPIG settings, or None for exact attention."""

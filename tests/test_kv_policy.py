@@ -62,16 +62,16 @@ def test_rows_grow_through_the_prompt_then_evict_at_its_end_and_every_slack():
     layout = KVPolicy("layered", full_layers=1, budget_tokens=100, window=8, sinks=2, evict_slack=16).layout(3, 4096)
     rows = SeqRows(layout)
     assert layout.num_groups == 3 and rows.rows == [0, 0]
-    assert rows.advance(200, is_last=False) == ((0, 0), (200, 200))  # a middle chunk: nothing evicted
-    assert rows.advance(100, is_last=True) == ((200, 200), (100, 100))  # the prompt's end
+    assert rows.advance(280, is_last=False, end=300) == ((0, 0), (280, 280), 12)  # a middle chunk: nothing evicted
+    assert rows.advance(20, is_last=True, end=300) == ((280, 280), (100, 100), 20)  # the prompt's end
     for i in range(16):
-        assert rows.advance(1, is_last=True) == ((100 + i,) * 2, (101 + i,) * 2)
-    assert rows.advance(1, is_last=True) == ((116, 116), (100, 100))  # 117 > 100 + 16
+        assert rows.advance(1, is_last=True, end=301 + i)[:2] == ((100 + i,) * 2, (101 + i,) * 2)
+    assert rows.advance(1, is_last=True, end=317)[:2] == ((116, 116), (100, 100))  # 117 > 100 + 16
     chunked = SeqRows(KVPolicy("layered", full_layers=1, budget_tokens=100, window=8, sinks=2, evict_slack=16,
                                prefill_evict=True).layout(3, 4096))
-    assert chunked.advance(64, is_last=False) == ((0, 0), (64, 64))
-    assert chunked.advance(64, is_last=False) == ((64, 64), (100, 100))  # 128 > 116: within the prompt
-    assert chunked.advance(64, is_last=True) == ((100, 100), (100, 100)) and chunked.prompt_tokens == 192
+    assert chunked.advance(64, is_last=False, end=192) == ((0, 0), (64, 64), 32)  # each chunk's last 32 score
+    assert chunked.advance(64, is_last=False, end=192) == ((64, 64), (100, 100), 32)  # 128 > 116: within the prompt
+    assert chunked.advance(64, is_last=True, end=192) == ((100, 100), (100, 100), 32) and chunked.prompt_tokens == 192
 
 
 # ---- kernels against plain NumPy
@@ -181,14 +181,16 @@ class PlainLayered:
     """The policy on one sparse layer, position lists and float64 NumPy: kept[h] is kv-head h's kept
     positions in order, score[h] their scores."""
 
-    def __init__(self, num_kv_heads, scale, observe, sinks, window, decay=1.0, pool=1):
+    def __init__(self, num_kv_heads, scale, observe, sinks, window, decay=1.0, pool=1, prefill_evict=False):
         self.k, self.v = {}, {}
         self.kept = [[] for _ in range(num_kv_heads)]
         self.score = [[] for _ in range(num_kv_heads)]
         self.scale, self.observe, self.sinks, self.window, self.decay = scale, observe, sinks, window, decay
-        self.pool = pool
+        self.pool, self.prefill_evict = pool, prefill_evict
 
-    def chunk(self, q, k, v, start, keep_after):
+    def chunk(self, q, k, v, start, keep_after, end):
+        """A chunk of the prefill (or decode) that runs to position `end`: the prompt's last `observe` queries
+        score (with prefill_evict, each chunk's last `observe`)."""
         n, num_heads, _ = q.shape
         num_kv_heads = len(self.kept)
         group = num_heads // num_kv_heads
@@ -202,7 +204,7 @@ class PlainLayered:
             self.score = [[x * self.decay for x in row] for row in self.score]
         for i in range(n):
             pos = start + i
-            scored = n == 1 or i >= n - self.observe
+            scored = n == 1 or (i >= n - self.observe if self.prefill_evict else pos >= end - self.observe)
             for h in range(num_heads):
                 kvh = h // group
                 rows = [j for j, p in enumerate(self.kept[kvh]) if p <= pos]
@@ -233,7 +235,7 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool):
     full layer's as AttentionWorker's over a plain store."""
     rng = np.random.default_rng(6)
     num_heads, num_kv_heads, d, bs = 4, 2, 64, 4
-    policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=3, evict_slack=3,
+    policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=10, evict_slack=3,
                       score_decay=decay, prefill_evict=prefill_evict, score_pool=pool)
     layout = policy.layout(2, 1024)
     store = PagedKVStore(layout.slots, num_kv_heads, d, bs, 64, "float32")
@@ -242,8 +244,8 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool):
     scale = d**-0.5
     prompts = {0: [9, 8, 7], 1: [23]}  # chunk sizes of each sequence's prompt (17 > 12 + 3 rows after two)
     rows = {s: SeqRows(layout) for s in prompts}
-    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window, decay, pool)
-             for s in prompts}
+    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window, decay, pool,
+                             prefill_evict) for s in prompts}
     tables = {0: (list(range(0, 10)), list(range(10, 20))), 1: (list(range(20, 32)), list(range(32, 44)))}
     pos = {s: 0 for s in prompts}
     evicted = 0
@@ -252,16 +254,17 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool):
         for s, sizes in prompts.items():
             n = sizes[step] if step < len(sizes) else 1
             is_last = step >= len(sizes) - 1
-            before, after = rows[s].advance(n, is_last)
+            end = sum(sizes) if step < len(sizes) else pos[s] + 1
+            before, after, observed = rows[s].advance(n, is_last, end)
             evicted += after[0] < before[0] + n
-            view = KVView((tuple(tables[s][1]),), before, after)
-            chunks.append((s, n, view))
+            view = KVView((tuple(tables[s][1]),), before, after, observed)
+            chunks.append((s, n, view, end))
         layouts = [LayeredChunkLayout(num_tokens=n, start_pos=pos[s], block_table=tuple(tables[s][0]), seq_id=s,
-                                      kv_view=view) for s, n, view in chunks]
+                                      kv_view=view) for s, n, view, _ in chunks]
         worker.begin_step(layouts)
         full.begin_step([ChunkLayout(num_tokens=n, start_pos=pos[s], block_table=tuple(tables[s][0]), seq_id=s)
-                         for s, n, _ in chunks])
-        total = sum(n for _, n, _ in chunks)
+                         for s, n, _, _ in chunks])
+        total = sum(n for _, n, _, _ in chunks)
         q = rng.standard_normal((total, num_heads, d)).astype(np.float32)
         k, v = (rng.standard_normal((total, num_kv_heads, d)).astype(np.float32) for _ in range(2))
         tq, tk, tv = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
@@ -269,8 +272,8 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool):
         np.testing.assert_allclose(o0, full.attend(0, tq, tk, tv).reshape(total, num_heads, d).numpy(), atol=1e-5)
         o1 = worker.attend(1, tq, tk, tv).reshape(total, num_heads, d).numpy()
         row = 0
-        for s, n, view in chunks:
-            ref = plain[s].chunk(q[row:row + n], k[row:row + n], v[row:row + n], pos[s], view.keep_after[0])
+        for s, n, view, end in chunks:
+            ref = plain[s].chunk(q[row:row + n], k[row:row + n], v[row:row + n], pos[s], view.keep_after[0], end)
             np.testing.assert_allclose(o1[row:row + n], ref, atol=2e-5, err_msg=f"step {step} seq {s}")
             row += n
             pos[s] += n
