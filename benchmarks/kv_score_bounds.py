@@ -72,10 +72,11 @@ class Bounds:
             x = m.post_attention(i, x, torch.cat(outs, 1).transpose(0, 1).reshape(P, -1))
         return kv, scores
 
-    def decode(self, ids: list[int], kv: list, keep) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Teacher-forced decode of the last D tokens. keep(layer, probs_full) -> None (every row) or "oracle" or
-        kept prompt rows [Hkv, P] bool. -> log-probs [D - 1, vocab] and, per layer, what the decode queries
-        attended over the prompt with the full cache ([Hkv, P])."""
+    def decode(self, ids: list[int], kv: list, sets: str | list | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Teacher-forced decode of the last D tokens; the sparse layers' queries see the sinks, their window
+        and `sets`: None every row, "oracle" each query's best keys, else per layer the kept prompt rows
+        [Hkv, P] bool. -> log-probs [D - 1, vocab] and, per layer, the attention the decode queries give the
+        prompt's rows before any restriction [Hkv, P] (the hindsight ranking, from the full cache's pass)."""
         m, P, D, Hk, G, Dh = self.model, self.P, self.D, self.Hk, self.G, self.cfg.head_dim
         T = P + D
         x = m.embed(torch.tensor(ids[P:T]))
@@ -93,15 +94,14 @@ class Bounds:
             p = s.softmax(-1)
             pooled = p.view(Hk, G, D, T).sum(1)  # [Hk, D, T]
             attended.append(pooled.sum(1)[:, :P])
-            rows = keep(i, pooled) if i >= self.full else None
-            if rows is not None:
-                if isinstance(rows, str):  # oracle: each query's own top keys, sinks and window first
+            if sets is not None and i >= self.full:
+                if sets == "oracle":  # each query's own top keys, sinks and window first
                     rank = pooled.masked_fill(recent[None], float("inf")).masked_fill(~causal[None], float("-inf"))
                     allowed = torch.zeros_like(pooled, dtype=torch.bool)
                     allowed.scatter_(-1, rank.topk(min(self.budget, T), -1).indices, True)
                     allowed &= causal[None]
                 else:
-                    prompt_rows = torch.cat([rows, torch.zeros(Hk, D, dtype=torch.bool)], 1)
+                    prompt_rows = torch.cat([sets[i], torch.zeros(Hk, D, dtype=torch.bool)], 1)
                     allowed = recent[None] | (prompt_rows[:, None, :] & causal[None])
                 p = s.masked_fill(~allowed.repeat_interleave(G, 0), float("-inf")).softmax(-1)
             x = m.post_attention(i, x, (p @ ve).transpose(0, 1).reshape(D, -1))
@@ -143,18 +143,17 @@ def main() -> None:
     for n, w in enumerate(windows):
         t0 = time.perf_counter()
         kv, scores = b.prompt(w, args.observe)
-        ref, attended = b.decode(w, kv, lambda i, p: None)
+        ref, attended = b.decode(w, kv, None)
         target = torch.tensor(w[b.P + 1:])
         rows = torch.arange(len(target))
         nll["full"] -= ref[rows, target].sum().item()
         for name in names:
             if name == "oracle":
-                keep = lambda i, p: "oracle"  # noqa: E731
+                sets = "oracle"
             else:
-                src = attended if name == "hindsight" else [s.get(name) for s in scores]
+                src = attended if name == "hindsight" else [s[name] for s in scores]
                 sets = [None if i < b.full else b.chosen(src[i]) for i in range(len(src))]
-                keep = lambda i, p, sets=sets: sets[i]  # noqa: E731
-            lp, _ = b.decode(w, kv, keep)
+            lp, _ = b.decode(w, kv, sets)
             nll[name] -= lp[rows, target].sum().item()
             kl[name] += (ref.exp() * (ref - lp)).sum().item()
         print(f"window {n + 1}/{len(windows)}: {time.perf_counter() - t0:.0f} s", flush=True)
