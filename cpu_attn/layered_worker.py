@@ -171,13 +171,12 @@ class LayeredAttentionWorker(AttentionWorker):
             k_ctx, v_ctx = k, v
         if observed == 0:
             return prefill_attention(q, k_ctx, v_ctx, before, self.scale)
-        a = observed
+        m = n - observed  # rows that only attend
         out = torch.empty(q.shape, dtype=q.dtype)
-        if n > a:
-            out[:n - a] = prefill_attention(q[:n - a], k_ctx[:before + n - a], v_ctx[:before + n - a], before,
-                                            self.scale)
-        o, scores = observed_attention(q[n - a:], k_ctx, v_ctx, np.arange(before + n - a, before + n), self.scale)
-        out[n - a:] = o
+        if m:
+            out[:m] = prefill_attention(q[:m], k_ctx[:before + m], v_ctx[:before + m], before, self.scale)
+        o, scores = observed_attention(q[m:], k_ctx, v_ctx, np.arange(before + m, before + n), self.scale)
+        out[m:] = o
         self._scores[seq_id][layer, :, :before + n] += scores
         return out
 

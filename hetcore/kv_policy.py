@@ -101,6 +101,11 @@ class KVPolicy:
     def is_layered(self) -> bool:
         return self.kind == "layered"
 
+    @property
+    def evicts_in_prompt(self) -> bool:
+        """prefill_evict in effect: a budget in tokens is known before a prompt's end (a ratio needs its length)."""
+        return self.prefill_evict and self.budget_tokens is not None
+
     def with_full_layers(self, count: int) -> KVPolicy:
         return replace(self, full_layers=count)
 
@@ -208,9 +213,8 @@ class SeqRows:
         """The most rows each group holds while a prompt of `num_tokens` is prefilled `chunk` tokens a step
         (from no rows)."""
         p = self.layout.policy
-        prefill_evict = p.prefill_evict and p.budget_tokens is not None
         return [min(num_tokens, self.layout.budget(i + 1, num_tokens) + p.evict_slack + chunk)
-                if prefill_evict and self.layout.is_sparse(i + 1) else num_tokens for i in range(len(self.rows))]
+                if p.evicts_in_prompt and self.layout.is_sparse(i + 1) else num_tokens for i in range(len(self.rows))]
 
     def needed(self, num_new: int) -> list[int]:
         """Rows each group must have room for to take `num_new` more tokens."""
@@ -225,14 +229,13 @@ class SeqRows:
         first = self.num_tokens
         self.num_tokens += num_new
         p = self.layout.policy
-        if p.prefill_evict and p.budget_tokens is not None:
+        if p.evicts_in_prompt:  # each chunk's eviction needs scores of its own
             observed = min(p.observe, num_new)
         else:  # the prompt's last `observe` tokens, in whichever chunks they fall
             observed = max(0, min(num_new, self.num_tokens - max(first, end - p.observe)))
         if is_last and not self.prompt_tokens:
             self.prompt_tokens = self.num_tokens
-        # within a prompt only a budget in tokens is known (a ratio needs the prompt's length)
-        if is_last or (p.prefill_evict and p.budget_tokens is not None):
+        if is_last or p.evicts_in_prompt:
             for i, rows in enumerate(after):
                 if self.layout.is_sparse(i + 1):
                     budget = self.layout.budget(i + 1, self.prompt_tokens)
