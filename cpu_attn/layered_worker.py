@@ -122,11 +122,17 @@ class LayeredAttentionWorker(AttentionWorker):
             rows = plan.decode_rows
             out[rows] = torch.from_numpy(self._decode_rows(layer, slot, np.ascontiguousarray(q[rows].numpy(),
                                                                                           np.float32), plan, sparse))
+        policy = self.layout.policy
+        at_prompt_end = {e[0] for e in plan.evictions if e[4]}
+        focus = {}
         for first, n, before, table, seq_id, observed in plan.prefills:
-            out[first:first + n] = self._prefill(layer, slot, q[first:first + n], k[first:first + n],
-                                                 v[first:first + n], before, table, seq_id, observed if sparse else 0)
+            last = min(policy.focus, observed) if sparse and seq_id in at_prompt_end else 0
+            out[first:first + n], focus[seq_id] = self._prefill(
+                layer, slot, q[first:first + n], k[first:first + n], v[first:first + n], before, table, seq_id,
+                observed if sparse else 0, last)
         for seq_id, held, kept, table, prompt in plan.evictions:
-            self._evict(layer, slot, seq_id, held, kept, table, self.layout.policy.score_pool if prompt else 1)
+            self._evict(layer, slot, seq_id, held, kept, table, policy.score_pool if prompt else 1,
+                        focus.get(seq_id) if prompt else None)
         self.busy_s += time.perf_counter() - t0
         return out.reshape(q.shape[0], -1)
 
@@ -159,10 +165,11 @@ class LayeredAttentionWorker(AttentionWorker):
         return out
 
     def _prefill(self, layer: int, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, before: int,
-                 table: tuple[int, ...], seq_id: int, observed: int) -> torch.Tensor:
+                 table: tuple[int, ...], seq_id: int, observed: int, last: int) -> tuple[torch.Tensor, np.ndarray | None]:
         """A prompt chunk's attention (q: [n, Hq, D]) over the group's rows (its own at before ..
         before + n - 1, causal by row: the rows before it are earlier tokens, kept); its last `observed`
-        queries also score the rows (a sparse group's, KVView.observed)."""
+        queries also score the rows (a sparse group's, KVView.observed). Returns the output and, when `last`,
+        the scores of the chunk's last `last` queries alone [Hkv, before + n] (KVPolicy.focus)."""
         n = q.shape[0]
         if before:
             k_np, v_np = self.store.gather(slot, table, before + n)
@@ -170,23 +177,30 @@ class LayeredAttentionWorker(AttentionWorker):
         else:
             k_ctx, v_ctx = k, v
         if observed == 0:
-            return prefill_attention(q, k_ctx, v_ctx, before, self.scale)
+            return prefill_attention(q, k_ctx, v_ctx, before, self.scale), None
         m = n - observed  # rows that only attend
         out = torch.empty(q.shape, dtype=q.dtype)
         if m:
             out[:m] = prefill_attention(q[:m], k_ctx[:before + m], v_ctx[:before + m], before, self.scale)
-        o, scores = observed_attention(q[m:], k_ctx, v_ctx, np.arange(before + m, before + n), self.scale)
+        o, scores, tail = observed_attention(q[m:], k_ctx, v_ctx, np.arange(before + m, before + n), self.scale, last)
         out[m:] = o
         self._scores[seq_id][layer, :, :before + n] += scores
-        return out
+        return out, tail if last else None
 
     def _evict(self, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...],
-               pool: int) -> None:
+               pool: int, focus: np.ndarray | None) -> None:
         """Keep `kept` of the `held` rows, each ranked by the larger of its score and the mean of the `pool` rows
-        around it; the kept rows carry that on."""
+        around it; the kept rows carry that on. With `focus` (the prompt's last queries' scores, KVPolicy.focus),
+        a row ranks by the larger of its own score and its pooled focus score, scaled to the same total."""
         p = self.layout.policy
         scores = self._scores[seq_id][layer]  # [Hkv, capacity]
-        ranked = scores[:, :held] if pool == 1 else np.maximum(scores[:, :held], pooled(scores[:, :held], pool))
+        own = scores[:, :held]
+        if focus is not None:
+            ranked_focus = focus if pool == 1 else np.maximum(focus, pooled(focus, pool))
+            scale = own.sum(axis=1, keepdims=True) / np.maximum(ranked_focus.sum(axis=1, keepdims=True), 1e-30)
+            ranked = np.maximum(own, ranked_focus * scale)
+        else:
+            ranked = own if pool == 1 else np.maximum(own, pooled(own, pool))
         keep = select_keep(ranked, kept, p.sinks, p.window)
         compact_rows(self.store.k[slot], self.store.v[slot], np.asarray(table, np.int64), keep)
         scores[:, :kept] = np.take_along_axis(ranked, keep, axis=1)

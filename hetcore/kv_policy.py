@@ -75,6 +75,11 @@ class KVPolicy:
     peak), and the kept rows carry that on; evictions while decoding rank the scores as they are (H2O). A token
     beside ones the prompt's last queries looked at stays with them: the rest of a number, a name, a key.
     1: each row by its own score."""
+    focus: int = 0
+    """layered: the prompt's last queries that rank its tokens a second time, at the prompt's end (0: off). With
+    it, the `observe` queries' scores rank each row by its own score, the `focus` queries' scores pooled
+    (score_pool), and a row ranks by the larger of the two, the focus scores scaled to the same total: the last
+    queries (a question) name what a retrieval needs, the wider window what a continuation looks back at."""
     score_decay: float = 1.0
     """layered: each decode step multiplies the scores so far by this before adding its own (1: H2O's plain sum;
     below 1 the recent queries' attention counts more)."""
@@ -91,6 +96,7 @@ class KVPolicy:
             (self.window >= 1 and self.sinks >= 0, "kv_window must be >= 1 and kv_sinks >= 0"),
             (self.observe >= 1 and self.evict_slack >= 1, "kv observe window and evict slack must be >= 1"),
             (0 < self.score_decay <= 1, "kv score decay must be in (0, 1]"),
+            (0 <= self.focus <= self.observe, "kv focus must be in 0 .. the observe window"),
             (self.score_pool >= 1 and self.score_pool % 2 == 1, "kv score pool must be an odd count of rows"),
         ]
         for ok, message in checks:
@@ -272,6 +278,10 @@ def add_kv_policy_arguments(p) -> None:
     p.add_argument("--kv-observe", type=int, default=d.observe,
                    help=f"layered: the prompt's last queries whose attention scores its tokens (SnapKV's observation "
                         f"window) (default: {d.observe})")
+    p.add_argument("--kv-focus", type=int, default=d.focus,
+                   help="layered: the prompt's last queries that rank its tokens a second time (pooled; a token ranks "
+                        "by the larger of both, the --kv-observe window's then by own scores) (0: off) "
+                        f"(default: {d.focus})")
     p.add_argument("--kv-prefill-evict", choices=("on", "off"), default="off",
                    help="layered with --kv-budget-tokens: evict after every prompt chunk too (a long prompt holds "
                         "budget + a chunk in the sparse layers; later chunks attend to the kept rows) (default: off)")
@@ -280,4 +290,4 @@ def add_kv_policy_arguments(p) -> None:
 def kv_policy_from_args(args) -> KVPolicy:
     return KVPolicy(args.kv_policy, args.kv_full_layers, args.kv_budget_tokens, args.kv_budget_ratio,
                     args.kv_budget_schedule, args.kv_window, args.kv_sinks, prefill_evict=args.kv_prefill_evict == "on",
-                    observe=args.kv_observe, score_pool=args.kv_score_pool)
+                    observe=args.kv_observe, score_pool=args.kv_score_pool, focus=args.kv_focus)

@@ -138,6 +138,9 @@ class ServeConfig:
                                   "own score)")
     kv_observe: int = _opt(32, "kv_policy layered: the prompt's last queries whose attention scores its tokens "
                                "(SnapKV's observation window)")
+    kv_focus: int = _opt(0, "kv_policy layered: the prompt's last queries that rank its tokens a second time "
+                            "(pooled by kv_score_pool; a token ranks by the larger of both, the kv_observe "
+                            "window's then by own scores) (0: off)")
     kv_window: int = _opt(64, "kv_policy layered: latest tokens always kept")
     kv_sinks: int = _opt(4, "kv_policy layered: first tokens always kept")
     kv_prefill_evict: bool = _opt(False, "kv_policy layered with kv_budget_tokens, on or off: evict after every "
@@ -335,7 +338,7 @@ class ServeConfig:
 
         return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
                         self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict,
-                        observe=self.kv_observe, score_pool=self.kv_score_pool)
+                        observe=self.kv_observe, score_pool=self.kv_score_pool, focus=self.kv_focus)
 
     def lsh_config(self):
         """The MagicPIG settings, or None for exact attention."""

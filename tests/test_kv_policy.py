@@ -115,15 +115,19 @@ def test_observed_attention_matches_numpy():
     q = rng.standard_normal((5, num_heads, d)).astype(np.float32)
     k, v = (rng.standard_normal((n, num_kv_heads, d)).astype(np.float32) for _ in range(2))
     pos = np.arange(n - 5, n) - 3  # causal: query at row p sees rows 0..p
-    out, scores = observed_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), pos, 0.25)
-    ref = np.zeros((num_kv_heads, n))
+    out, scores, tail = observed_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), pos, 0.25,
+                                           last=2)
+    ref, ref_tail = np.zeros((num_kv_heads, n)), np.zeros((num_kv_heads, n))
     for i, p in enumerate(pos):
+        if i == 3:
+            ref_tail[:] = ref
         o, lse = naive_attention(q[i], k[:p + 1], v[:p + 1], 0.25)
         np.testing.assert_allclose(out[i].numpy(), o, atol=1e-5)
         for h in range(num_heads):
             s = k[:p + 1, h // 3] @ q[i, h] * 0.25
             ref[h // 3, :p + 1] += np.exp(s - lse[h])
     np.testing.assert_allclose(scores, ref, atol=1e-5)
+    np.testing.assert_allclose(tail, ref - ref_tail, atol=1e-5)
 
 
 def plain_pooled(scores, pool):
