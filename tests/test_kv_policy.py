@@ -185,16 +185,17 @@ class PlainLayered:
     """The policy on one sparse layer, position lists and float64 NumPy: kept[h] is kv-head h's kept
     positions in order, score[h] their scores."""
 
-    def __init__(self, num_kv_heads, scale, observe, sinks, window, decay=1.0, pool=1, prefill_evict=False):
+    def __init__(self, num_kv_heads, scale, observe, sinks, window, decay=1.0, pool=1, prefill_evict=False, focus=0):
         self.k, self.v = {}, {}
         self.kept = [[] for _ in range(num_kv_heads)]
         self.score = [[] for _ in range(num_kv_heads)]
         self.scale, self.observe, self.sinks, self.window, self.decay = scale, observe, sinks, window, decay
-        self.pool, self.prefill_evict = pool, prefill_evict
+        self.pool, self.prefill_evict, self.focus = pool, prefill_evict, focus
 
     def chunk(self, q, k, v, start, keep_after, end):
         """A chunk of the prefill (or decode) that runs to position `end`: the prompt's last `observe` queries
-        score (with prefill_evict, each chunk's last `observe`)."""
+        score (with prefill_evict, each chunk's last `observe`); at an eviction after it, the chunk's last `focus`
+        queries rank the rows a second time."""
         n, num_heads, _ = q.shape
         num_kv_heads = len(self.kept)
         group = num_heads // num_kv_heads
@@ -204,6 +205,7 @@ class PlainLayered:
                 self.kept[h].append(start + i)
                 self.score[h].append(0.0)
         out = np.zeros(q.shape)
+        focus = [[0.0] * len(row) for row in self.score]
         if n == 1:  # a decode step: the scores so far fade by the decay first
             self.score = [[x * self.decay for x in row] for row in self.score]
         for i in range(n):
@@ -221,26 +223,32 @@ class PlainLayered:
                 if scored:
                     for j, pj in zip(rows, p):
                         self.score[kvh][j] += pj
+                        if n > 1 and i >= n - self.focus:
+                            focus[kvh][j] += pj
         for h in range(num_kv_heads):
             if keep_after < len(self.kept[h]):  # after a prompt chunk, ranked and carried on pooled
                 pool = self.pool if n > 1 else 1
-                ranked = [max(a, b) for a, b in zip(self.score[h], plain_pooled(self.score[h], pool))]
+                if self.focus and n > 1:
+                    f = [max(a, b) for a, b in zip(focus[h], plain_pooled(focus[h], pool))]
+                    ranked = [max(a, b * sum(self.score[h]) / sum(f)) for a, b in zip(self.score[h], f)]
+                else:
+                    ranked = [max(a, b) for a, b in zip(self.score[h], plain_pooled(self.score[h], pool))]
                 keep = plain_keep(ranked, keep_after, self.sinks, self.window)
                 self.kept[h] = [self.kept[h][j] for j in keep]
                 self.score[h] = [ranked[j] for j in keep]
         return out
 
 
-@pytest.mark.parametrize("decay,prefill_evict,pool", [(1.0, False, 1), (0.8, False, 1), (1.0, True, 3),
-                                                     (1.0, False, 5)])
-def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool):
+@pytest.mark.parametrize("decay,prefill_evict,pool,focus", [(1.0, False, 1, 0), (0.8, False, 1, 0), (1.0, True, 3, 0),
+                                                           (1.0, False, 5, 0), (1.0, False, 5, 3), (1.0, True, 3, 2)])
+def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool, focus):
     """Two sequences, 2 layers (layer 0 full, layer 1 sparse), chunked prompts then decodes with
     evictions, mixed in steps: every output of the sparse layer as the plain implementation's, the
     full layer's as AttentionWorker's over a plain store."""
     rng = np.random.default_rng(6)
     num_heads, num_kv_heads, d, bs = 4, 2, 64, 4
     policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=10, evict_slack=3,
-                      score_decay=decay, prefill_evict=prefill_evict, score_pool=pool)
+                      score_decay=decay, prefill_evict=prefill_evict, score_pool=pool, focus=focus)
     layout = policy.layout(2, 1024)
     store = PagedKVStore(layout.slots, num_kv_heads, d, bs, 64, "float32")
     worker = LayeredAttentionWorker(store, d, layout)
@@ -249,7 +257,7 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool):
     prompts = {0: [9, 8, 7], 1: [23]}  # chunk sizes of each sequence's prompt (17 > 12 + 3 rows after two)
     rows = {s: SeqRows(layout) for s in prompts}
     plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window, decay, pool,
-                             prefill_evict) for s in prompts}
+                             prefill_evict, focus) for s in prompts}
     tables = {0: (list(range(0, 10)), list(range(10, 20))), 1: (list(range(20, 32)), list(range(32, 44)))}
     pos = {s: 0 for s in prompts}
     evicted = 0
