@@ -201,7 +201,7 @@ class LayeredAttentionWorker(AttentionWorker):
             ranked = np.maximum(own, ranked_focus * scale)
         else:
             ranked = own if pool == 1 else np.maximum(own, pooled(own, pool))
-        keep = select_keep(ranked, kept, p.sinks, p.window)
+        keep = select_keep(ranked, kept, p.sinks, p.window_rows(kept))
         compact_rows(self.store.k[slot], self.store.v[slot], np.asarray(table, np.int64), keep)
         scores[:, :kept] = np.take_along_axis(ranked, keep, axis=1)
         scores[:, kept:] = 0.0

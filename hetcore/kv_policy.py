@@ -55,7 +55,7 @@ class KVPolicy:
     schedule: str = "flat"
     """flat (one budget for all sparse layers) or pyramid (falling with depth, same mean)."""
     window: int = 64
-    """layered: the latest tokens always kept."""
+    """layered: the latest tokens always kept (unless window_ratio)."""
     sinks: int = 4
     """layered: the first tokens always kept."""
     observe: int = 32
@@ -80,6 +80,9 @@ class KVPolicy:
     it, the `observe` queries' scores rank each row by its own score, the `focus` queries' scores pooled
     (score_pool), and a row ranks by the larger of the two, the focus scores scaled to the same total: the last
     queries (a question) name what a retrieval needs, the wider window what a continuation looks back at."""
+    window_ratio: float | None = None
+    """layered: the latest tokens always kept, as a share of each sparse layer's budget (rounded down, at least
+    one), in place of `window`: a window that grows with the budget, and the budget with the prompt."""
     score_decay: float = 1.0
     """layered: each decode step multiplies the scores so far by this before adding its own (1: H2O's plain sum;
     below 1 the recent queries' attention counts more)."""
@@ -94,6 +97,7 @@ class KVPolicy:
             (self.budget_tokens is None or self.budget_tokens > 0, "kv_budget_tokens must be positive"),
             (self.budget_ratio is None or 0 < self.budget_ratio <= 1, "kv_budget_ratio must be in (0, 1]"),
             (self.window >= 1 and self.sinks >= 0, "kv_window must be >= 1 and kv_sinks >= 0"),
+            (self.window_ratio is None or 0 < self.window_ratio < 1, "kv_window_ratio must be in (0, 1)"),
             (self.observe >= 1 and self.evict_slack >= 1, "kv observe window and evict slack must be >= 1"),
             (0 < self.score_decay <= 1, "kv score decay must be in (0, 1]"),
             (0 <= self.focus <= self.observe, "kv focus must be in 0 .. the observe window"),
@@ -111,6 +115,10 @@ class KVPolicy:
     def evicts_in_prompt(self) -> bool:
         """prefill_evict in effect: a budget in tokens is known before a prompt's end (a ratio needs its length)."""
         return self.prefill_evict and self.budget_tokens is not None
+
+    def window_rows(self, budget: int) -> int:
+        """The recent window of a sparse layer that keeps `budget` rows."""
+        return self.window if self.window_ratio is None else max(1, int(self.window_ratio * budget))
 
     def with_full_layers(self, count: int) -> KVPolicy:
         return replace(self, full_layers=count)
@@ -133,9 +141,9 @@ class KVPolicy:
         layout = KVLayout(num_layers, slots, (None,) * (n // slots) + factors, self)
         if self.budget_tokens is not None and num_sparse:
             least = min(math.ceil(f * self.budget_tokens) for f in factors)
-            if self.sinks + self.window > least:
-                raise KVPolicyError(f"kv_window {self.window} plus kv_sinks {self.sinks} is larger than the smallest "
-                                    f"layer budget ({least} tokens)")
+            if self.sinks + self.window_rows(least) > least:
+                raise KVPolicyError(f"kv_window {self.window_rows(least)} plus kv_sinks {self.sinks} is larger than "
+                                    f"the smallest layer budget ({least} tokens)")
         return layout
 
     def _factor(self, g: int, num_sparse: int) -> float:
@@ -174,7 +182,9 @@ class KVLayout:
         """Rows a sparse group keeps for a sequence whose prompt (its first prefill) had `prompt_tokens`."""
         p = self.policy
         base = p.budget_tokens if p.budget_tokens is not None else (p.budget_ratio or 0.25) * prompt_tokens
-        return max(p.sinks + p.window, math.ceil(self.factors[group] * base))
+        least = (p.sinks + p.window if p.window_ratio is None
+                 else max(p.sinks + 1, math.ceil(p.sinks / (1 - p.window_ratio))))  # sinks + window_rows fit
+        return max(least, math.ceil(self.factors[group] * base))
 
 
 @dataclass(frozen=True)
@@ -270,6 +280,9 @@ def add_kv_policy_arguments(p) -> None:
                    help="layered: flat, or pyramid (budgets falling with depth, the same mean) (default: flat)")
     p.add_argument("--kv-window", type=int, default=d.window,
                    help=f"layered: latest tokens always kept (default: {d.window})")
+    p.add_argument("--kv-window-ratio", type=float,
+                   help="layered: latest tokens always kept, as a share of each layer's budget, in place of "
+                        "--kv-window")
     p.add_argument("--kv-sinks", type=int, default=d.sinks,
                    help=f"layered: first tokens always kept (default: {d.sinks})")
     p.add_argument("--kv-score-pool", type=int, default=d.score_pool,
@@ -290,4 +303,5 @@ def add_kv_policy_arguments(p) -> None:
 def kv_policy_from_args(args) -> KVPolicy:
     return KVPolicy(args.kv_policy, args.kv_full_layers, args.kv_budget_tokens, args.kv_budget_ratio,
                     args.kv_budget_schedule, args.kv_window, args.kv_sinks, prefill_evict=args.kv_prefill_evict == "on",
-                    observe=args.kv_observe, score_pool=args.kv_score_pool, focus=args.kv_focus)
+                    observe=args.kv_observe, score_pool=args.kv_score_pool, focus=args.kv_focus,
+                    window_ratio=args.kv_window_ratio)

@@ -142,6 +142,8 @@ class ServeConfig:
                             "(pooled by kv_score_pool; a token ranks by the larger of both, the kv_observe "
                             "window's then by own scores) (0: off)")
     kv_window: int = _opt(64, "kv_policy layered: latest tokens always kept")
+    kv_window_ratio: float | None = _opt(None, "kv_policy layered: latest tokens always kept, as a share of each "
+                                               "layer's budget, in place of kv_window")
     kv_sinks: int = _opt(4, "kv_policy layered: first tokens always kept")
     kv_prefill_evict: bool = _opt(False, "kv_policy layered with kv_budget_tokens, on or off: evict after every "
                                          "prompt chunk too, so a long prompt holds budget + a chunk's rows in the "
@@ -338,7 +340,8 @@ class ServeConfig:
 
         return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
                         self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict,
-                        observe=self.kv_observe, score_pool=self.kv_score_pool, focus=self.kv_focus)
+                        observe=self.kv_observe, score_pool=self.kv_score_pool, focus=self.kv_focus,
+                        window_ratio=self.kv_window_ratio)
 
     def lsh_config(self):
         """The MagicPIG settings, or None for exact attention."""

@@ -36,10 +36,20 @@ def test_bad_layouts_are_refused_in_one_line(policy, num_layers, context, messag
     (dict(budget_tokens=10, budget_ratio=0.5), "not both"),
     (dict(budget_ratio=1.5), r"kv_budget_ratio must be in \(0, 1\]"),
     (dict(schedule="steps"), "kv_budget_schedule must be one of flat, pyramid"),
+    (dict(window_ratio=1.0), r"kv_window_ratio must be in \(0, 1\)"),
+    (dict(focus=64), "kv focus must be in 0 .. the observe window"),
 ])
 def test_bad_settings_are_refused_in_one_line(kw, message):
     with pytest.raises(KVPolicyError, match=message):
         KVPolicy(**kw)
+
+
+def test_window_ratio_follows_the_budget_and_always_fits():
+    policy = KVPolicy("layered", full_layers=1, budget_ratio=0.25, window_ratio=0.375, sinks=4)
+    layout = policy.layout(30, 8192)
+    assert [policy.window_rows(layout.budget(1, n)) for n in (8000, 2000, 1)] == [750, 187, 2]
+    assert layout.budget(1, 1) == 7  # the least budget that holds 4 sinks and a window of 0.375 of it
+    assert policy.sinks + policy.window_rows(7) <= 7
 
 
 def test_groups_of_smollm2_shape():
@@ -239,16 +249,18 @@ class PlainLayered:
         return out
 
 
-@pytest.mark.parametrize("decay,prefill_evict,pool,focus", [(1.0, False, 1, 0), (0.8, False, 1, 0), (1.0, True, 3, 0),
-                                                           (1.0, False, 5, 0), (1.0, False, 5, 3), (1.0, True, 3, 2)])
-def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool, focus):
+@pytest.mark.parametrize("decay,prefill_evict,pool,focus,window_ratio",
+                         [(1.0, False, 1, 0, None), (0.8, False, 1, 0, None), (1.0, True, 3, 0, None),
+                          (1.0, False, 5, 0, None), (1.0, False, 5, 3, 0.5), (1.0, True, 3, 2, None)])
+def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool, focus, window_ratio):
     """Two sequences, 2 layers (layer 0 full, layer 1 sparse), chunked prompts then decodes with
     evictions, mixed in steps: every output of the sparse layer as the plain implementation's, the
     full layer's as AttentionWorker's over a plain store."""
     rng = np.random.default_rng(6)
     num_heads, num_kv_heads, d, bs = 4, 2, 64, 4
     policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=10, evict_slack=3,
-                      score_decay=decay, prefill_evict=prefill_evict, score_pool=pool, focus=focus)
+                      score_decay=decay, prefill_evict=prefill_evict, score_pool=pool, focus=focus,
+                      window_ratio=window_ratio)
     layout = policy.layout(2, 1024)
     store = PagedKVStore(layout.slots, num_kv_heads, d, bs, 64, "float32")
     worker = LayeredAttentionWorker(store, d, layout)
@@ -256,7 +268,7 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool, focus):
     scale = d**-0.5
     prompts = {0: [9, 8, 7], 1: [23]}  # chunk sizes of each sequence's prompt (17 > 12 + 3 rows after two)
     rows = {s: SeqRows(layout) for s in prompts}
-    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window, decay, pool,
+    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window_rows(12), decay, pool,
                              prefill_evict, focus) for s in prompts}
     tables = {0: (list(range(0, 10)), list(range(10, 20))), 1: (list(range(20, 32)), list(range(32, 44)))}
     pos = {s: 0 for s in prompts}
