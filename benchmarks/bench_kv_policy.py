@@ -158,14 +158,14 @@ def attention_steps(shapes: str, repeats: int = 10) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=4000)
+    p.add_argument("--output-tokens", type=int, default=500)
     p.add_argument("--full-seqs", type=int, default=2, help="sequences the KV capacity holds with every layer's KV")
     p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--rate", type=float, default=0.5, help="mean requests/s (Poisson)")
+    p.add_argument("--rate", type=float, default=0.25, help="mean requests/s (Poisson)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--batch-tokens", type=int, default=256, help="--max-num-batched-tokens (chunked prefill)")
-    p.add_argument("--layered-args", default="--kv-full-layers 3 --kv-budget-tokens 128 --kv-window 64",
+    p.add_argument("--layered-args", default="--kv-budget-tokens 750 --kv-prefill-evict on",
                    help="the layered server's --kv-* options")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="kv_policy.json")

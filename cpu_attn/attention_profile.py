@@ -30,7 +30,7 @@ from cpu_attn.calibrate import DEFAULT_TEXT, text_windows
 log = logging.getLogger("hetserve")
 
 PROFILE_FILE = "attention_profile.json"
-BROAD = 1.4
+BROAD = 2.0
 """A layer is broad when its entropy is at least this many times the median layer's."""
 PROFILE_WINDOWS, PROFILE_WINDOW_TOKENS, PROFILE_OBSERVE = 4, 2048, 128
 

@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass, replace
 
 KV_POLICIES = ("full", "layered")
+WINDOW_RATIO = 0.364
+"""The default recent window, as a share of a sparse layer's budget (docs/kv-policy.md: measured at 8k)."""
 BUDGET_SCHEDULES = ("flat", "pyramid")
 PYRAMID_SPREAD = 0.5
 """pyramid: the shallowest sparse group keeps (1 + spread) x the budget, the deepest (1 - spread) x, linear between
@@ -54,11 +56,11 @@ class KVPolicy:
     neither is given)."""
     schedule: str = "flat"
     """flat (one budget for all sparse layers) or pyramid (falling with depth, same mean)."""
-    window: int = 64
-    """layered: the latest tokens always kept (unless window_ratio)."""
+    window: int | None = None
+    """layered: the latest tokens always kept (None: window_ratio of the budget)."""
     sinks: int = 4
     """layered: the first tokens always kept."""
-    observe: int = 32
+    observe: int = 1024
     """layered: the prompt's last queries whose attention scores the tokens (SnapKV's observation window), over as
     many prompt chunks as they span; with prefill_evict, each chunk's last ones (its eviction needs scores)."""
     evict_slack: int = 16
@@ -75,14 +77,15 @@ class KVPolicy:
     peak), and the kept rows carry that on; evictions while decoding rank the scores as they are (H2O). A token
     beside ones the prompt's last queries looked at stays with them: the rest of a number, a name, a key.
     1: each row by its own score."""
-    focus: int = 0
+    focus: int = 32
     """layered: the prompt's last queries that rank its tokens a second time, at the prompt's end (0: off). With
     it, the `observe` queries' scores rank each row by its own score, the `focus` queries' scores pooled
     (score_pool), and a row ranks by the larger of the two, the focus scores scaled to the same total: the last
     queries (a question) name what a retrieval needs, the wider window what a continuation looks back at."""
     window_ratio: float | None = None
     """layered: the latest tokens always kept, as a share of each sparse layer's budget (rounded down, at least
-    one), in place of `window`: a window that grows with the budget, and the budget with the prompt."""
+    one; None with window; WINDOW_RATIO when neither is given): a window that grows with the budget, and the
+    budget with the prompt."""
     score_decay: float = 1.0
     """layered: each decode step multiplies the scores so far by this before adding its own (1: H2O's plain sum;
     below 1 the recent queries' attention counts more)."""
@@ -96,11 +99,12 @@ class KVPolicy:
              "give kv_budget_tokens or kv_budget_ratio, not both"),
             (self.budget_tokens is None or self.budget_tokens > 0, "kv_budget_tokens must be positive"),
             (self.budget_ratio is None or 0 < self.budget_ratio <= 1, "kv_budget_ratio must be in (0, 1]"),
-            (self.window >= 1 and self.sinks >= 0, "kv_window must be >= 1 and kv_sinks >= 0"),
+            (self.window is None or self.window_ratio is None, "give kv_window or kv_window_ratio, not both"),
+            ((self.window is None or self.window >= 1) and self.sinks >= 0, "kv_window must be >= 1 and kv_sinks >= 0"),
             (self.window_ratio is None or 0 < self.window_ratio < 1, "kv_window_ratio must be in (0, 1)"),
             (self.observe >= 1 and self.evict_slack >= 1, "kv observe window and evict slack must be >= 1"),
             (0 < self.score_decay <= 1, "kv score decay must be in (0, 1]"),
-            (0 <= self.focus <= self.observe, "kv focus must be in 0 .. the observe window"),
+            (self.focus >= 0, "kv focus must be >= 0"),
             (self.score_pool >= 1 and self.score_pool % 2 == 1, "kv score pool must be an odd count of rows"),
         ]
         for ok, message in checks:
@@ -118,7 +122,9 @@ class KVPolicy:
 
     def window_rows(self, budget: int) -> int:
         """The recent window of a sparse layer that keeps `budget` rows."""
-        return self.window if self.window_ratio is None else max(1, int(self.window_ratio * budget))
+        if self.window is not None:
+            return self.window
+        return max(1, int((self.window_ratio or WINDOW_RATIO) * budget))
 
     def with_full_layers(self, count: int) -> KVPolicy:
         return replace(self, full_layers=count)
@@ -182,8 +188,10 @@ class KVLayout:
         """Rows a sparse group keeps for a sequence whose prompt (its first prefill) had `prompt_tokens`."""
         p = self.policy
         base = p.budget_tokens if p.budget_tokens is not None else (p.budget_ratio or 0.25) * prompt_tokens
-        least = (p.sinks + p.window if p.window_ratio is None
-                 else max(p.sinks + 1, math.ceil(p.sinks / (1 - p.window_ratio))))  # sinks + window_rows fit
+        if p.window is not None:
+            least = p.sinks + p.window
+        else:  # sinks + window_rows(least) <= least
+            least = max(p.sinks + 1, math.ceil(p.sinks / (1 - (p.window_ratio or WINDOW_RATIO))))
         return max(least, math.ceil(self.factors[group] * base))
 
 
@@ -278,11 +286,11 @@ def add_kv_policy_arguments(p) -> None:
                         "--kv-budget-tokens is not given)")
     p.add_argument("--kv-budget-schedule", choices=BUDGET_SCHEDULES, default=d.schedule,
                    help="layered: flat, or pyramid (budgets falling with depth, the same mean) (default: flat)")
-    p.add_argument("--kv-window", type=int, default=d.window,
-                   help=f"layered: latest tokens always kept (default: {d.window})")
+    p.add_argument("--kv-window", type=int,
+                   help=f"layered: latest tokens always kept (default: --kv-window-ratio {WINDOW_RATIO})")
     p.add_argument("--kv-window-ratio", type=float,
-                   help="layered: latest tokens always kept, as a share of each layer's budget, in place of "
-                        "--kv-window")
+                   help="layered: latest tokens always kept, as a share of each layer's budget, instead of "
+                        f"--kv-window (default: {WINDOW_RATIO} unless --kv-window is given)")
     p.add_argument("--kv-sinks", type=int, default=d.sinks,
                    help=f"layered: first tokens always kept (default: {d.sinks})")
     p.add_argument("--kv-score-pool", type=int, default=d.score_pool,

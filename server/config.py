@@ -136,14 +136,15 @@ class ServeConfig:
     kv_score_pool: int = _opt(31, "kv_policy layered: at a prompt's end rank each token by the larger of its score "
                                   "and the mean score of this many tokens around it (odd; SnapKV's pooling; 1: its "
                                   "own score)")
-    kv_observe: int = _opt(32, "kv_policy layered: the prompt's last queries whose attention scores its tokens "
+    kv_observe: int = _opt(1024, "kv_policy layered: the prompt's last queries whose attention scores its tokens "
                                "(SnapKV's observation window)")
-    kv_focus: int = _opt(0, "kv_policy layered: the prompt's last queries that rank its tokens a second time "
+    kv_focus: int = _opt(32, "kv_policy layered: the prompt's last queries that rank its tokens a second time "
                             "(pooled by kv_score_pool; a token ranks by the larger of both, the kv_observe "
                             "window's then by own scores) (0: off)")
-    kv_window: int = _opt(64, "kv_policy layered: latest tokens always kept")
+    kv_window: int | None = _opt(None, "kv_policy layered: latest tokens always kept (default: kv_window_ratio)")
     kv_window_ratio: float | None = _opt(None, "kv_policy layered: latest tokens always kept, as a share of each "
-                                               "layer's budget, in place of kv_window")
+                                               "layer's budget, instead of kv_window (default: 0.364 unless "
+                                               "kv_window)")
     kv_sinks: int = _opt(4, "kv_policy layered: first tokens always kept")
     kv_prefill_evict: bool = _opt(False, "kv_policy layered with kv_budget_tokens, on or off: evict after every "
                                          "prompt chunk too, so a long prompt holds budget + a chunk's rows in the "

@@ -37,7 +37,8 @@ def test_bad_layouts_are_refused_in_one_line(policy, num_layers, context, messag
     (dict(budget_ratio=1.5), r"kv_budget_ratio must be in \(0, 1\]"),
     (dict(schedule="steps"), "kv_budget_schedule must be one of flat, pyramid"),
     (dict(window_ratio=1.0), r"kv_window_ratio must be in \(0, 1\)"),
-    (dict(focus=64), "kv focus must be in 0 .. the observe window"),
+    (dict(focus=-1), "kv focus must be >= 0"),
+    (dict(window=64, window_ratio=0.25), "give kv_window or kv_window_ratio, not both"),
 ])
 def test_bad_settings_are_refused_in_one_line(kw, message):
     with pytest.raises(KVPolicyError, match=message):
@@ -65,11 +66,14 @@ def test_groups_of_smollm2_shape():
     assert (uneven.slots, uneven.factors[:3]) == (2, (None, None, 1.0))  # two full groups of 2 layers
     assert KVPolicy().layout(30, 8192).num_groups == 1
     ratio = KVPolicy("layered", budget_ratio=0.25).layout(30, 8192)
-    assert ratio.budget(1, 4000) == 1000 and ratio.budget(1, 100) == 68  # never below sinks + window
+    assert ratio.budget(1, 4000) == 1000 and ratio.budget(1, 100) == 25  # the window a share of it
+    fixed = KVPolicy("layered", budget_ratio=0.25, window=64).layout(30, 8192)
+    assert fixed.budget(1, 100) == 68  # never below sinks + window
 
 
 def test_rows_grow_through_the_prompt_then_evict_at_its_end_and_every_slack():
-    layout = KVPolicy("layered", full_layers=1, budget_tokens=100, window=8, sinks=2, evict_slack=16).layout(3, 4096)
+    layout = KVPolicy("layered", full_layers=1, budget_tokens=100, window=8, sinks=2, evict_slack=16,
+                      observe=32).layout(3, 4096)
     rows = SeqRows(layout)
     assert layout.num_groups == 3 and rows.rows == [0, 0]
     assert rows.advance(280, is_last=False, end=300) == ((0, 0), (280, 280), 12)  # a middle chunk: nothing evicted
@@ -78,7 +82,7 @@ def test_rows_grow_through_the_prompt_then_evict_at_its_end_and_every_slack():
         assert rows.advance(1, is_last=True, end=301 + i)[:2] == ((100 + i,) * 2, (101 + i,) * 2)
     assert rows.advance(1, is_last=True, end=317)[:2] == ((116, 116), (100, 100))  # 117 > 100 + 16
     chunked = SeqRows(KVPolicy("layered", full_layers=1, budget_tokens=100, window=8, sinks=2, evict_slack=16,
-                               prefill_evict=True).layout(3, 4096))
+                               prefill_evict=True, observe=32).layout(3, 4096))
     assert chunked.advance(64, is_last=False, end=192) == ((0, 0), (64, 64), 32)  # each chunk's last 32 score
     assert chunked.advance(64, is_last=False, end=192) == ((64, 64), (100, 100), 32)  # 128 > 116: within the prompt
     assert chunked.advance(64, is_last=True, end=192) == ((100, 100), (100, 100), 32) and chunked.prompt_tokens == 192
@@ -258,9 +262,9 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool, focus, 
     full layer's as AttentionWorker's over a plain store."""
     rng = np.random.default_rng(6)
     num_heads, num_kv_heads, d, bs = 4, 2, 64, 4
-    policy = KVPolicy("layered", full_layers=1, budget_tokens=12, window=4, sinks=2, observe=10, evict_slack=3,
+    policy = KVPolicy("layered", full_layers=1, budget_tokens=12, sinks=2, observe=10, evict_slack=3,
                       score_decay=decay, prefill_evict=prefill_evict, score_pool=pool, focus=focus,
-                      window_ratio=window_ratio)
+                      window=None if window_ratio else 4, window_ratio=window_ratio)
     layout = policy.layout(2, 1024)
     store = PagedKVStore(layout.slots, num_kv_heads, d, bs, 64, "float32")
     worker = LayeredAttentionWorker(store, d, layout)
