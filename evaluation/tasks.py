@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -241,6 +241,8 @@ def evaluate_task(model, tok, task: str, context_tokens: list[int], num_samples:
                    "task_accuracy": score[name] / num_samples, "task_accuracy_ref": score["fp32-exact"] / num_samples}
             if eligible[name]:
                 row["keys_touched_frac"] = touched[name] / eligible[name]
+            if is_layered:
+                row["kv_policy_settings"] = asdict(kv_policy)
             rows.append(row)
     bar.close()
     return rows

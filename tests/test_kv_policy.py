@@ -351,3 +351,4 @@ def test_task_harness_runs_layered_beside_full():
                          kv_policy=KVPolicy("layered", budget_tokens=1024))
     assert [(r["kv_policy"], r["attention"]) for r in rows] == [("full", "exact"), ("layered", "exact")]
     assert rows[0]["task_accuracy"] == rows[1]["task_accuracy"] == rows[0]["task_accuracy_ref"]
+    assert rows[1]["kv_policy_settings"]["budget_tokens"] == 1024 and "kv_policy_settings" not in rows[0]
