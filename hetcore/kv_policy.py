@@ -78,7 +78,8 @@ class KVPolicy:
     beside ones the prompt's last queries looked at stays with them: the rest of a number, a name, a key.
     1: each row by its own score."""
     focus: int = 32
-    """layered: the prompt's last queries that rank its tokens a second time, at the prompt's end (0: off). With
+    """layered: the prompt's last queries (of its last chunk's observing ones) that rank its tokens a second time,
+    at the prompt's end (0: off). With
     it, the `observe` queries' scores rank each row by its own score, the `focus` queries' scores pooled
     (score_pool), and a row ranks by the larger of the two, the focus scores scaled to the same total: the last
     queries (a question) name what a retrieval needs, the wider window what a continuation looks back at."""
@@ -295,7 +296,8 @@ def add_kv_policy_arguments(p) -> None:
                    help=f"layered: first tokens always kept (default: {d.sinks})")
     p.add_argument("--kv-score-pool", type=int, default=d.score_pool,
                    help=f"layered: at a prompt's end rank each token by the larger of its score and the mean score of "
-                        f"this many tokens around it (odd; 1: its own) (default: {d.score_pool})")
+                        f"this many tokens around it (with --kv-focus, the focus queries' scores) (odd; 1: its own) "
+                        f"(default: {d.score_pool})")
     p.add_argument("--kv-observe", type=int, default=d.observe,
                    help=f"layered: the prompt's last queries whose attention scores its tokens (SnapKV's observation "
                         f"window) (default: {d.observe})")

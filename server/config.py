@@ -134,8 +134,8 @@ class ServeConfig:
     kv_budget_schedule: str = _opt("flat", "kv_policy layered: flat (one budget) or pyramid (budgets falling with "
                                            "depth, 1.5x to 0.5x, the same mean)")
     kv_score_pool: int = _opt(31, "kv_policy layered: at a prompt's end rank each token by the larger of its score "
-                                  "and the mean score of this many tokens around it (odd; SnapKV's pooling; 1: its "
-                                  "own score)")
+                                  "and the mean score of this many tokens around it (with kv_focus, the focus "
+                                  "queries' scores) (odd; SnapKV's pooling; 1: its own score)")
     kv_observe: int = _opt(1024, "kv_policy layered: the prompt's last queries whose attention scores its tokens "
                                "(SnapKV's observation window)")
     kv_focus: int = _opt(32, "kv_policy layered: the prompt's last queries that rank its tokens a second time "
