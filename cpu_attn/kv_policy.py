@@ -80,12 +80,12 @@ def accumulate_probs(raw, lse, seq_lens, num_kv_heads, into):
 
 
 def observed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: np.ndarray,
-                       scale: float, last: int = 0) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+                       scale: float, last: int = 0) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
     """Exact causal attention of a few queries, with their probabilities summed per kv-head.
 
     q: [A, Hq, D] at rows q_pos [A] (row p attends rows 0..p); k, v: [N, Hkv, D]
     -> out [A, Hq, D], scores [Hkv, N] float32 (sum over the A queries and each kv-head's group), and the
-    same sum over the last `last` queries only [Hkv, N] (zeros when last is 0)."""
+    same sum over the last `last` queries only [Hkv, N] (None when last is 0)."""
     num_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -97,8 +97,8 @@ def observed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     p = torch.softmax(s, dim=-1)
     out = torch.matmul(p, v.permute(1, 0, 2)[:, None])  # [Hkv, G, A, D]
     out = out.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
-    tail = p[:, :, num_q - last:].sum(dim=(1, 2)) if last else torch.zeros(num_kv_heads, k.shape[0])
-    return out, p.sum(dim=(1, 2)).numpy().astype(np.float32), tail.numpy().astype(np.float32)
+    tail = p[:, :, num_q - last:].sum(dim=(1, 2)).numpy().astype(np.float32) if last else None
+    return out, p.sum(dim=(1, 2)).numpy().astype(np.float32), tail
 
 
 def pooled(scores: np.ndarray, width: int) -> np.ndarray:

@@ -185,7 +185,7 @@ class LayeredAttentionWorker(AttentionWorker):
         o, scores, tail = observed_attention(q[m:], k_ctx, v_ctx, np.arange(before + m, before + n), self.scale, last)
         out[m:] = o
         self._scores[seq_id][layer, :, :before + n] += scores
-        return out, tail if last else None
+        return out, tail
 
     def _evict(self, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...],
                pool: int, focus: np.ndarray | None) -> None:

@@ -50,7 +50,7 @@ class LayeredRun:
 
     def chunk(self, i: int, seq_id: int, start: int, length: int, end: int) -> LayeredChunkLayout:
         """Window i's chunk of `length` tokens from `start` (its rows move on as SeqRows says)."""
-        before, after, observed = self.rows[i].advance(length, start + length == end, end)
+        before, after, observed = self.rows[i].advance(length, end)
         view = KVView(tuple(self.tables[i][1:]), before, after, observed)
         return LayeredChunkLayout(num_tokens=length, start_pos=start, block_table=self.tables[i][0], seq_id=seq_id,
                                   kv_view=view)

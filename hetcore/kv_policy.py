@@ -127,6 +127,13 @@ class KVPolicy:
             return self.window
         return max(1, int((self.window_ratio or WINDOW_RATIO) * budget))
 
+    @property
+    def least_budget(self) -> int:
+        """The fewest rows a sparse layer keeps: room for the sinks and the window (window_rows of it)."""
+        if self.window is not None:
+            return self.sinks + self.window
+        return max(self.sinks + 1, math.ceil(self.sinks / (1 - (self.window_ratio or WINDOW_RATIO))))
+
     def with_full_layers(self, count: int) -> KVPolicy:
         return replace(self, full_layers=count)
 
@@ -189,11 +196,7 @@ class KVLayout:
         """Rows a sparse group keeps for a sequence whose prompt (its first prefill) had `prompt_tokens`."""
         p = self.policy
         base = p.budget_tokens if p.budget_tokens is not None else (p.budget_ratio or 0.25) * prompt_tokens
-        if p.window is not None:
-            least = p.sinks + p.window
-        else:  # sinks + window_rows(least) <= least
-            least = max(p.sinks + 1, math.ceil(p.sinks / (1 - (p.window_ratio or WINDOW_RATIO))))
-        return max(least, math.ceil(self.factors[group] * base))
+        return max(p.least_budget, math.ceil(self.factors[group] * base))
 
 
 @dataclass(frozen=True)
@@ -245,14 +248,15 @@ class SeqRows:
         """Rows each group must have room for to take `num_new` more tokens."""
         return [r + num_new for r in self.rows]
 
-    def advance(self, num_new: int, is_last: bool, end: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        """Take a chunk of `num_new` tokens of a prefill that runs to token `end` -> (rows_before, keep_after,
-        observed: of the chunk's tokens, the last ones whose queries score the rows); the counts move to
-        keep_after."""
+    def advance(self, num_new: int, end: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """Take a chunk of `num_new` tokens of a prefill (or decode) that runs to token `end` (the chunk is the
+        last when it reaches it) -> (rows_before, keep_after, observed: of the chunk's tokens, the last ones
+        whose queries score the rows); the counts move to keep_after."""
         before = tuple(self.rows)
         after = [r + num_new for r in before]
         first = self.num_tokens
         self.num_tokens += num_new
+        is_last = self.num_tokens == end
         p = self.layout.policy
         if p.evicts_in_prompt:  # each chunk's eviction needs scores of its own
             observed = min(p.observe, num_new)

@@ -185,16 +185,16 @@ class BlockManager:
                 group.extend(self._take(shard) for _ in range(n))
         return tuple(table)
 
-    def advance(self, seq_id: int, num_tokens: int, is_last: bool, end: int) -> KVView | None:
-        """Layered: the sequence's chunk up to `num_tokens` (allocated) is scheduled; `is_last`: it ends at
-        the sequence's last token (then its sparse groups may evict); `end`: that last token's count (where
-        the prefill the chunk is part of ends). Returns the chunk's KVView; the
+    def advance(self, seq_id: int, num_tokens: int, end: int) -> KVView | None:
+        """Layered: the sequence's chunk up to `num_tokens` (allocated) is scheduled; `end`: the sequence's
+        token count, where the prefill the chunk is part of ends (a chunk that reaches it is the last: then its
+        sparse groups may evict). Returns the chunk's KVView; the
         blocks an eviction frees are released by commit(). None without a layered layout."""
         if self._layout is None:
             return None
         rows, tables = self._rows[seq_id], self._groups[seq_id]
         num_new = num_tokens - self._num_tokens.get(seq_id, 0)
-        before, after, observed = rows.advance(num_new, is_last, end)
+        before, after, observed = rows.advance(num_new, end)
         self._num_tokens[seq_id] = num_tokens
         if any(a < b + num_new for a, b in zip(after, before)):
             self._trims.append(seq_id)

@@ -252,7 +252,7 @@ class Scheduler:
             output_token_ids=tuple(seq.output_token_ids) if penalized else (),
             prompt_targets=tuple(seq.prompt_token_ids[start + 1 : min(stop, num_prompt - 1) + 1]) if scored else (),
             prompt_top=seq.sampling.prompt_logprobs if scored else 0,
-            kv_view=self.blocks.advance(seq.seq_id, stop, is_last, seq.num_tokens),
+            kv_view=self.blocks.advance(seq.seq_id, stop, seq.num_tokens),
             num_draft=0 if self_draft else len(drafts),
             self_draft=self_draft,
             draft_view=spec.draft_view if self_draft else (0, 0),

@@ -76,16 +76,16 @@ def test_rows_grow_through_the_prompt_then_evict_at_its_end_and_every_slack():
                       observe=32).layout(3, 4096)
     rows = SeqRows(layout)
     assert layout.num_groups == 3 and rows.rows == [0, 0]
-    assert rows.advance(280, is_last=False, end=300) == ((0, 0), (280, 280), 12)  # a middle chunk: nothing evicted
-    assert rows.advance(20, is_last=True, end=300) == ((280, 280), (100, 100), 20)  # the prompt's end
+    assert rows.advance(280, end=300) == ((0, 0), (280, 280), 12)  # a middle chunk: nothing evicted
+    assert rows.advance(20, end=300) == ((280, 280), (100, 100), 20)  # the prompt's end
     for i in range(16):
-        assert rows.advance(1, is_last=True, end=301 + i)[:2] == ((100 + i,) * 2, (101 + i,) * 2)
-    assert rows.advance(1, is_last=True, end=317)[:2] == ((116, 116), (100, 100))  # 117 > 100 + 16
+        assert rows.advance(1, end=301 + i)[:2] == ((100 + i,) * 2, (101 + i,) * 2)
+    assert rows.advance(1, end=317)[:2] == ((116, 116), (100, 100))  # 117 > 100 + 16
     chunked = SeqRows(KVPolicy("layered", full_layers=1, budget_tokens=100, window=8, sinks=2, evict_slack=16,
                                prefill_evict=True, observe=32).layout(3, 4096))
-    assert chunked.advance(64, is_last=False, end=192) == ((0, 0), (64, 64), 32)  # each chunk's last 32 score
-    assert chunked.advance(64, is_last=False, end=192) == ((64, 64), (100, 100), 32)  # 128 > 116: within the prompt
-    assert chunked.advance(64, is_last=True, end=192) == ((100, 100), (100, 100), 32) and chunked.prompt_tokens == 192
+    assert chunked.advance(64, end=192) == ((0, 0), (64, 64), 32)  # each chunk's last 32 score
+    assert chunked.advance(64, end=192) == ((64, 64), (100, 100), 32)  # 128 > 116: within the prompt
+    assert chunked.advance(64, end=192) == ((100, 100), (100, 100), 32) and chunked.prompt_tokens == 192
 
 
 # ---- kernels against plain NumPy
@@ -281,9 +281,8 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool, focus, 
         chunks = []
         for s, sizes in prompts.items():
             n = sizes[step] if step < len(sizes) else 1
-            is_last = step >= len(sizes) - 1
             end = sum(sizes) if step < len(sizes) else pos[s] + 1
-            before, after, observed = rows[s].advance(n, is_last, end)
+            before, after, observed = rows[s].advance(n, end)
             evicted += after[0] < before[0] + n
             view = KVView((tuple(tables[s][1]),), before, after, observed)
             chunks.append((s, n, view, end))

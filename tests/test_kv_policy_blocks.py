@@ -118,4 +118,4 @@ def test_one_group_without_layered(policy):
     spec = KVSpec(block_size=4, num_blocks=8, bytes_per_block=100, kv_layout=policy.layout(4, 1024))
     blocks = BlockManager(spec)
     blocks.allocate(0, 9)
-    assert (blocks.advance(0, 9, True, 9) is None) == (not policy.is_layered)
+    assert (blocks.advance(0, 9, 9) is None) == (not policy.is_layered)
