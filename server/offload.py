@@ -116,6 +116,14 @@ def device_pool(model, config: BackendConfig) -> DeviceAttentionWorker:
                                  dev, dtype)
 
 
+def _leave_a_core() -> None:
+    """The host-attention thread's Numba kernels leave one core to the thread that launches the accelerator's work:
+    a step on CUDA is mostly launches, and each waits for a busy core."""
+    import numba
+
+    numba.set_num_threads(max(1, numba.get_num_threads() - 1))
+
+
 class OffloadBackend(HeteroBackend):
     def __init__(self, model_dir: Path | None, config: BackendConfig, model=None):
         super().__init__(model_dir, config, model)
@@ -125,7 +133,8 @@ class OffloadBackend(HeteroBackend):
         self.kv_spec = replace(host, num_blocks=num_device + host.num_blocks, shards=(num_device, host.num_blocks),
                                first_fit=True, promote_to=DEVICE if self.attn_worker.sparse is None else None)
         self.guard = OffloadGuard()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetserve-host-attn")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hetserve-host-attn",
+                                        initializer=_leave_a_core if self.model.device.type == "cuda" else None)
 
     def open_shards(self) -> set[int]:
         return set(self.guard.shards(2))
