@@ -193,18 +193,21 @@ def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device
     """hetserve with --gpu-kv-cache-bytes room for `num_device` sequences at this context (server/offload.py; values
     as --gpu-kv-dtype says) and `num_host` more on the host (Oaken + MagicPIG): one random prompt is prefilled on
     the device (SDPA), its K, V copied into every sequence's blocks (the accelerator's pool for the first
-    num_device, the host's store and tables for the rest), then all decode `steps` steps through the backend ->
-    tok/s, step parts, the guard."""
+    num_device, the host's store and tables for the rest). The accelerator's sequences decode `warmup` steps alone
+    first (as in serving, where the pool fills before the host takes sequences: the guard's reference), then all
+    decode `warmup` + `steps` steps through the backend -> tok/s, step parts, the guard."""
     from server.backend_config import BackendConfig
     from server.offload import OffloadBackend
 
     cfg, dev, bs = model.cfg, model.device, BLOCK_SIZE
     n = context // bs * bs
-    own = -(-(n + steps + warmup + 1) // bs)
+    alone_steps = warmup if num_host and num_device else 0
+    decode_steps = alone_steps + warmup + steps
+    own = -(-(n + decode_steps + 1) // bs)
     host_seqs = num_host + 1
-    capacity = kv_capacity_for(cfg, "oaken", bs, host_seqs, n + steps + warmup + 3 + 2 * bs, lsh,
+    capacity = kv_capacity_for(cfg, "oaken", bs, host_seqs, n + decode_steps + 3 + 2 * bs, lsh,
                                recent_blocks=host_seqs)
-    per_seq = device_bytes_per_seq(cfg, n, steps + warmup, store_dtype(gpu_kv_dtype, model.dtype))
+    per_seq = device_bytes_per_seq(cfg, n, decode_steps, store_dtype(gpu_kv_dtype, model.dtype))
     config = BackendConfig(device=dev.type, dtype=str(model.dtype).removeprefix("torch."), kv_format="oaken",
                            kv_capacity_bytes=capacity, block_size=bs, oaken_thresholds_path=str(thresholds),
                            oaken_recent_blocks=host_seqs, lsh=lsh, max_num_seqs=num_device + host_seqs,
@@ -231,19 +234,22 @@ def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device
         x = model.post_attention(i, x, o)
     first = int(model.logits(x[-1:]).argmax(-1).item())
     seqs = list(range(num_device)) + host_ids
-    last, times, parts = {s: first for s in seqs}, [], {}
+    last, done, times, parts = {s: first for s in seqs}, {s: 0 for s in seqs}, [], {}
     greedy = SamplingParams(temperature=0.0)
-    for step in range(steps + warmup):
-        pos = n + step
-        chunks = tuple(SeqChunk(s, (last[s],), pos, tables[s][: pos // bs + 1], greedy, step) for s in seqs)
+    for step in range(decode_steps):
+        active = seqs if step >= alone_steps else seqs[:num_device]
+        chunks = tuple(SeqChunk(s, (last[s],), n + done[s], tables[s][: (n + done[s]) // bs + 1], greedy, done[s])
+                       for s in active)
         t0 = time.perf_counter()
         out = backend.step(StepInput(chunks))
         _sync(dev)
-        if step >= warmup:
+        if step >= alone_steps + warmup:
             times.append(time.perf_counter() - t0)
             for key, val in out.timings.parts().items():
                 parts.setdefault(key, []).append(val)
         last.update(out.sampled)
+        for s in active:
+            done[s] += 1
     guard_open = backend.guard.is_open
     backend.close()
     del backend

@@ -50,7 +50,7 @@ def _split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
         if FP8:  # the cache's bytes as e4m3
             k, v = k.to(tl.float8e4nv, bitcast=True), v.to(tl.float8e4nv, bitcast=True)
         k, v = k.to(tl.float32), v.to(tl.float32)
-        # bf16 and e4m3 values are exact in tf32; a float32 cache takes the full-precision product
+        # bf16 queries and bf16 or e4m3 values are exact in tf32; float32 ones take the full-precision product
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         scores = tl.where(valid[None, :], scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -112,7 +112,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, tables, lens, acc, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         tables.stride(0), split_len, splits, num_q_heads, scale, GROUP=group, D=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N, GROUP_PAD=GROUP_PAD, FP8=fp8,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32")
     _reduce[(rows, num_q_heads)](acc, ml, out, out.stride(0), splits, num_q_heads, D=head_dim,
                                  SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     return out

@@ -13,10 +13,11 @@ host-placed ones, run layer by layer in turn (ModelWorker.forward_pipelined): th
 attention runs on a thread of its own (the kernels release the GIL) while this thread runs the other
 batch's linears and attention on the accelerator.
 
-Offload pays only while the host's attention hides behind the accelerator's work. The backend keeps
-the recent steps' host attention time and the accelerator's time of the same steps; while the host
-side took longer (OffloadGuard), the host shard takes no new sequences (Backend.open_shards), so what
-the accelerator cannot hold waits, as it would with the accelerator alone.
+Offload pays only while steps with host-placed sequences make tokens at least as fast as the accelerator's
+sequences alone (OffloadGuard: measured against the last decode step the accelerator ran alone; without one,
+the host's attention must hide behind the accelerator's work); while they do not, the host shard takes no new
+sequences (Backend.open_shards), so what the accelerator cannot hold waits, as it would with the accelerator
+alone.
 
 When the accelerator's pool has room again (its sequences ended) and no request waits, the scheduler moves
 a host-placed decoding sequence there, the one with the most KV that fits (KVSpec.promote_to, one a step):
@@ -59,21 +60,45 @@ def device_kv_budget(free: int, total: int) -> int:
 
 
 class OffloadGuard:
-    """Whether the host shard may take new sequences: closed while, over the last `window` steps that had
-    host-placed sequences, their attention took longer than the accelerator's work of those steps; open
-    again once it takes at most `reopen` of it (hysteresis, so one slow step does not flip it)."""
+    """Whether the host shard may take new sequences: host-placed sequences pay only when a step with them makes
+    tokens at least as fast as the accelerator's sequences alone.
+
+    The reference is measured: the fastest of the last few decode steps whose rows were all on the accelerator, per
+    number of rows (`alone`). A step with host rows beside that many accelerator rows costs its seconds against the seconds its
+    tokens would take at that pace (alone x all rows / accelerator rows), so a host batch that slows the accelerator
+    (its attention not hidden, or the host's threads delaying the accelerator's launches) counts against it.
+    Without a reference for those rows, the step costs the host attention's seconds against the accelerator's work
+    of the step (the host batch must hide behind it). Over the last `window` steps with host rows: closed while the
+    costs exceed their budgets; open again once they take at most `reopen` of them (hysteresis, so one slow step
+    does not flip it). Steps with no accelerator rows are not judged: host sequences are then all the work."""
 
     def __init__(self, window: int = 8, reopen: float = 0.8):
         self.steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
         self.reopen = reopen
+        self.alone: dict[int, collections.deque[float]] = {}
+        """Accelerator rows -> the seconds of the last decode steps with those rows alone (the least is the reference:
+        a step that compiled a kernel is not)."""
         self.is_open = True
 
-    def observe(self, host_attn_s: float, accelerator_s: float) -> None:
-        self.steps.append((host_attn_s, accelerator_s))
-        host, accel = (sum(x) for x in zip(*self.steps))
-        if self.is_open and host > accel:
+    def observe(self, device_rows: int, host_rows: int, step_s: float, host_attn_s: float, accelerator_s: float,
+                is_decode: bool = True) -> None:
+        """One step: its rows on each side, its seconds, the host attention's and the accelerator's work of them;
+        is_decode: every row a sequence's one decode token (only such steps are a reference)."""
+        if not host_rows:
+            if is_decode and device_rows:
+                self.alone.setdefault(device_rows, collections.deque(maxlen=4)).append(step_s)
+            return
+        if not device_rows:
+            return
+        alone = min(self.alone[device_rows]) if is_decode and device_rows in self.alone else None
+        if alone is None:
+            self.steps.append((host_attn_s, accelerator_s))
+        else:
+            self.steps.append((step_s, alone * (device_rows + host_rows) / device_rows))
+        cost, budget = (sum(x) for x in zip(*self.steps))
+        if self.is_open and cost > budget:
             self.is_open = False
-        elif not self.is_open and host <= self.reopen * accel:
+        elif not self.is_open and cost <= self.reopen * budget:
             self.is_open = True
 
     def shards(self, num_shards: int) -> frozenset[int]:
@@ -191,10 +216,11 @@ class OffloadBackend(HeteroBackend):
         accel_s += time.perf_counter() - t1
         host = self.attn_worker.take_timings()
         gpu = self.device_attn.take_timings()["gpu_attn"]
-        if not all(on_dev):
-            self.guard.observe(host["cpu_attn"], accel_s)
-        return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=host["cpu_attn"],
-                                                step_s=time.perf_counter() - t0,
+        step_s = time.perf_counter() - t0
+        rows = {where: len(chunks) for where, chunks in parts}
+        self.guard.observe(rows.get(True, 0), rows.get(False, 0), step_s, host["cpu_attn"], accel_s,
+                           is_decode=all(len(c.token_ids) == 1 for c in inp.chunks))
+        return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=host["cpu_attn"], step_s=step_s,
                                                 cpu_attn_dense_s=host.get("cpu_attn_dense"), gpu_attn_s=gpu),
                        open_shards=self.guard.shards(2))
 

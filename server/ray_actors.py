@@ -329,8 +329,8 @@ class ModelActor:
         if self.device_attn is None:
             return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=sum(busy.values()), step_s=step_s,
                                                     cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values())))
-        if busy:
-            self.guard.observe(max(busy.values()), accel_s)
+        self.guard.observe(len(here), len(host), step_s, max(busy.values(), default=0.0), accel_s,
+                           is_decode=all(len(c.token_ids) == 1 for c in inp.chunks))
         timings = StepTimings(accelerator_s=accel_s, cpu_attn_s=sum(busy.values()), step_s=step_s,
                               cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values(), default=None),
                               gpu_attn_s=self.device_attn.take_timings()["gpu_attn"])

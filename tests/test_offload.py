@@ -143,19 +143,44 @@ def test_scheduler_moves_a_decoding_host_sequence_when_no_request_waits():
     assert chunk.block_table == move.dst_table and all(b < 4 for b in move.dst_table) and s.num_moves == 1
 
 
-def test_guard_closes_the_host_shard_while_its_attention_outlasts_the_accelerator():
+def test_guard_without_a_reference_closes_while_host_attention_outlasts_the_accelerator():
+    """No step of these accelerator rows alone yet: host attention must hide behind the accelerator's work."""
     guard = OffloadGuard(window=4, reopen=0.8)
     for _ in range(4):
-        guard.observe(0.010, 0.020)
+        guard.observe(2, 1, 0.025, 0.010, 0.020)
     assert guard.is_open
     for _ in range(4):
-        guard.observe(0.040, 0.020)
+        guard.observe(2, 1, 0.045, 0.040, 0.020)
     assert not guard.is_open
     for _ in range(3):
-        guard.observe(0.017, 0.020)
+        guard.observe(2, 1, 0.025, 0.017, 0.020)
     assert not guard.is_open  # 0.85 of the accelerator's time: not yet
-    guard.observe(0.001, 0.020)
+    guard.observe(2, 1, 0.021, 0.001, 0.020)
     assert guard.is_open
+
+
+def test_guard_closes_when_host_rows_slow_the_accelerator_rows_more_than_they_add():
+    """Against the accelerator's rows alone (the fastest of their last decode steps): 4 rows alone in 20 ms, so 4 + 1
+    rows pay up to 25 ms a step, whatever the host's own attention took."""
+    guard = OffloadGuard(window=4, reopen=0.8)
+    guard.observe(4, 0, 0.900, 0.0, 0.900)  # a step that compiled a kernel is not the reference
+    guard.observe(4, 0, 0.020, 0.0, 0.020)
+    guard.observe(4, 0, 0.100, 0.0, 0.020, is_decode=False)  # a prompt chunk in the step: not a reference
+    assert min(guard.alone[4]) == 0.020 and 0.100 not in guard.alone[4]
+    for _ in range(4):
+        guard.observe(4, 1, 0.024, 0.010, 0.022)
+    assert guard.is_open
+    for _ in range(4):  # the host's attention (10 ms) hides behind the accelerator's (36 ms), yet the step lost
+        guard.observe(4, 1, 0.040, 0.010, 0.036)
+    assert not guard.is_open
+    for _ in range(4):
+        guard.observe(4, 1, 0.024, 0.010, 0.022)
+    assert not guard.is_open  # 0.96 of 25 ms: not yet
+    for _ in range(4):
+        guard.observe(4, 1, 0.019, 0.010, 0.018)
+    assert guard.is_open
+    guard.observe(0, 3, 5.0, 5.0, 0.001)  # host rows alone: all the work there is, not judged
+    assert guard.is_open and len(guard.steps) == 4
 
 
 def test_offload_server_gives_the_host_only_greedy_text(server):
