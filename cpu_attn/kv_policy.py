@@ -89,11 +89,12 @@ def observed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     num_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    qg = q.reshape(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, A, D]
+    qg = (q * scale).reshape(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, A, D]
     kt = k.permute(1, 2, 0)  # [Hkv, D, N]
-    s = torch.matmul(qg, kt[:, None]) * scale  # [Hkv, G, A, N]
-    mask = torch.arange(k.shape[0])[None, :] > torch.as_tensor(q_pos)[:, None]  # [A, N]
-    s = s.masked_fill(mask, float("-inf"))
+    s = torch.matmul(qg, kt[:, None])  # [Hkv, G, A, N]
+    first = int(np.min(q_pos)) + 1  # rows before it are seen by every query: only the later ones need the mask
+    mask = torch.arange(first, k.shape[0])[None, :] > torch.as_tensor(q_pos)[:, None]  # [A, N - first]
+    s[..., first:].masked_fill_(mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
     out = torch.matmul(p, v.permute(1, 0, 2)[:, None])  # [Hkv, G, A, D]
     out = out.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
