@@ -287,8 +287,10 @@ def run_offload(model: LlamaModel, thresholds: Path, context: int, budgets_gb: l
         print(json.dumps({"context": context, "gpu_kv_gb": gb, "gpu_only": gpu_only}), flush=True)
         runs = []
         for h in host_extra:  # each cell is printed as it ends: a run stopped by its time box keeps the rest
-            runs.append(offload_decode(model, thresholds, context, fit_offload, h, steps, lsh, gpu_kv_dtype=gpu_kv_dtype))
-            print(json.dumps({"context": context, "gpu_kv_gb": gb, "gpu_kv_dtype": gpu_kv_dtype, **runs[-1]}), flush=True)
+            runs.append(offload_decode(model, thresholds, context, fit_offload, h, steps, lsh,
+                                       gpu_kv_dtype=gpu_kv_dtype))
+            print(json.dumps({"context": context, "gpu_kv_gb": gb, "gpu_kv_dtype": gpu_kv_dtype, **runs[-1]}),
+                  flush=True)
         chosen = max((r for r in runs if r["host_shard_open"]), key=lambda r: r["decode_tok_s"], default=None)
         rows.append({"gpu_kv_gb": gb, "gpu_kv_dtype": gpu_kv_dtype, "gpu_only": gpu_only, "offload": runs,
                      "chosen_host_seqs": None if chosen is None else chosen["host_seqs"],

@@ -106,7 +106,8 @@ def _fmt(v) -> str:
 
 
 def write_json(name: str, data: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """data as JSON at `name` under benchmarks/results (or at that path, when it names a folder too)."""
     path = RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     return path

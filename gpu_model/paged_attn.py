@@ -36,7 +36,8 @@ def _split(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr,
     seq_len = tl.load(lens_ptr + r)
     start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
-    q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+                other=0.0).to(tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)

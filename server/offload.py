@@ -14,8 +14,8 @@ attention runs on a thread of its own (the kernels release the GIL) while this t
 batch's linears and attention on the accelerator.
 
 Offload pays only while steps with host-placed sequences make tokens at least as fast as the accelerator's
-sequences alone (OffloadGuard: measured against the last decode step the accelerator ran alone; without one,
-the host's attention must hide behind the accelerator's work); while they do not, the host shard takes no new
+sequences alone (OffloadGuard: measured against the fastest recent decode steps the accelerator ran alone; without
+one, the host's attention must hide behind the accelerator's work); while they do not, the host shard takes no new
 sequences (Backend.open_shards), so what the accelerator cannot hold waits, as it would with the accelerator
 alone.
 
@@ -64,9 +64,10 @@ class OffloadGuard:
     tokens at least as fast as the accelerator's sequences alone.
 
     The reference is measured: the fastest of the last few decode steps whose rows were all on the accelerator, per
-    number of rows (`alone`). A step with host rows beside that many accelerator rows costs its seconds against the seconds its
-    tokens would take at that pace (alone x all rows / accelerator rows), so a host batch that slows the accelerator
-    (its attention not hidden, or the host's threads delaying the accelerator's launches) counts against it.
+    number of rows (`alone`). A step with host rows beside that many accelerator rows costs its seconds against the
+    seconds its tokens would take at that pace (alone x all rows / accelerator rows), so a host batch that slows the
+    accelerator (its attention not hidden, or the host's threads delaying the accelerator's launches) counts
+    against it.
     Without a reference for those rows, the step costs the host attention's seconds against the accelerator's work
     of the step (the host batch must hide behind it). Over the last `window` steps with host rows: closed while the
     costs exceed their budgets; open again once they take at most `reopen` of them (hysteresis, so one slow step
