@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -56,6 +57,16 @@ def register(sub) -> None:
     rp.add_argument("--weight-format", default="auto",
                     help="the simulated weights' format, which sets the bytes a step reads: auto (fp16), bf16, fp32, "
                          "gguf, mxfp8, mxfp6, mxfp6_e3m2, mxfp4, mxint8 (default: auto)")
+    rp.add_argument("--kv-policy", choices=["full", "layered"], default="full",
+                    help="layered: the first --kv-full-layers keep every token, the others a budget per sequence once "
+                         "its prompt is computed (hetserve serve's --kv-policy layered; default: full)")
+    rp.add_argument("--kv-full-layers", type=int, default=3, help="--kv-policy layered: layers that keep every "
+                                                                   "token (default: 3, PPIO's)")
+    rp.add_argument("--kv-budget-tokens", type=int, default=None,
+                    help="--kv-policy layered: tokens each other layer keeps per sequence")
+    rp.add_argument("--kv-budget-ratio", type=float, default=None,
+                    help="--kv-policy layered: the same as a share of the prompt (default: 0.25 unless "
+                         "--kv-budget-tokens)")
     rp.add_argument("--routing", default="least-loaded", help="least-loaded, round-robin or random")
     rp.add_argument("--time-scale", type=float, default=1.0, help="speed-up of arrivals (2 = twice the rate)")
     rp.add_argument("--limit", type=int, default=None, help="first N requests only")
@@ -113,7 +124,7 @@ def validate_command(args: argparse.Namespace) -> int:
 
 
 def replay_command(args: argparse.Namespace) -> int:
-    from accel_sim.hardware import make_system
+    from accel_sim.hardware import LayeredKV, make_system
     from accel_sim.models import get_model
     from accel_sim.sim import SchedulerLimits, simulate
     from accel_sim.workloads import AZURE_CONV_TRACE, fresh, read_trace
@@ -121,11 +132,17 @@ def replay_command(args: argparse.Namespace) -> int:
     trace = Path(args.trace) if args.trace else AZURE_CONV_TRACE
     limits = SchedulerLimits(args.max_num_seqs, args.max_num_batched_tokens)
     model = get_model(args.model)
+    layered = None
+    if args.kv_policy == "layered":
+        ratio = 0.25 if args.kv_budget_tokens is None and args.kv_budget_ratio is None else args.kv_budget_ratio
+        layered = LayeredKV(args.kv_full_layers, args.kv_budget_tokens, ratio)
+    elif args.kv_budget_tokens is not None or args.kv_budget_ratio is not None:
+        raise ValueError("--kv-budget-tokens and --kv-budget-ratio need --kv-policy layered")
     if args.pool:
-        pools = [[make_system(name, model, args.num_devices, args.weight_format) for name, _, n in
+        pools = [[make_system(name, model, args.num_devices, args.weight_format, layered) for name, _, n in
                   (entry.partition(":") for entry in args.pool.split(",")) for _ in range(int(n or 1))]]
     else:
-        pools = [[make_system(name, model, args.num_devices, args.weight_format)] * args.replicas
+        pools = [[make_system(name, model, args.num_devices, args.weight_format, layered)] * args.replicas
                  for name in args.systems]
     base = read_trace(trace, args.limit, args.time_scale)
     results = []
@@ -134,7 +151,8 @@ def replay_command(args: argparse.Namespace) -> int:
         res = simulate(pool, fresh(base), limits, args.routing, args.seed)
         wall = time.perf_counter() - t0
         name = "+".join(dict.fromkeys(s.name for s in pool))
-        s = {"system": name, "model": args.model, "replicas": len(pool),
+        s = {"system": name, "model": args.model, "kv_policy": args.kv_policy,
+             "layered": None if layered is None else dataclasses.asdict(layered), "replicas": len(pool),
              "devices_per_replica": [s.num_devices for s in pool], "trace": trace.name, "wall_s": wall,
              **res.summary()}
         results.append(s)

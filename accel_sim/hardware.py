@@ -99,6 +99,30 @@ SYSTEMS: dict[str, tuple[str, str, str]] = {
 
 
 @dataclass(frozen=True)
+class LayeredKV:
+    """Layered KV sparsity (`hetserve serve --kv-policy layered`): the first `full_layers` layers keep every token
+    of a sequence, the others at most a budget of tokens once its prompt has been computed (`budget_tokens`, or
+    `budget_ratio` of the prompt; while a prompt is prefilled every layer holds all of it)."""
+    full_layers: int
+    budget_tokens: int | None = None
+    budget_ratio: float | None = None
+
+    def __post_init__(self):
+        if (self.budget_tokens is None) == (self.budget_ratio is None):
+            raise ValueError("layered KV takes one of budget_tokens and budget_ratio")
+        if self.full_layers < 0 or (self.budget_tokens is not None and self.budget_tokens < 1) or \
+                (self.budget_ratio is not None and not 0 < self.budget_ratio <= 1):
+            raise ValueError(f"layered KV needs full_layers >= 0 and a budget of >= 1 token or a ratio in (0, 1]: "
+                             f"{self}")
+
+    def budget(self, prompt: int) -> int:
+        """Tokens a sparse layer keeps of a sequence whose prompt (with any output recomputed) had `prompt`."""
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        return max(1, math.ceil(self.budget_ratio * prompt))
+
+
+@dataclass(frozen=True)
 class System:
     name: str
     device: DeviceSpec
@@ -108,6 +132,13 @@ class System:
     """Pipeline stages holding one model replica."""
     weight_bits: float = 16.0
     """Bits per weight of the model's weights (WEIGHT_FORMAT_BITS)."""
+    layered: LayeredKV | None = None
+    """Layered KV sparsity; None: every layer keeps every token."""
+
+    @property
+    def full_layer_share(self) -> float:
+        """The share of the KV layers that keep every token (1 without layered KV)."""
+        return 1.0 if self.layered is None else self.layered.full_layers / self.model.num_layers
 
     @property
     def weight_bytes(self) -> float:
@@ -151,7 +182,8 @@ def auto_num_devices(device: DeviceSpec, model: ModelShape, min_kv_fraction: flo
     return max(1, math.ceil(model.total_params * weight_bits / 8 / (usable * (1 - min_kv_fraction))))
 
 
-def make_system(name: str, model: ModelShape, num_devices: int | None = None, weight_format: str = "auto") -> System:
+def make_system(name: str, model: ModelShape, num_devices: int | None = None, weight_format: str = "auto",
+                layered: LayeredKV | None = None) -> System:
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
     if weight_format not in WEIGHT_FORMAT_BITS:
@@ -160,4 +192,6 @@ def make_system(name: str, model: ModelShape, num_devices: int | None = None, we
     device = load_device(device_name)
     bits = WEIGHT_FORMAT_BITS[weight_format]
     n = num_devices or auto_num_devices(device, model, weight_bits=bits)
-    return System(name, device, load_formats()[fmt_name], model, n, bits)
+    if layered is not None and layered.full_layers > model.num_layers:
+        raise ValueError(f"{layered.full_layers} full layers: {model.name} has {model.num_layers}")
+    return System(name, device, load_formats()[fmt_name], model, n, bits, layered)

@@ -6,8 +6,10 @@
 Each replica (`Replica`: one `System`, i.e. 1..P pipelined devices) admits waiting requests while
 its KV memory allows (prompt + one block of slack per sequence), runs one step at a time whose
 length comes from `cost.step_cost`, and on memory pressure preempts its newest sequence, which is
-recomputed later (vLLM's recompute policy). Per step the work is O(1) aggregates plus heap
-operations for the sequences that finish, so a 19k-request trace takes seconds.
+recomputed later (vLLM's recompute policy). With layered KV (`System.layered`) a decoding sequence
+holds its length in the full layers and min(length, budget) in the others (`Replica.kept_tokens`).
+Per step the work is O(1) aggregates plus heap operations for the sequences that finish (and, with
+layered KV, reach their budgets), so a 19k-request trace takes seconds.
 
 Deterministic: events are ordered by (time, sequence number); the only randomness is the
 `random` routing policy, seeded.
@@ -50,6 +52,12 @@ class _Seq:
     """While decoding: current length = base + replica iteration."""
     finish_iter: int = -1
     is_alive: bool = True
+    budget: int = 0
+    """Layered KV: the tokens its sparse layers keep while decoding."""
+    cross_iter: int = -1
+    """Layered KV: the replica iteration at which its length reaches the budget."""
+    capped: bool = False
+    """Layered KV: its sparse layers hold the budget (else its whole length)."""
 
 
 WATERMARK = 0.01
@@ -76,6 +84,13 @@ class Replica:
         self.heap: list[tuple[int, int, _Seq]] = []
         self.num_decode = 0
         self.sum_len = 0  # sum over decoding sequences of (base), add num_decode * iter for lengths
+        # layered KV: the decoding sequences' sparse layers hold min(length, budget) tokens: the budgets of those
+        # that reached theirs, plus the lengths of the others (their bases, and the iteration each)
+        self.full_share = system.full_layer_share
+        self.sum_capped = 0
+        self.sum_open_base = 0
+        self.num_open = 0
+        self.crossings: list[tuple[int, int, _Seq]] = []  # (iteration a sequence reaches its budget, order, seq)
         self.used_prefill = 0  # tokens reserved by prefilling sequences (whole prompt + 1)
         self.iter = 0
         self.is_busy = False
@@ -94,8 +109,48 @@ class Replica:
     def decode_tokens(self) -> int:
         return self.sum_len + self.num_decode * self.iter
 
+    def kept_tokens(self) -> float:
+        """KV tokens the decoding sequences hold, in whole-model tokens (layered KV: the full layers' share of
+        their lengths plus the others' share of min(length, budget))."""
+        if self.system.layered is None:
+            return self.decode_tokens()
+        sparse = self.sum_capped + self.sum_open_base + self.num_open * self.iter
+        return self.full_share * self.decode_tokens() + (1.0 - self.full_share) * sparse
+
     def used_tokens(self) -> float:
-        return self.decode_tokens() + self.used_prefill + self.slack * self.num_running
+        return self.kept_tokens() + self.used_prefill + self.slack * self.num_running
+
+    def _start_decode(self, s: _Seq) -> None:
+        """Layered KV: a sequence whose prompt was just computed keeps its budget in the sparse layers."""
+        s.budget = self.system.layered.budget(s.prompt)
+        s.cross_iter = s.budget - s.base
+        s.capped = s.cross_iter <= self.iter
+        if s.capped:
+            self.sum_capped += s.budget
+            return
+        self.sum_open_base += s.base
+        self.num_open += 1
+        self._order += 1
+        heapq.heappush(self.crossings, (s.cross_iter, self._order, s))
+
+    def _stop_decode(self, s: _Seq) -> None:
+        """Layered KV: a decoding sequence finished or was preempted."""
+        if s.capped:
+            self.sum_capped -= s.budget
+        else:
+            self.sum_open_base -= s.base
+            self.num_open -= 1
+
+    def _cross(self) -> None:
+        """Layered KV: the decoding sequences whose length reached their budget at this iteration."""
+        while self.crossings and self.crossings[0][0] <= self.iter:
+            cross_iter, _, s = heapq.heappop(self.crossings)
+            if not s.is_alive or s.finish_iter < 0 or s.capped or s.cross_iter != cross_iter:  # stale
+                continue
+            s.capped = True
+            self.sum_open_base -= s.base
+            self.num_open -= 1
+            self.sum_capped += s.budget
 
     def load(self) -> int:
         return len(self.waiting) + self.num_running
@@ -136,6 +191,8 @@ class Replica:
             length = s.base + self.iter
             self.num_decode -= 1
             self.sum_len -= s.base
+            if self.system.layered is not None:
+                self._stop_decode(s)
             s.prompt, s.remaining, s.finish_iter = length, s.finish_iter - self.iter, -1
         else:
             self.prefilling.remove(s)
@@ -163,7 +220,7 @@ class Replica:
             pairs += n * start + n * (n + 1) / 2
             budget -= n
         window = self.system.model.sliding_window
-        dec_kv = self.decode_tokens() if not window else min(self.decode_tokens(), self.num_decode * window)
+        dec_kv = self.kept_tokens() if not window else min(self.kept_tokens(), self.num_decode * window)
         num_sampled = self.num_decode + sum(1 for s, n in chunks if s.prefilled + n == s.prompt)
         dt = self.cost.time_s(self.num_decode, dec_kv, pre_tok, kv_read, pairs, num_sampled)
         self._pending = (chunks, self.num_decode)
@@ -177,6 +234,8 @@ class Replica:
         # decodes: every decoding sequence grew by one token
         self.iter += 1
         self.num_generated += num_decode
+        if self.system.layered is not None:
+            self._cross()
         while self.heap and self.heap[0][0] <= self.iter:
             finish_iter, _, s = heapq.heappop(self.heap)
             if not s.is_alive or s.finish_iter != finish_iter:  # stale: preempted since
@@ -184,6 +243,8 @@ class Replica:
             s.is_alive = False
             self.num_decode -= 1
             self.sum_len -= s.base
+            if self.system.layered is not None:
+                self._stop_decode(s)
             s.req.finish_s = now
             finished.append(s.req)
         for s, n in chunks:
@@ -205,6 +266,8 @@ class Replica:
             s.finish_iter = self.iter + s.remaining
             self.num_decode += 1
             self.sum_len += s.base
+            if self.system.layered is not None:
+                self._start_decode(s)
             self._order += 1
             heapq.heappush(self.heap, (s.finish_iter, self._order, s))
         if len(self.admitted) > 4 * (self.num_running + 16):

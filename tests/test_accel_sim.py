@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from accel_sim.cost import StepWork, step_cost
-from accel_sim.hardware import DATA_DIR, System, load_device, load_formats, make_system
+from accel_sim.hardware import DATA_DIR, LayeredKV, System, load_device, load_formats, make_system
 from accel_sim.models import MODELS, get_model
 from accel_sim.sim import Request, SchedulerLimits, simulate
 from accel_sim.workloads import AZURE_CONV_TRACE, fixed_batch, read_trace
@@ -159,6 +159,60 @@ def test_step_count_is_exact_for_one_request():
     assert r.finish_s == pytest.approx(expected)
 
 
+# ---- layered KV sparsity
+
+def decoding_kept_tokens(rep) -> float:
+    """The decoding sequences' KV, counted one sequence at a time: the full layers' share of each length plus
+    the others' share of min(length, budget)."""
+    f = rep.system.full_layer_share
+    seqs = {id(s): s for fi, _, s in rep.heap if s.is_alive and s.finish_iter == fi}.values()
+    return sum(f * (s.base + rep.iter) + (1 - f) * min(s.base + rep.iter, s.budget) for s in seqs)
+
+
+@pytest.mark.parametrize("layered, preempts", [(LayeredKV(3, budget_tokens=700), True),
+                                               (LayeredKV(1, budget_ratio=0.25), False)])
+def test_layered_kv_counts_each_sequence_min_length_budget(layered, preempts, monkeypatch):
+    """The replica's running sums equal a per-sequence count after every step, through admissions, budgets reached
+    during decode (a fixed budget above some prompts), finishes and preemptions. A ratio budget is below every
+    prompt, so those sequences hold it from their first decode and this load never preempts."""
+    from accel_sim import sim
+
+    sys_ = dataclasses.replace(make_system("a100-vllm", get_model("llama2-13b"), 1), layered=layered)
+    checked = []
+    finish = sim.Replica.finish_step
+
+    def checked_finish(rep, now, finished):
+        finish(rep, now, finished)
+        assert rep.kept_tokens() == pytest.approx(decoding_kept_tokens(rep), abs=1e-6)
+        checked.append(rep.num_decode)
+
+    monkeypatch.setattr(sim.Replica, "finish_step", checked_finish)
+    reqs = [Request(i, i * 0.02, 300 + 97 * (i % 13), 200 + 61 * (i % 9)) for i in range(400)]
+    res = simulate([sys_], reqs, SchedulerLimits(max_num_seqs=128))
+    s = res.summary()
+    assert s["num_finished"] == 400 and (s["num_preemptions"] > 0) == preempts and max(checked) > 50
+
+
+def test_layered_kv_runs_more_sequences_in_the_same_memory():
+    """PPIO's shape on a memory-bound replica: 4,000-token prompts, 500 out, a quarter of the tokens kept in all
+    but 3 of 40 layers: more sequences at once and more tokens a second than with every token kept."""
+    full = make_system("a100-vllm", get_model("llama2-13b"), 1)
+    layered = dataclasses.replace(full, layered=LayeredKV(3, budget_ratio=0.25))
+    runs = [simulate([s], fixed_batch(64, 4000, 500), SchedulerLimits(max_num_seqs=64)).summary()
+            for s in (full, layered)]
+    assert runs[1]["max_concurrency"] >= 2 * runs[0]["max_concurrency"]
+    assert runs[1]["gen_tok_s"] > 1.3 * runs[0]["gen_tok_s"]
+
+
+def test_layered_kv_refuses_bad_settings():
+    with pytest.raises(ValueError, match="one of budget_tokens and budget_ratio"):
+        LayeredKV(3)
+    with pytest.raises(ValueError, match="ratio in"):
+        LayeredKV(3, budget_ratio=1.5)
+    with pytest.raises(ValueError, match="has 40"):
+        make_system("a100-vllm", get_model("llama2-13b"), 1, layered=LayeredKV(41, budget_tokens=100))
+
+
 # ---- determinism and pools
 
 def test_simulation_is_deterministic_with_a_seed():
@@ -247,6 +301,21 @@ def test_cli_replay_writes_json(tmp_path):
     assert main(["sim", "replay", "--limit", "300", "--pool", "oaken-lpddr:1,a100-vllm:2", "--json", str(out)]) == 0
     (s,) = json.loads(out.read_text())["results"]
     assert s["num_finished"] == 300 and s["system"] == "oaken-lpddr+a100-vllm" and s["replicas"] == 3
+
+
+def test_cli_replay_with_layered_kv(tmp_path):
+    from hetserve.cli import main
+
+    runs = {}
+    for policy in ("full", "layered"):
+        out = tmp_path / f"{policy}.json"
+        assert main(["sim", "replay", "--limit", "600", "--systems", "a100-vllm", "--model", "llama2-13b",
+                     "--time-scale", "8", "--kv-policy", policy, "--json", str(out)]) == 0
+        (runs[policy],) = json.loads(out.read_text())["results"]
+    assert runs["layered"]["layered"] == {"full_layers": 3, "budget_tokens": None, "budget_ratio": 0.25}
+    assert runs["layered"]["max_concurrency"] > runs["full"]["max_concurrency"]
+    with pytest.raises(SystemExit, match="need --kv-policy layered"):
+        main(["sim", "replay", "--limit", "10", "--kv-budget-tokens", "64"])
 
 
 def test_cli_reports_bad_names_in_one_line():
