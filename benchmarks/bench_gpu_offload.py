@@ -268,7 +268,8 @@ def run_offload(model: LlamaModel, thresholds: Path, context: int, budgets_gb: l
     """Per accelerator KV budget (0: what is free less the reserve): GPU-only at the batch that budget holds (the
     model's dtype), and hetserve's partial offload with that budget (its sequences in --gpu-kv-dtype: fp8 holds
     twice bf16's) plus each number of host sequences; the split the guard keeps open with the most tok/s is the one
-    it would choose."""
+    it would choose. With fp8, hetserve's pool in the model's dtype at GPU-only's batch runs too (`own_pool`,
+    `ratio_own_pool`: what fp8 alone gives)."""
     cfg, dev = model.cfg, model.device
     per_seq = device_bytes_per_seq(cfg, context, steps + 2, model.dtype)
     per_seq_offload = device_bytes_per_seq(cfg, context, steps + 2, store_dtype(gpu_kv_dtype, model.dtype))
@@ -285,6 +286,12 @@ def run_offload(model: LlamaModel, thresholds: Path, context: int, budgets_gb: l
               f"{fit_offload} ({gpu_kv_dtype}) +{host_extra} host sequences", flush=True)
         gpu_only = gpu_only_decode(model, fit, context, steps)
         print(json.dumps({"context": context, "gpu_kv_gb": gb, "gpu_only": gpu_only}), flush=True)
+        # a second baseline: hetserve's own pool in the model's dtype at GPU-only's batch (the paged kernel,
+        # no host sequences), so the ratio over it is what --gpu-kv-dtype alone gives
+        own = None
+        if gpu_kv_dtype != "auto":
+            own = offload_decode(model, thresholds, context, fit, 0, steps, lsh)
+            print(json.dumps({"context": context, "gpu_kv_gb": gb, "own_pool": own}), flush=True)
         runs = []
         for h in host_extra:  # each cell is printed as it ends: a run stopped by its time box keeps the rest
             runs.append(offload_decode(model, thresholds, context, fit_offload, h, steps, lsh,
@@ -292,9 +299,11 @@ def run_offload(model: LlamaModel, thresholds: Path, context: int, budgets_gb: l
             print(json.dumps({"context": context, "gpu_kv_gb": gb, "gpu_kv_dtype": gpu_kv_dtype, **runs[-1]}),
                   flush=True)
         chosen = max((r for r in runs if r["host_shard_open"]), key=lambda r: r["decode_tok_s"], default=None)
-        rows.append({"gpu_kv_gb": gb, "gpu_kv_dtype": gpu_kv_dtype, "gpu_only": gpu_only, "offload": runs,
-                     "chosen_host_seqs": None if chosen is None else chosen["host_seqs"],
-                     "ratio": None if chosen is None else chosen["decode_tok_s"] / gpu_only["decode_tok_s"]})
+        rows.append({"gpu_kv_gb": gb, "gpu_kv_dtype": gpu_kv_dtype, "gpu_only": gpu_only, "own_pool": own,
+                     "offload": runs, "chosen_host_seqs": None if chosen is None else chosen["host_seqs"],
+                     "ratio": None if chosen is None else chosen["decode_tok_s"] / gpu_only["decode_tok_s"],
+                     "ratio_own_pool": None if chosen is None or own is None
+                     else chosen["decode_tok_s"] / own["decode_tok_s"]})
     return rows
 
 
@@ -359,6 +368,7 @@ def offload_rows(offload: list[dict]) -> list[dict]:
                             "gpu_attn_ms": p.get("gpu_attn"), "cpu_attn_ms": p.get("cpu_attn"),
                             "accelerator_ms": p.get("accelerator"), "host_shard_open": r["host_shard_open"],
                             "gpu_only_tok_s": gpu.get("decode_tok_s"),
+                            "own_pool_tok_s": (b.get("own_pool") or {}).get("decode_tok_s"),
                             "ratio": r["decode_tok_s"] / gpu["decode_tok_s"] if gpu else None})
     return out
 
@@ -466,7 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
     if offload_rows(offload):
         print_table(offload_rows(offload), ["context", "gpu_kv_gb", "gpu_seqs", "host_seqs", "tok_s", "step_ms",
                                             "gpu_attn_ms", "cpu_attn_ms", "accelerator_ms", "host_shard_open",
-                                            "gpu_only_tok_s", "ratio"])
+                                            "gpu_only_tok_s", "own_pool_tok_s", "ratio"])
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"shape": args.shape, "device": device, "machine": machine(), "torch": torch.__version__,
               "steps": args.steps, "lsh_l": args.lsh_l, "lsh_min_collisions": args.lsh_min_collisions, "rows": rows,

@@ -76,3 +76,7 @@ def test_gpu_offload_benchmark_offload_mode_smoke_run_on_cpu(tmp_path, gpu_kv_dt
         assert r["decode_tok_s"] > 0 and r["parts_ms"]["gpu_attn"] > 0
         assert (r["parts_ms"]["cpu_attn"] > 0) == (r["host_seqs"] > 0)
     assert fits["chosen_host_seqs"] in (0, 2) and fits["ratio"] > 0
+    if gpu_kv_dtype == "fp8":  # hetserve's own pool in the model's dtype at GPU-only's batch
+        assert fits["own_pool"]["gpu_seqs"] == 1 and fits["own_pool"]["host_seqs"] == 0 and fits["ratio_own_pool"] > 0
+    else:
+        assert fits["own_pool"] is None and fits["ratio_own_pool"] is None
