@@ -33,6 +33,7 @@ class KVStore(Protocol):
     num_kv_heads: int
     head_dim: int
     block_size: int
+    num_blocks: int
 
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
               positions: np.ndarray | None = None) -> None: ...

@@ -283,11 +283,12 @@ class ServeConfig:
             raise ValueError(f"speculative_method {self.speculative_method} needs executor local, or ray with "
                              "ray_cpu_actors 0 (its draft steps run where the model and the KV are)")
         if self.kv_policy_config().is_layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
-                                                   or self.speculative_method != "off" or self.backend != "hetero"
-                                                   or not self.kv_beside_model):
-            raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, speculative_method off, "
-                             "backend hetero and executor local or ray with ray_cpu_actors 0 (its rows are compacted "
-                             "in a plain paged store)")
+                                                   or self.speculative_method != "off" or self.backend != "hetero"):
+            raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, speculative_method off "
+                             "and backend hetero (its rows are compacted in a plain paged store)")
+        if self.kv_policy_config().is_layered and self.executor == "ray" and self.ray_microbatches == 2:
+            raise ValueError("kv_policy layered takes one micro-batch a step on the ray executor (a sequence's scores "
+                             "live in one attention worker): ray_microbatches 0 or 1")
         if self.gpu_kv_cache_bytes and not self.offload_possible:
             raise ValueError("gpu_kv_cache_bytes needs backend hetero, speculative_method off and kv_policy full (the "
                              "accelerator's KV takes exact one-token and prompt rows only)")

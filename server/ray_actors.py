@@ -44,12 +44,17 @@ class AttentionActor:
 
         from cpu_attn.worker import AttentionWorker
         from server.hetero import attention_worker
+        from server.kv_layout import layered_attention_worker
 
         self.threads = threads  # set by the channel thread, which runs the kernels (_serve)
-        self.worker = attention_worker(cfg, config.kv_format, num_blocks, config.block_size, cal,
-                                       config.oaken_sparse_fraction, config.oaken_recent_blocks, config.lsh)
-        # micro-batch 1 has its own step plan over the same store and tables
-        self.workers = [self.worker, AttentionWorker(self.worker.store, cfg.head_dim, self.worker.sparse)]
+        if config.kv_policy.is_layered:  # one micro-batch a step: a sequence's scores stay in this worker
+            self.worker = layered_attention_worker(config, cfg, num_blocks)
+            self.workers = [self.worker]
+        else:
+            self.worker = attention_worker(cfg, config.kv_format, num_blocks, config.block_size, cal,
+                                           config.oaken_sparse_fraction, config.oaken_recent_blocks, config.lsh)
+            # micro-batch 1 has its own step plan over the same store and tables
+            self.workers = [self.worker, AttentionWorker(self.worker.store, cfg.head_dim, self.worker.sparse)]
         self.trimmer = Trimmer()
         self.first_block = first_block
         self._listener = socket.create_server((ray.util.get_node_ip_address(), 0))
@@ -69,9 +74,28 @@ class AttentionActor:
         while True:
             self._handle(conn, *channel.recv(conn))
 
-    def _handle(self, conn: socket.socket, h: dict, arrays: list[np.ndarray]) -> None:
+    def _layout(self, num_tokens, start, table, seq_id, drafts, view=None):
+        """A chunk's layout as the model actor sent it (wire_layout), in this shard's block ids."""
+        from cpu_attn.layered_worker import LayeredChunkLayout
         from cpu_attn.worker import ChunkLayout
+        from hetcore.kv_policy import KVView
 
+        layout = ChunkLayout(num_tokens, start, self._local(table), seq_id, drafts)
+        if view is None:
+            return layout
+        tables, before, after, observed = view
+        return LayeredChunkLayout(**vars(layout), kv_view=KVView(
+            tuple(map(self._local, tables)), tuple(before), tuple(after), observed))
+
+    def _local(self, table: list[int]) -> tuple[int, ...]:
+        """Engine block ids -> this store's; one outside this shard is refused (the kernels do not check bounds)."""
+        ids = np.asarray(table, dtype=np.int64) - self.first_block
+        if ids.size and (ids.min() < 0 or ids.max() >= self.worker.store.num_blocks):
+            raise ValueError(f"block ids {table[:4]}... are outside this shard's {self.worker.store.num_blocks} "
+                             f"blocks from {self.first_block}")
+        return tuple(ids.tolist())
+
+    def _handle(self, conn: socket.socket, h: dict, arrays: list[np.ndarray]) -> None:
         if h["op"] == "free":
             self.worker.free(h["seq_ids"])
             return
@@ -87,8 +111,7 @@ class AttentionActor:
                 return
             worker = self.workers[h["mb"]]
             if "layout" in h:
-                worker.begin_step([ChunkLayout(n, start, tuple(b - self.first_block for b in table), seq, drafts)
-                                   for n, start, table, seq, drafts in h["layout"]])
+                worker.begin_step([self._layout(*entry) for entry in h["layout"]])
             q, k, v, *codes = (torch.from_numpy(a) for a in arrays)
             o = worker.attend(h["layer"], q, k, v, tuple(codes) or None)
             reply = worker.take_timings() if h.get("last") else {}
@@ -102,6 +125,18 @@ class AttentionActor:
         except Exception as exc:  # reported to the model actor, which fails the step
             log.exception("attention failed")
             channel.send(conn, {"error": f"{type(exc).__name__}: {exc}"})
+
+
+def wire_layout(lay) -> list:
+    """A chunk layout as a frame header carries it to a CPU attention actor (AttentionActor._layout reads it): its
+    fields, and a layered chunk's rows in the later layer groups."""
+    from cpu_attn.layered_worker import LayeredChunkLayout
+
+    entry = [lay.num_tokens, lay.start_pos, list(lay.block_table), lay.seq_id, lay.num_draft]
+    if isinstance(lay, LayeredChunkLayout) and lay.kv_view is not None:
+        v = lay.kv_view
+        entry.append([[list(t) for t in v.tables], list(v.rows_before), list(v.keep_after), v.observed])
+    return entry
 
 
 def split(chunks, n: int) -> list[list]:
@@ -202,6 +237,14 @@ class ModelActor:
 
     def config(self):
         return self.model.cfg
+
+    def kv_policy(self, policy):
+        """`policy` with its full layers chosen from this model's attention profile where it leaves them open."""
+        from server.hetero import kv_full_layers
+
+        if policy.is_layered and policy.full_layers is None:
+            return policy.with_full_layers(kv_full_layers(self.model, self.model_dir))
+        return policy
 
     def device_blocks(self) -> int:
         """Blocks of the accelerator's KV pool, shard 0 (0: no partial offload)."""
@@ -370,7 +413,7 @@ class ModelActor:
             if len(c.token_ids) == 1:
                 decodes.append(decode)
                 decode += 1
-            layout.append([lay.num_tokens, lay.start_pos, list(lay.block_table), lay.seq_id, lay.num_draft])
+            layout.append(wire_layout(lay))
             row += len(c.token_ids)
         if len(parts) == 1:
             return b, {s: (None, None, layout) for s, (_, _, layout) in parts.items()}

@@ -99,6 +99,7 @@ class RayBackend(Backend):
                       use_gpu: bool) -> None:
         """The model actor and placement.cpu_actors CPU attention actors, connected."""
         from server.hetero import kv_spec, reserve_note
+        from server.kv_layout import layered_kv_spec
 
         ray, c, num_actors = self.ray, self.config, placement.cpu_actors
         # OpenMP threads that spin-wait after each op would steal the cores the other actors compute on
@@ -107,13 +108,18 @@ class RayBackend(Backend):
         # the gaps between one layer's ops but not the wait for attention (2 cores, side by side: 1.15x local
         # against 1.35x fully PASSIVE at concurrency 1, 1.15x against 1.21x at 8, even at 32)
         model_opts = {**model_opts, **_restartable(GOMP_SPINCOUNT="2000")}
-        microbatches = placement.microbatches or (2 if use_gpu else 1)
+        # layered KV: one micro-batch (a sequence's scores live in one worker)
+        microbatches = 1 if c.kv_policy.is_layered else placement.microbatches or (2 if use_gpu else 1)
         self.model_actor = ray.remote(ModelActor).options(**model_opts).remote(str(model_dir), c, threads, microbatches)
         cfg = self.model_cfg = ray.get(self.model_actor.config.remote())
         self.device_blocks = ray.get(self.model_actor.device_blocks.remote())
         cal = ray.get(self.model_actor.thresholds.remote(c.oaken_thresholds_path)) if c.kv_format == "oaken" else None
-        shard = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes // num_actors, c.block_size, c.oaken_sparse_fraction,
-                        c.oaken_recent_blocks, c.lsh, c.max_num_seqs)
+        if c.kv_policy.is_layered:  # the full layers from the model's profile, as the actors' workers need them
+            c = self.config = replace(c, kv_policy=ray.get(self.model_actor.kv_policy.remote(c.kv_policy)))
+            shard = layered_kv_spec(c, cfg, c.kv_capacity_bytes // num_actors)
+        else:
+            shard = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes // num_actors, c.block_size,
+                            c.oaken_sparse_fraction, c.oaken_recent_blocks, c.lsh, c.max_num_seqs)
         num_blocks, per_block = shard.num_blocks, shard.bytes_per_block
         self.first_blocks = [self.device_blocks + i * num_blocks for i in range(num_actors)]
         actor_opts = {"num_cpus": actor_cpus, **_restartable(OMP_WAIT_POLICY="PASSIVE")}

@@ -62,7 +62,30 @@ def test_layered_refuses_what_it_cannot_run_in_one_line():
 
     with pytest.raises(ValueError, match="kv_policy layered needs kv_format fp16 or fp32"):
         ServeConfig(kv_format="oaken", kv_policy="layered")
+    with pytest.raises(ValueError, match="one micro-batch a step on the ray executor"):
+        ServeConfig(executor="ray", ray_cpu_actors=2, ray_microbatches=2, kv_policy="layered")
     with pytest.raises(KVPolicyError, match="give kv_budget_tokens or kv_budget_ratio, not both"):
         ServeConfig(kv_policy="layered", kv_budget_tokens=100, kv_budget_ratio=0.5)
     with pytest.raises(KVPolicyError, match="kv_full_layers 40 is outside 1..30"):
         serve(kv_cache_bytes=2**20, kv_policy="layered", kv_full_layers=40)
+
+
+def test_layered_on_ray_cpu_actors_gives_the_local_text():
+    """Two CPU attention actors, each a shard of the layered cache (its group tables offset like the block table):
+    with a budget the prompts outgrow (eviction at a prompt's end and during decode), the same greedy text as the
+    local executor, and every block back."""
+    kw = dict(kv_cache_bytes=64 * 2**20, kv_policy="layered", kv_budget_tokens=48, kv_window=16)
+    local = serve(**kw)
+    try:
+        reference = run_all(local)
+        assert local.engine.blocks.num_evictions > 0
+    finally:
+        local.close()
+    ray = serve(executor="ray", ray_cpu_actors=2, **kw)
+    try:
+        assert run_all(ray) == reference
+        assert ray.engine.blocks.num_evictions > 0 and ray.engine.blocks.spec.shards == (
+            ray.engine.blocks.spec.num_blocks // 2,) * 2
+        assert ray.engine.blocks.num_free_blocks == ray.engine.blocks.spec.num_blocks
+    finally:
+        ray.close()
