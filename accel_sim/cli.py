@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from hetcore.kv_policy import BUDGET_RATIO
+
 
 def _csv(kind=str):
     return lambda s: [kind(x) for x in s.split(",") if x.strip()]
@@ -65,7 +67,7 @@ def register(sub) -> None:
     rp.add_argument("--kv-budget-tokens", type=int, default=None,
                     help="--kv-policy layered: tokens each other layer keeps per sequence")
     rp.add_argument("--kv-budget-ratio", type=float, default=None,
-                    help="--kv-policy layered: the same as a share of the prompt (default: 0.25 unless "
+                    help=f"--kv-policy layered: the same as a share of the prompt (default: {BUDGET_RATIO} unless "
                          "--kv-budget-tokens)")
     rp.add_argument("--routing", default="least-loaded", help="least-loaded, round-robin or random")
     rp.add_argument("--time-scale", type=float, default=1.0, help="speed-up of arrivals (2 = twice the rate)")
@@ -134,7 +136,7 @@ def replay_command(args: argparse.Namespace) -> int:
     model = get_model(args.model)
     layered = None
     if args.kv_policy == "layered":
-        ratio = 0.25 if args.kv_budget_tokens is None and args.kv_budget_ratio is None else args.kv_budget_ratio
+        ratio = BUDGET_RATIO if args.kv_budget_tokens is None and args.kv_budget_ratio is None else args.kv_budget_ratio
         layered = LayeredKV(args.kv_full_layers, args.kv_budget_tokens, ratio)
     elif args.kv_budget_tokens is not None or args.kv_budget_ratio is not None:
         raise ValueError("--kv-budget-tokens and --kv-budget-ratio need --kv-policy layered")

@@ -22,7 +22,7 @@ from cpu_attn.kv_policy import (accumulate_probs, compact_rows, observed_attenti
                                 pooled, select_keep)
 from cpu_attn.kv_store import PagedKVStore
 from cpu_attn.prefill import prefill_attention
-from cpu_attn.worker import AttentionWorker, ChunkLayout
+from cpu_attn.worker import AttentionWorker, ChunkLayout, padded_tables
 from hetcore.kv_policy import KVLayout, KVView
 
 
@@ -66,12 +66,8 @@ def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: in
         if after < before + c.num_tokens:
             evictions.append((c.seq_id, before + c.num_tokens, after, table, c.num_tokens > 1))
         row += c.num_tokens
-    width = max((len(t) for t in tables), default=1)
-    block_tables = np.zeros((len(tables), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = t
     return _GroupPlan(np.concatenate(slots) if slots else np.zeros(0, np.int64),
-                      torch.tensor(decode_rows, dtype=torch.long), decode_ids, block_tables,
+                      torch.tensor(decode_rows, dtype=torch.long), decode_ids, padded_tables(tables),
                       np.asarray(seq_lens, dtype=np.int32), prefills, evictions)
 
 

@@ -36,6 +36,14 @@ class ChunkLayout:
     is attended as a decode row of its own position, after the KV of all rows is written."""
 
 
+def padded_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """Block tables as one int32 array [len(tables), the longest], each row padded with zeros."""
+    out = np.zeros((len(tables), max((len(t) for t in tables), default=1)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
 @dataclass
 class _StepPlan:
     slot_mapping: np.ndarray  # [T] int64
@@ -100,10 +108,7 @@ class AttentionWorker:
             else:
                 prefills.append((row, c.num_tokens, c.start_pos, c.block_table))
             row += c.num_tokens
-        width = max((len(t) for t in tables), default=1)
-        block_tables = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
+        block_tables = padded_tables(tables)
         if self.sparse is not None:
             self.sparse.begin_step()
         self._plan = _StepPlan(
@@ -120,10 +125,7 @@ class AttentionWorker:
 
     @staticmethod
     def _verify_plan(groups: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        width = max(len(t) for *_, t in groups)
-        tables = np.zeros((len(groups), width), dtype=np.int32)
-        for i, (*_, t) in enumerate(groups):
-            tables[i, : len(t)] = t
+        tables = padded_tables([t for *_, t in groups])
         first, rows, lens = (np.array([g[i] for g in groups], dtype=np.int32) for i in range(3))
         return tables, lens, first, rows
 

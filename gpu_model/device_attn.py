@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from cpu_attn.worker import ChunkLayout
+from cpu_attn.worker import ChunkLayout, padded_tables
 
 
 FP8 = torch.float8_e4m3fn
@@ -84,6 +84,12 @@ class DeviceAttentionWorker:
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size, self.scale = block_size, head_dim**-0.5
         self.decode_kernel = decode_kernel_runs(device) if decode_kernel is None else decode_kernel
+        self._paged = None
+        """gpu_model.paged_attn where decode_kernel (imported once: it needs triton)."""
+        if self.decode_kernel:
+            from gpu_model import paged_attn
+
+            self._paged = paged_attn
         self.busy_s = 0.0
         """Seconds in this worker's calls since the last take_timings (on CUDA: launching, not running)."""
         self._slots: torch.Tensor | None = None  # [T] the slot of each row of the step
@@ -124,18 +130,14 @@ class DeviceAttentionWorker:
         self._decode = self._decode_batch(decode) if decode else None
 
     def _decode_batch(self, decode: list[tuple[int, torch.Tensor, int]]) -> tuple:
-        from gpu_model.paged_attn import num_splits
-
         dev = self.k_cache.device
         rows = [r for r, _, _ in decode]
-        tables = torch.zeros((len(decode), max(len(t) for _, t, _ in decode)), dtype=torch.int32)
-        for i, (_, table, _) in enumerate(decode):
-            tables[i, :len(table)] = table
+        tables = torch.from_numpy(padded_tables([t.tolist() for _, t, _ in decode]))
         lens = torch.tensor([end for _, _, end in decode], dtype=torch.int32)
         max_len = int(lens.max())
         where = (slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows)))
                  else torch.tensor(rows, device=dev))
-        splits = num_splits(len(rows), self.k_cache.shape[1], max_len, dev)
+        splits = self._paged.num_splits(len(rows), self.k_cache.shape[1], max_len, dev)
         return where, tables.to(dev), lens.to(dev), max_len, splits
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:
@@ -147,11 +149,10 @@ class DeviceAttentionWorker:
             _write(vc, self._slots, v)
         out = torch.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=q.dtype, device=q.device)
         if self._decode is not None:
-            from gpu_model.paged_attn import paged_decode
-
             rows, tables, lens, max_len, splits = self._decode
             kb, vb = (kc.view(torch.uint8), vc.view(torch.uint8)) if kc.dtype == FP8 else (kc, vc)
-            o = paged_decode(q[rows], kb, vb, tables, lens, max_len, self.block_size, self.scale, splits)
+            o = self._paged.paged_decode(q[rows], kb, vb, tables, lens, max_len, self.block_size, self.scale,
+                                         splits)
             if not self._seqs:  # every row a decode row, in order
                 self.busy_s += time.perf_counter() - t0
                 return o

@@ -142,6 +142,11 @@ class StepInput:
     moves: tuple[KVMove, ...] = ()
     """Sequences whose KV moves to other blocks before this step runs; only where kv_spec.promote_to is set."""
 
+    @property
+    def is_decode(self) -> bool:
+        """Every chunk is a sequence's one next token (no prompt chunk, no drafts)."""
+        return all(len(c.token_ids) == 1 for c in self.chunks)
+
 
 @dataclass(frozen=True)
 class KVMove:

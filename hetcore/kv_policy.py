@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 KV_POLICIES = ("full", "layered")
 WINDOW_RATIO = 0.364
 """The default recent window, as a share of a sparse layer's budget (docs/kv-policy.md: measured at 8k)."""
+BUDGET_RATIO = 0.25
+"""The default budget of a sparse layer, as a share of the sequence's prompt."""
 BUDGET_SCHEDULES = ("flat", "pyramid")
 PYRAMID_SPREAD = 0.5
 """pyramid: the shallowest sparse group keeps (1 + spread) x the budget, the deepest (1 - spread) x, linear between
@@ -52,8 +54,8 @@ class KVPolicy:
     budget_tokens: int | None = None
     """layered: rows a sparse layer keeps per sequence (None: budget_ratio)."""
     budget_ratio: float | None = None
-    """layered: rows a sparse layer keeps, as a share of the sequence's prompt (None with budget_tokens; 0.25 when
-    neither is given)."""
+    """layered: rows a sparse layer keeps, as a share of the sequence's prompt (None with budget_tokens; BUDGET_RATIO
+    when neither is given)."""
     schedule: str = "flat"
     """flat (one budget for all sparse layers) or pyramid (falling with depth, same mean)."""
     window: int | None = None
@@ -195,7 +197,7 @@ class KVLayout:
     def budget(self, group: int, prompt_tokens: int) -> int:
         """Rows a sparse group keeps for a sequence whose prompt (its first prefill) had `prompt_tokens`."""
         p = self.policy
-        base = p.budget_tokens if p.budget_tokens is not None else (p.budget_ratio or 0.25) * prompt_tokens
+        base = p.budget_tokens if p.budget_tokens is not None else (p.budget_ratio or BUDGET_RATIO) * prompt_tokens
         return max(p.least_budget, math.ceil(self.factors[group] * base))
 
 
@@ -287,8 +289,8 @@ def add_kv_policy_arguments(p) -> None:
                         "measured on first use)")
     p.add_argument("--kv-budget-tokens", type=int, help="layered: tokens a sparse layer keeps per sequence")
     p.add_argument("--kv-budget-ratio", type=float,
-                   help="layered: tokens a sparse layer keeps, as a share of the prompt (default: 0.25 when "
-                        "--kv-budget-tokens is not given)")
+                   help=f"layered: tokens a sparse layer keeps, as a share of the prompt (default: {BUDGET_RATIO} "
+                        "when --kv-budget-tokens is not given)")
     p.add_argument("--kv-budget-schedule", choices=BUDGET_SCHEDULES, default=d.schedule,
                    help="layered: flat, or pyramid (budgets falling with depth, the same mean) (default: flat)")
     p.add_argument("--kv-window", type=int,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from hetcore.kv_policy import BUDGET_RATIO, WINDOW_RATIO, KVPolicy
+
 GPU_KV_DTYPES = ("auto", "fp8")
 KV_FORMATS = ("oaken", "fp16", "fp32", "int4", "int5", "int6", "kivi")  # the same tuple as cpu_attn.kv_store's, without numba
 SPARSE_FRACTION = 0.125  # cpu_attn.calibrate.SPARSE_FRACTION, without numba
@@ -70,6 +72,8 @@ WEIGHT_FORMATS = ("auto", "gguf", "mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4", "mxin
 WEIGHT_ROTATIONS = ("none", "hadamard")
 CPU_LINEAR_DTYPES = ("auto", "float32", "bfloat16")
 """Values of `cpu_linear_dtype` (also the CLI choices of calibrate and eval, and benchmarks' HF dtype)."""
+_KV = KVPolicy()
+"""The KV policy's own defaults, which the kv_* options take."""
 
 
 @dataclass(frozen=True)
@@ -130,23 +134,23 @@ class ServeConfig:
                                             "`hetserve calibrate --attention-profile`, measured on first use)")
     kv_budget_tokens: int | None = _opt(None, "kv_policy layered: tokens each other layer keeps per sequence")
     kv_budget_ratio: float | None = _opt(None, "kv_policy layered: tokens each other layer keeps, as a share of "
-                                               "the sequence's prompt (default: 0.25 unless kv_budget_tokens)")
-    kv_budget_schedule: str = _opt("flat", "kv_policy layered: flat (one budget) or pyramid (budgets falling with "
+                                               f"the sequence's prompt (default: {BUDGET_RATIO} unless kv_budget_tokens)")
+    kv_budget_schedule: str = _opt(_KV.schedule, "kv_policy layered: flat (one budget) or pyramid (budgets falling with "
                                            "depth, 1.5x to 0.5x, the same mean)")
-    kv_score_pool: int = _opt(31, "kv_policy layered: at a prompt's end rank each token by the larger of its score "
+    kv_score_pool: int = _opt(_KV.score_pool, "kv_policy layered: at a prompt's end rank each token by the larger of its score "
                                   "and the mean score of this many tokens around it (with kv_focus, the focus "
                                   "queries' scores) (odd; SnapKV's pooling; 1: its own score)")
-    kv_observe: int = _opt(1024, "kv_policy layered: the prompt's last queries whose attention scores its tokens "
+    kv_observe: int = _opt(_KV.observe, "kv_policy layered: the prompt's last queries whose attention scores its tokens "
                                "(SnapKV's observation window)")
-    kv_focus: int = _opt(32, "kv_policy layered: the prompt's last queries that rank its tokens a second time "
+    kv_focus: int = _opt(_KV.focus, "kv_policy layered: the prompt's last queries that rank its tokens a second time "
                             "(pooled by kv_score_pool; a token ranks by the larger of both, the kv_observe "
                             "window's then by own scores) (0: off)")
     kv_window: int | None = _opt(None, "kv_policy layered: latest tokens always kept (default: kv_window_ratio)")
     kv_window_ratio: float | None = _opt(None, "kv_policy layered: latest tokens always kept, as a share of each "
-                                               "layer's budget, instead of kv_window (default: 0.364 unless "
-                                               "kv_window)")
-    kv_sinks: int = _opt(4, "kv_policy layered: first tokens always kept")
-    kv_prefill_evict: bool = _opt(False, "kv_policy layered with kv_budget_tokens, on or off: evict after every "
+                                               f"layer's budget, instead of kv_window (default: {WINDOW_RATIO} "
+                                               "unless kv_window)")
+    kv_sinks: int = _opt(_KV.sinks, "kv_policy layered: first tokens always kept")
+    kv_prefill_evict: bool = _opt(_KV.prefill_evict, "kv_policy layered with kv_budget_tokens, on or off: evict after every "
                                          "prompt chunk too, so a long prompt holds budget + a chunk's rows in the "
                                          "sparse layers, not the whole prompt (later chunks attend to the kept rows "
                                          "only: an approximation of the prompt's own attention)", parse=parse_switch)
@@ -282,11 +286,12 @@ class ServeConfig:
         if self.speculative_config().backend_drafts and not self.kv_beside_model:
             raise ValueError(f"speculative_method {self.speculative_method} needs executor local, or ray with "
                              "ray_cpu_actors 0 (its draft steps run where the model and the KV are)")
-        if self.kv_policy_config().is_layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
-                                                   or self.speculative_method != "off" or self.backend != "hetero"):
+        layered = self.kv_policy_config().is_layered
+        if layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
+                        or self.speculative_method != "off" or self.backend != "hetero"):
             raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, speculative_method off "
                              "and backend hetero (its rows are compacted in a plain paged store)")
-        if self.kv_policy_config().is_layered and self.executor == "ray" and self.ray_microbatches == 2:
+        if layered and self.executor == "ray" and self.ray_microbatches == 2:
             raise ValueError("kv_policy layered takes one micro-batch a step on the ray executor (a sequence's scores "
                              "live in one attention worker): ray_microbatches 0 or 1")
         if self.gpu_kv_cache_bytes and not self.offload_possible:
@@ -336,10 +341,8 @@ class ServeConfig:
         return SpecConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
                           self.speculative_sinks, self.speculative_window, self.speculative_model)
 
-    def kv_policy_config(self):
-        """The KV policy (hetcore.kv_policy.KVPolicy); raises KVPolicyError (a ValueError) on bad settings."""
-        from hetcore.kv_policy import KVPolicy
-
+    def kv_policy_config(self) -> KVPolicy:
+        """The KV policy; raises KVPolicyError (a ValueError) on bad settings."""
         return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
                         self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict,
                         observe=self.kv_observe, score_pool=self.kv_score_pool, focus=self.kv_focus,

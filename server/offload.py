@@ -220,7 +220,7 @@ class OffloadBackend(HeteroBackend):
         step_s = time.perf_counter() - t0
         rows = {where: len(chunks) for where, chunks in parts}
         self.guard.observe(rows.get(True, 0), rows.get(False, 0), step_s, host["cpu_attn"], accel_s,
-                           is_decode=all(len(c.token_ids) == 1 for c in inp.chunks))
+                           is_decode=inp.is_decode)
         return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=host["cpu_attn"], step_s=step_s,
                                                 cpu_attn_dense_s=host.get("cpu_attn_dense"), gpu_attn_s=gpu),
                        open_shards=self.guard.shards(2))

@@ -373,7 +373,7 @@ class ModelActor:
             return replace(out, timings=StepTimings(accelerator_s=accel_s, cpu_attn_s=sum(busy.values()), step_s=step_s,
                                                     cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values())))
         self.guard.observe(len(here), len(host), step_s, max(busy.values(), default=0.0), accel_s,
-                           is_decode=all(len(c.token_ids) == 1 for c in inp.chunks))
+                           is_decode=inp.is_decode)
         timings = StepTimings(accelerator_s=accel_s, cpu_attn_s=sum(busy.values()), step_s=step_s,
                               cpu_attn_dense_s=dense, cpu_attn_max_s=max(busy.values(), default=None),
                               gpu_attn_s=self.device_attn.take_timings()["gpu_attn"])
