@@ -11,9 +11,12 @@ Perplexity: each window is prefilled in one pass (causal attention in torch), so
 the dense copy, which holds the format's own values (gpu_model/weight_format.py); the dense linears
 run float32, so only the weights differ from the reference. Speed: each format as `hetserve serve
 --weight-format F` runs it (`--cpu-linear-dtype auto`: beside bf16 linears on AMX CPUs, where GGUF and
-MX blocks multiply with integer dots). A decode step: embeddings, every layer
-(attention over `--context` cached tokens per sequence, in torch) and the LM head, for a batch of
-single tokens; the matmuls take the format's kernel. Prints a table; writes
+MX blocks multiply with integer dots). A decode step is the served backend's own (`serve`'s default
+configuration with `--weight-format F`): a batch of single tokens after `--context` cached ones each,
+embeddings, every layer with its KV write and paged attention (one call for all layers where the
+format has integer-dot kernels), the LM head and greedy sampling. The formats' backends take turns
+step by step, so the machine's drift falls on all of them alike; `step_1_vs_gguf` is the median
+over rounds of each round's ratio. Prints a table; writes
 benchmarks/results/weight_formats.json and weight_formats.png.
 """
 from __future__ import annotations
@@ -71,23 +74,45 @@ def quality(model, ref_logps: list[torch.Tensor] | None, windows: list[torch.Ten
     return {"ppl": float(np.exp(nll / count)), "kl_mean": kl / count}, logps
 
 
-def decode_step_ms(model, batch: int, context: int, repeats: int) -> tuple[float, float]:
-    """(median, min) ms of a decode step of `batch` sequences, each attending to `context` tokens."""
-    cfg = model.cfg
-    ids = torch.randint(0, cfg.vocab_size, (batch,))
-    cos, sin = model.rope(torch.full((batch,), context))
-    kv = [torch.randn(batch, cfg.num_heads, context, cfg.head_dim) for _ in range(2)]
+def serving_backend(label: str, model: str | None, max_seqs: int, context: int):
+    """The backend `hetserve serve --weight-format F` builds (its default configuration otherwise: local executor,
+    fp16 KV, exact attention), with a KV cache for max_seqs sequences of context + 1 tokens."""
+    from server.config import ServeConfig
+    from server.launch import build_engine
 
-    def step():
-        x = model.embed(ids)
-        for i in range(cfg.num_layers):
-            q, _, _ = model.pre_attention(i, x, cos, sin)
-            o = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], *kv)  # [B, H, 1, D]
-            x = model.post_attention(i, x, o.reshape(batch, -1))
-        model.logits(x)
+    wf = parse_format(label)
+    kv_bytes = max(64 << 20, max_seqs * (context + 64) * 64 << 10)  # >= 64 KiB a token: any KV format of this model
+    engine, _, _ = build_engine(ServeConfig(model=model, weight_format=wf.name, weight_rotation=wf.rotation,
+                                            kv_cache_bytes=kv_bytes, max_num_seqs=max_seqs))
+    return engine.backend
 
-    times = times_ms(step, repeats)
-    return float(np.median(times)), min(times)
+
+def decode_steps_ms(backends: dict, batches: list[int], context: int, repeats: int) -> dict[tuple[str, int], list]:
+    """Each backend's decode step (every sequence one token after `context` cached ones: embeddings, every layer
+    with its KV write and paged attention, the head, greedy sampling) for each batch size, the backends taking
+    turns step by step (the first of a round moving on each round), so that the machine's drift falls on all alike.
+    -> {(label, batch): [ms a round]}."""
+    from hetcore.backend import SamplingParams, SeqChunk, StepInput
+
+    greedy, num_seqs = SamplingParams(temperature=0.0), max(batches)
+    tables, prompt = {}, tuple(range(1000, 1000 + context))
+    for backend in backends.values():
+        bs = backend.kv_spec.block_size
+        per_seq = (context + 1 + bs - 1) // bs
+        tables = {i: tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)}
+        for i in range(num_seqs):  # prompts one at a time: a step of 32 x 256 tokens would need a large scratch
+            backend.step(StepInput((SeqChunk(i, prompt, 0, tables[i][:(context + bs - 1) // bs], greedy),)))
+    steps = {b: StepInput(tuple(SeqChunk(i, (7,), context, tables[i], greedy, 1) for i in range(b))) for b in batches}
+    labels = list(backends)
+    times: dict[tuple[str, int], list] = {(label, b): [] for label in labels for b in batches}
+    for r in range(repeats + 2):  # two rounds to warm up
+        for b in batches:
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                t0 = time.perf_counter()
+                backends[label].step(steps[b])
+                if r >= 2:
+                    times[label, b].append(1e3 * (time.perf_counter() - t0))
+    return times
 
 
 def matmul_bytes(model) -> int:
@@ -222,21 +247,26 @@ def main() -> None:
             model if linear != "auto" else load_model(model_dir, cpu_linear_dtype="float32", weight_format=wf),
             ref, windows)[0]
         row = {"format": label, "weight_bits": weight_bits(model), "matmul_mb": matmul_bytes(model) / 1e6, **scored}
-        for b in args.batches:
-            row[f"step_ms_{b}"], row[f"step_min_ms_{b}"] = decode_step_ms(model, b, args.context, args.repeats)
         row["matmuls_1_ms"] = matmuls_ms(model, args.repeats)
         row["matmul_gb_s"] = row["matmul_mb"] / row["matmuls_1_ms"]
         row["of_numba_read"] = row["matmul_gb_s"] / mach["numba_read_gb_s"]
         row["kernel_gb_s"] = kernel_gb_s(model, 4 * args.repeats)
         row["kernel_of_read"] = row["kernel_gb_s"] / mach["numba_read_gb_s"]
         rows.append(row)
-        print(f"{label} done", flush=True)
+        del model
+        print(f"{label}: quality and kernels done", flush=True)
+    backends = {label: serving_backend(label, args.model, max(args.batches), args.context) for label in args.formats}
+    print(f"decode steps: {len(backends)} backends taking turns, {args.repeats} rounds", flush=True)
+    times = decode_steps_ms(backends, args.batches, args.context, args.repeats)
+    for backend in backends.values():
+        backend.close()
     base = dense_quality["ppl"]
-    gguf = next((r for r in rows if r["format"] == "gguf"), None)
     for r in rows:
         r["ppl_change_pct"] = 100 * (r["ppl"] / base - 1)
-        if gguf is not None:
-            r["step_1_vs_gguf"] = r["step_ms_1"] / gguf["step_ms_1"]
+        for b in args.batches:
+            r[f"step_ms_{b}"], r[f"step_min_ms_{b}"] = float(np.median(times[r["format"], b])), min(times[r["format"], b])
+        if "gguf" in backends:  # the median over rounds of the ratio within a round: the drift between rounds cancels
+            r["step_1_vs_gguf"] = float(np.median(np.divide(times[r["format"], 1], times["gguf", 1])))
     print(f"{len(windows)} x {args.window_tokens} tokens of WikiText-2 test; dense fp32 perplexity {base:.4f}; "
           f"read bandwidth: numpy {mach['memory_read_gb_s']} GB/s, numba {mach['numba_read_gb_s']} GB/s")
     steps = [f"step_ms_{b}" for b in args.batches]
