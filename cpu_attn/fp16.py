@@ -79,6 +79,30 @@ def _widen_block_impl(src, width, out):
     return widen_fp16
 
 
+def kernel_rows(src, width, out):
+    """src [block_size, D]: a block's cache rows of one kv-head -> rows the exact kernels' row steps take
+    (kernels.attend_block): src itself for a float32 cache, and for fp16 bits where the CPU has F16C (the
+    steps widen each row in registers as they read it); else widen_block's float32 copy in out."""
+
+
+@overload(kernel_rows, jit_options={"nogil": True, "fastmath": _FAST})
+def _kernel_rows_impl(src, width, out):
+    if src.dtype == types.float32 or F16C:
+        return lambda src, width, out: src
+    return lambda src, width, out: widen_block(src, width, out)
+
+
+def to_f32(x):
+    """A cache value as float32: fp16 bits (uint16) widened (fp16_to_f32), a float32 as it is."""
+
+
+@overload(to_f32, jit_options={"nogil": True})
+def _to_f32_impl(x):
+    if x == types.uint16:
+        return lambda x: fp16_to_f32(x)
+    return lambda x: np.float32(x)
+
+
 @njit(cache=True, nogil=True)
 def widen(src, out):
     """Test hook: src [R, D] uint16 fp16 bits or float32 -> out [R, D] float32, all R rows (widen_block)."""

@@ -11,11 +11,28 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from cpu_attn.fp16 import widen_block
-from cpu_attn.llvm_ir import _FAST, f32_matrices, lane_sums, prefetch, row_kernel_args, splat
+from cpu_attn.fp16 import F16C, kernel_rows, to_f32, widen_block
+from cpu_attn.llvm_ir import _FAST, c_array, f32_matrices, lane_sums, prefetch, row_kernel_args, splat
 from cpu_attn.softmax import attend_begin, attend_merge, softmax_rows16, softmax_weights
 
 _LINE = 64  # bytes of a cache line
+
+
+def _cache_rows(a) -> bool:
+    """Typing check of the row kernels' K or V rows: a float32 matrix, or one of fp16 bits (uint16) where the CPU
+    widens them in registers (F16C)."""
+    return c_array(a, 2, types.float32) or (F16C and c_array(a, 2, types.uint16))
+
+
+def _load8(builder, halves: bool, row_at, column):
+    """LLVM IR: the 8 values of a K or V row from `column` on (i64 values: the row's address, a column), as
+    <8 x float>; fp16 bits widened (vcvtph2ps)."""
+    if not halves:
+        at = builder.add(row_at, builder.shl(column, ir.IntType(64)(2)))
+        return builder.load(builder.inttoptr(at, ir.VectorType(ir.FloatType(), 8).as_pointer()), align=4)
+    at = builder.add(row_at, builder.shl(column, ir.IntType(64)(1)))
+    x = builder.load(builder.inttoptr(at, ir.VectorType(ir.HalfType(), 8).as_pointer()), align=2)
+    return builder.fpext(x, ir.VectorType(ir.FloatType(), 8))
 
 
 def zeros_aligned(shape: tuple[int, ...], dtype, slack: int = 0) -> np.ndarray:
@@ -65,14 +82,16 @@ _ROW_VECTORS = 8  # vectors of 8 floats: the 64 values of a row chunk _add_weigh
 @intrinsic
 def _add_weighted_rows(typingctx, acc, s, rows, width):
     """acc[g, :] += sum over t < width of s[g, t] * rows[t, :]: acc [G, D], s [G, >= width],
-    rows [>= width, D], float32 C arrays, D a multiple of 64 (attend_scores checks).
+    rows [>= width, D], float32 C arrays (rows may also hold fp16 bits, _cache_rows), D a multiple of 64
+    (attend_scores checks).
 
     Written in LLVM IR so that each 64-wide chunk of acc[g] stays in eight vector registers
     while the rows stream past: Numba's loop loads and stores acc[g, d] for every row (LLVM
     cannot tell acc from rows apart), one store-to-load round trip per row and vector.
     llvm.fmuladd fuses where the CPU has FMA."""
-    if not f32_matrices(acc, s, rows) or not isinstance(width, types.Integer):
+    if not f32_matrices(acc, s) or not _cache_rows(rows) or not isinstance(width, types.Integer):
         return None
+    halves = rows.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
         f32, i64 = ir.FloatType(), ir.IntType(64)
@@ -92,9 +111,9 @@ def _add_weighted_rows(typingctx, acc, s, rows, width):
                     weight = builder.load(at(f32, builder.add(builder.add(base[1], builder.mul(g.index, row_bytes[1])),
                                                               builder.shl(t.index, i64(2)))), align=4)
                     weight = splat(builder, weight, 8)
-                    row_at = builder.add(builder.add(base[2], builder.mul(t.index, row_bytes[2])), builder.shl(d, i64(2)))
+                    row_at = builder.add(base[2], builder.mul(t.index, row_bytes[2]))
                     for i, reg in enumerate(regs):
-                        x = builder.load(at(vec, builder.add(row_at, i64(32 * i))), align=4)
+                        x = _load8(builder, halves, row_at, builder.add(d, i64(8 * i)))
                         builder.store(builder.call(fmuladd, [weight, x, builder.load(reg)]), reg)
                 for i, reg in enumerate(regs):
                     builder.store(builder.load(reg), at(vec, builder.add(acc_at, i64(32 * i))), align=4)
@@ -109,13 +128,15 @@ _SCORE_ROWS = 8  # rows _block_scores scores at once, into one vector of 8 score
 def _block_scores(typingctx, s, qs, kb, width, scale):
     """s[g, t] = scale * (qs[g] . kb[t]) for t < width, rounded up to a multiple of 8 (the rows past
     width are scored too: s and kb must hold them). s [G, >= width8], qs [G, D], kb [>= width8, D],
-    float32 C arrays, D a multiple of 8 (attend_block checks).
+    float32 C arrays (kb may also hold fp16 bits, _cache_rows), D a multiple of 8 (attend_block checks).
 
     In LLVM IR so that eight rows are scored at once: eight independent chains of fused
     multiply-adds, then their eight horizontal sums in one shuffle tree (lane_sums). Numba's loop
     summed each row's vector on its own and stored one score at a time."""
-    if not f32_matrices(s, qs, kb) or not isinstance(width, types.Integer) or not isinstance(scale, types.Float):
+    if not f32_matrices(s, qs) or not _cache_rows(kb) or not isinstance(width, types.Integer) or \
+            not isinstance(scale, types.Float):
         return None
+    halves = kb.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
@@ -135,7 +156,7 @@ def _block_scores(typingctx, s, qs, kb, width, scale):
                 with cgutils.for_range_slice(builder, i64(0), dim, i64(8)) as (d, _):
                     q = builder.load(at(1, g.index, d), align=4)
                     for r, acc in enumerate(sums):
-                        k = builder.load(at(2, builder.add(t0, i64(r)), d), align=4)
+                        k = _load8(builder, halves, builder.add(base[2], builder.mul(builder.add(t0, i64(r)), row_bytes[2])), d)
                         builder.store(builder.call(fmuladd, [q, k, builder.load(acc)]), acc)
                 scores = lane_sums(builder, [builder.load(acc) for acc in sums])
                 builder.store(builder.fmul(scores, factor), at(0, g.index, t0), align=4)
@@ -154,13 +175,14 @@ def block_scores(qs, kb, width, scale, s):
             for g in range(group):
                 dot = np.float32(0.0)
                 for d in range(head_dim):
-                    dot += qs[g, d] * kb[t, d]
+                    dot += qs[g, d] * to_f32(kb[t, d])
                 s[g, t] = dot * scale
 
 
 @njit(cache=True, nogil=True, inline="always")
 def attend_block(qs, kb, vb, width, scale, s, acc, m, l):
-    """Advance one work item's online softmax by `width` rows of widened K (kb) and V (vb).
+    """Advance one work item's online softmax by `width` rows of K (kb) and V (vb): float32, or fp16 bits
+    where the CPU has F16C (fp16.kernel_rows).
 
     qs: [group, D] queries sharing a kv-head; kb, vb: [block_size, D]; s: [group, block_size]
     scores scratch; acc: [group, D] unnormalized output; m, l: [group] running max and sum."""
@@ -188,7 +210,7 @@ def attend_scores(s, vb, width, acc, m, l):
             p = s[g, t]
             if p != 0.0:
                 for d in range(head_dim):
-                    acc[g, d] += p * vb[t, d]
+                    acc[g, d] += p * to_f32(vb[t, d])
 
 
 class AttentionScratch(NamedTuple):
@@ -210,9 +232,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     out: [B, Hq, D] float32 (written); lse: [B, Hq] float32 (written, natural log)
     scratch: AttentionScratch (attention_scratch) as a plain tuple, one slice per unit
 
-    A (sequence, kv-head) item widens a block's K/V rows once (widen_block: an fp16 cache's into kb,
-    vb; a float32 cache's are read where they lie) and uses them for all `group` query heads that
-    share them, with an online softmax (running max m, running sum l) advanced block by block. Its
+    A (sequence, kv-head) item reads a block's K/V rows where they lie (an fp16 cache's widened in
+    registers as they are read, fp16.kernel_rows; without F16C widened into kb, vb first) and uses
+    them for all `group` query heads that share them, with an online softmax (running max m, running sum l) advanced block by block. Its
     context is cut into U / (B * Hkv) parts of consecutive blocks, one unit of work each, whose
     states attend_merge joins (split_parts says how many).
     """
@@ -238,7 +260,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
             width = min(block_size, seq_lens[b] - j * block_size)
             if j + 1 < end:
                 prefetch_rows(k_cache, v_cache, block_tables[b, j + 1], kvh)
-            k, v = widen_block(k_cache[block, kvh], width, kb[unit]), widen_block(v_cache[block, kvh], width, vb[unit])
+            k, v = kernel_rows(k_cache[block, kvh], width, kb[unit]), kernel_rows(v_cache[block, kvh], width, vb[unit])
             attend_block(q[b, heads], k, v, width, scale, scores[unit], acc, m[unit], l[unit])
         finish_unit(parts, m, l, out, lse, unit, splits, b, heads)
     merge_parts(parts, m, l, out, lse, num_kv_heads)
