@@ -14,7 +14,8 @@ from dataclasses import replace
 from accel_sim.cost import StepWork, step_cost
 from accel_sim.hardware import SYSTEMS, System, make_system
 from accel_sim.models import get_model
-from hetcore.backend import Backend, StepInput, StepOutput
+from hetcore.backend import Backend, SeqChunk, StepInput, StepOutput
+from hetcore.kv_policy import KVLayout
 
 # simulated KV format -> the CPU store format computing the same numerics
 NUMERICS_KV_FORMAT = {"oaken": "oaken", "fp16": "fp16", "kivi4": "kivi", "qserve_kv4": "int4"}
@@ -27,20 +28,32 @@ def numerics_kv_format(system_name: str) -> str:
     return NUMERICS_KV_FORMAT[SYSTEMS[system_name][1]]
 
 
-def step_work(inp: StepInput, sliding_window: int | None = None) -> StepWork:
-    """What a scheduler step asks of the model, as the cost model's aggregates."""
+def held_share(layout: KVLayout | None, chunk: SeqChunk) -> float:
+    """The KV rows the chunk's earlier tokens hold in all layers, over a full cache's (chunk.start_pos in every
+    layer): 1 without layered KV; with it, the full group holds start_pos rows and each later group its
+    kv_view.rows_before (what its sparse layers kept)."""
+    view, s = chunk.kv_view, chunk.start_pos
+    if layout is None or view is None or s == 0:
+        return 1.0
+    return layout.slots * (s + sum(view.rows_before)) / (layout.num_layers * s)  # every group has `slots` layers
+
+
+def step_work(inp: StepInput, sliding_window: int | None = None, layout: KVLayout | None = None) -> StepWork:
+    """What a scheduler step asks of the model, as the cost model's aggregates (`layout`: the served model's
+    layered KV, whose sparse layers read only the rows they kept: held_share)."""
     num_decode, dec_kv, pre_tok, pre_kv, pairs, sampled = 0, 0.0, 0, 0.0, 0.0, 0
     cap = (lambda n: min(n, sliding_window)) if sliding_window else (lambda n: n)
     for c in inp.chunks:
         n, s = len(c.token_ids), c.start_pos
         sampled += c.sampling is not None
+        share = held_share(layout, c)
         if n == 1 and s > 0:
             num_decode += 1
-            dec_kv += cap(s + 1)
+            dec_kv += cap(s + 1) * share
         else:
             pre_tok += n
-            pre_kv += cap(s)
-            pairs += n * s + n * (n + 1) / 2
+            pre_kv += cap(s) * share
+            pairs += n * s * share + n * (n + 1) / 2
     return StepWork(num_decode, dec_kv, pre_tok, pre_kv, pairs, sampled)
 
 
@@ -64,7 +77,9 @@ class SimBackend(Backend):
         out = self.inner.step(inp)
         if not inp.chunks:
             return out
-        self.clock_s += step_cost(self.system, step_work(inp, self.system.model.sliding_window)).time_s
+        layout = self.kv_spec.kv_layout
+        layered = layout if layout is not None and layout.is_layered else None
+        self.clock_s += step_cost(self.system, step_work(inp, self.system.model.sliding_window, layered)).time_s
         return replace(out, virtual_clock_s=self.clock_s)
 
     def reset_clock(self) -> None:

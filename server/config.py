@@ -288,9 +288,9 @@ class ServeConfig:
                              "ray_cpu_actors 0 (its draft steps run where the model and the KV are)")
         layered = self.kv_policy_config().is_layered
         if layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
-                        or self.speculative_method != "off" or self.backend != "hetero"):
-            raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact, speculative_method off "
-                             "and backend hetero (its rows are compacted in a plain paged store)")
+                        or self.speculative_method != "off"):
+            raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact and speculative_method "
+                             "off (its rows are compacted in a plain paged store)")
         if layered and self.executor == "ray" and self.ray_microbatches == 2:
             raise ValueError("kv_policy layered takes one micro-batch a step on the ray executor (a sequence's scores "
                              "live in one attention worker): ray_microbatches 0 or 1")

@@ -366,3 +366,39 @@ def test_sim_backend_answers_with_simulated_timing():
         assert "hetserve:time_to_first_token_seconds_count 2" in metrics
     finally:
         srv.close()
+
+
+def test_sim_step_reads_only_the_rows_layered_kv_kept():
+    from accel_sim.backend import step_work
+    from hetcore.backend import SamplingParams, SeqChunk, StepInput
+    from hetcore.kv_policy import KVPolicy, KVView
+
+    layout = KVPolicy(kind="layered", full_layers=2, budget_tokens=256).layout(30, 8192)  # 1 full group, 14 sparse
+    assert (layout.slots, layout.num_groups) == (2, 15)
+    greedy = SamplingParams(temperature=0.0)
+    view = KVView(((0,),) * 14, rows_before=(256,) * 14, keep_after=(257,) * 14)
+    decode = SeqChunk(0, (5,), 1000, (0,), greedy, kv_view=view)
+    full = step_work(StepInput((dataclasses.replace(decode, kv_view=None),)), layout=layout)
+    layered = step_work(StepInput((decode,)), layout=layout)
+    assert full.decode_kv_tokens == 1001  # no view: every layer holds the sequence
+    # 2 layers hold 1000 rows, 28 hold 256: the earlier rows read are (2 * 1000 + 28 * 256) / 30 a layer
+    assert layered.decode_kv_tokens == pytest.approx(1001 * (2 * 1000 + 28 * 256) / (30 * 1000))
+    prompt = SeqChunk(0, tuple(range(64)), 1000, (0,), greedy, kv_view=view)
+    assert step_work(StepInput((prompt,)), layout=layout).prefill_kv_read_tokens == pytest.approx((2 * 1000 + 28 * 256) / 30)
+
+
+def test_sim_backend_serves_layered_kv():
+    from server.config import ServeConfig
+    from tests.conftest import RunningServer
+
+    with pytest.raises(ValueError, match="kv_format fp16 or fp32"):
+        ServeConfig(backend="sim", sim_device="oaken-lpddr", kv_format="oaken", kv_policy="layered")
+    srv = RunningServer(ServeConfig(backend="sim", sim_device="a100-vllm", kv_format="fp16", kv_policy="layered",
+                                    kv_budget_tokens=64, kv_window=16, kv_cache_bytes=64 * 2**20, max_num_seqs=4))
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                       json={"prompt": "one two three four " * 60, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8 and 0 < r.json()["x_sim"]["tpot_s"]
+    finally:
+        srv.close()
