@@ -12,7 +12,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from cpu_attn.fp16 import F16C, kernel_rows, to_f32, widen_block
-from cpu_attn.llvm_ir import _FAST, c_array, f32_matrices, lane_sums, prefetch, row_kernel_args, splat
+from cpu_attn.llvm_ir import _FAST, c_array, f32_matrices, lane_sums, prefetch_l2, row_kernel_args, splat
 from cpu_attn.softmax import attend_begin, attend_merge, softmax_rows16, softmax_weights
 
 _LINE = 64  # bytes of a cache line
@@ -366,12 +366,14 @@ def _attend_rows_impl(q, k_cache, v_cache, block_tables, seq_lens, row_first, ro
 def prefetch_rows(k_cache, v_cache, block, kvh):
     """Start loading a block's K and V rows of kv-head kvh (block_size * D values each, contiguous,
     one prefetch a 64-byte line): a sequence's blocks lie anywhere in the pool, where the hardware
-    prefetchers stop at every block (oaken.prefetch_block does the same for the Oaken store)."""
+    prefetchers stop at every block (oaken.prefetch_block does the same for the Oaken store). Hinted for
+    L2 (prefetch_l2): one sequence at 4k-16k tokens on 2 Zen 4 cores attended 18-22 % faster than with
+    lines sent to L1, where they evicted the block being read; many sequences, short contexts: the same."""
     step = _LINE // k_cache.itemsize
     for t in range(k_cache.shape[2]):
         for x in range(0, k_cache.shape[3], step):
-            prefetch(k_cache, (block, kvh, t, x))
-            prefetch(v_cache, (block, kvh, t, x))
+            prefetch_l2(k_cache, (block, kvh, t, x))
+            prefetch_l2(v_cache, (block, kvh, t, x))
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -50,11 +50,8 @@ def load_u32(typingctx, ary, at):
     return types.uint32(ary, at), codegen
 
 
-@intrinsic
-def prefetch(typingctx, ary, index):
-    """prefetch(ary, (i, j, ...)): ask the CPU to start loading the cache line of ary[i, j, ...]
-    and go on (LLVM's prefetch hint: it never faults, and it returns nothing). For gathers whose
-    addresses are known ahead, so their misses overlap instead of coming one at a time."""
+def _prefetch_typing(ary, index, locality: int):
+    """The typing and code of the prefetch intrinsics below."""
     if not isinstance(ary, types.Array) or not isinstance(index, types.BaseTuple) or len(index) != ary.ndim:
         return None
 
@@ -63,9 +60,25 @@ def prefetch(typingctx, ary, index):
         array = context.make_array(array_type)(context, builder, args[0])
         indices = [context.cast(builder, i, t, types.intp)
                    for i, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_type)), index_type)]
-        prefetch_ir(builder, cgutils.get_item_pointer(context, builder, array_type, array, indices, wraparound=False))
+        prefetch_ir(builder, cgutils.get_item_pointer(context, builder, array_type, array, indices, wraparound=False),
+                    locality=locality)
         return context.get_dummy_value()
     return types.none(ary, index), codegen
+
+
+@intrinsic
+def prefetch(typingctx, ary, index):
+    """prefetch(ary, (i, j, ...)): ask the CPU to start loading the cache line of ary[i, j, ...]
+    and go on (LLVM's prefetch hint: it never faults, and it returns nothing). For gathers whose
+    addresses are known ahead, so their misses overlap instead of coming one at a time."""
+    return _prefetch_typing(ary, index, 3)
+
+
+@intrinsic
+def prefetch_l2(typingctx, ary, index):
+    """prefetch, hinting that the line need not go to L1 (locality 2): for the next block of a stream, whose
+    lines would take L1 from the block in use (kernels.prefetch_rows)."""
+    return _prefetch_typing(ary, index, 2)
 
 
 def by_row_count(builder, num_rows, most: int, body) -> None:
@@ -81,14 +94,14 @@ def by_row_count(builder, num_rows, most: int, body) -> None:
             by_row_count(builder, num_rows, most - 1, body)
 
 
-def prefetch_ir(builder, pointer, offset=None) -> None:
-    """LLVM IR: the prefetch hint (read, keep in all cache levels, data) for the byte `offset` (an i64 value) past
-    `pointer`, or for `pointer` itself."""
+def prefetch_ir(builder, pointer, offset=None, locality: int = 3) -> None:
+    """LLVM IR: the prefetch hint (read, data; locality 3: keep in all cache levels) for the byte `offset` (an i64
+    value) past `pointer`, or for `pointer` itself."""
     i32, byte_pointer = ir.IntType(32), ir.IntType(8).as_pointer()
     hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer] + [i32] * 3),
                                           "llvm.prefetch.p0")
     at = builder.bitcast(pointer, byte_pointer)
-    builder.call(hint, [at if offset is None else builder.gep(at, [offset]), i32(0), i32(3), i32(1)])
+    builder.call(hint, [at if offset is None else builder.gep(at, [offset]), i32(0), i32(locality), i32(1)])
 
 
 def host_has(*features: str) -> bool:
