@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from cpu_attn.fp16 import widen_block
+from cpu_attn.fp16 import kernel_rows
 from cpu_attn.kernels import attend_scores, block_scores, finish_unit, merge_parts, part_blocks, prefetch_rows
 from cpu_attn.llvm_ir import _FAST
 from cpu_attn.softmax import attend_begin
@@ -54,7 +54,7 @@ def paged_decode_attention_scored(q, k_cache, v_cache, block_tables, seq_lens, s
             width = min(block_size, seq_lens[b] - j * block_size)
             if j + 1 < end:
                 prefetch_rows(k_cache, v_cache, block_tables[b, j + 1], kvh)
-            k, v = widen_block(k_cache[block, kvh], width, kb[unit]), widen_block(v_cache[block, kvh], width, vb[unit])
+            k, v = kernel_rows(k_cache[block, kvh], width, kb[unit]), kernel_rows(v_cache[block, kvh], width, vb[unit])
             s = scores[unit]
             block_scores(q[b, heads], k, width, scale, s)
             for g in range(group):
