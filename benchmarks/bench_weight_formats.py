@@ -264,7 +264,8 @@ def main() -> None:
     for r in rows:
         r["ppl_change_pct"] = 100 * (r["ppl"] / base - 1)
         for b in args.batches:
-            r[f"step_ms_{b}"], r[f"step_min_ms_{b}"] = float(np.median(times[r["format"], b])), min(times[r["format"], b])
+            ms = times[r["format"], b]
+            r[f"step_ms_{b}"], r[f"step_min_ms_{b}"] = float(np.median(ms)), min(ms)
         if "gguf" in backends:  # the median over rounds of the ratio within a round: the drift between rounds cancels
             r["step_1_vs_gguf"] = float(np.median(np.divide(times[r["format"], 1], times["gguf", 1])))
     print(f"{len(windows)} x {args.window_tokens} tokens of WikiText-2 test; dense fp32 perplexity {base:.4f}; "

@@ -156,7 +156,8 @@ def _block_scores(typingctx, s, qs, kb, width, scale):
                 with cgutils.for_range_slice(builder, i64(0), dim, i64(8)) as (d, _):
                     q = builder.load(at(1, g.index, d), align=4)
                     for r, acc in enumerate(sums):
-                        k = _load8(builder, halves, builder.add(base[2], builder.mul(builder.add(t0, i64(r)), row_bytes[2])), d)
+                        k_at = builder.add(base[2], builder.mul(builder.add(t0, i64(r)), row_bytes[2]))
+                        k = _load8(builder, halves, k_at, d)
                         builder.store(builder.call(fmuladd, [q, k, builder.load(acc)]), acc)
                 scores = lane_sums(builder, [builder.load(acc) for acc in sums])
                 builder.store(builder.fmul(scores, factor), at(0, g.index, t0), align=4)
@@ -234,9 +235,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
 
     A (sequence, kv-head) item reads a block's K/V rows where they lie (an fp16 cache's widened in
     registers as they are read, fp16.kernel_rows; without F16C widened into kb, vb first) and uses
-    them for all `group` query heads that share them, with an online softmax (running max m, running sum l) advanced block by block. Its
-    context is cut into U / (B * Hkv) parts of consecutive blocks, one unit of work each, whose
-    states attend_merge joins (split_parts says how many).
+    them for all `group` query heads that share them, with an online softmax (running max m, running
+    sum l) advanced block by block. Its context is cut into U / (B * Hkv) parts of consecutive blocks,
+    one unit of work each, whose states attend_merge joins (split_parts says how many).
     """
     scores = scratch[0]  # written: by index, one statement each (oaken/records.py)
     kb = scratch[1]

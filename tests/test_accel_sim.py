@@ -384,7 +384,8 @@ def test_sim_step_reads_only_the_rows_layered_kv_kept():
     # 2 layers hold 1000 rows, 28 hold 256: the earlier rows read are (2 * 1000 + 28 * 256) / 30 a layer
     assert layered.decode_kv_tokens == pytest.approx(1001 * (2 * 1000 + 28 * 256) / (30 * 1000))
     prompt = SeqChunk(0, tuple(range(64)), 1000, (0,), greedy, kv_view=view)
-    assert step_work(StepInput((prompt,)), layout=layout).prefill_kv_read_tokens == pytest.approx((2 * 1000 + 28 * 256) / 30)
+    read = step_work(StepInput((prompt,)), layout=layout).prefill_kv_read_tokens
+    assert read == pytest.approx((2 * 1000 + 28 * 256) / 30)
 
 
 def test_sim_backend_serves_layered_kv():
@@ -396,8 +397,8 @@ def test_sim_backend_serves_layered_kv():
     srv = RunningServer(ServeConfig(backend="sim", sim_device="a100-vllm", kv_format="fp16", kv_policy="layered",
                                     kv_budget_tokens=64, kv_window=16, kv_cache_bytes=64 * 2**20, max_num_seqs=4))
     try:
-        r = httpx.post(srv.url + "/v1/completions", timeout=120,
-                       json={"prompt": "one two three four " * 60, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        body = {"prompt": "one two three four " * 60, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json=body)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8 and 0 < r.json()["x_sim"]["tpot_s"]
     finally:
