@@ -39,8 +39,8 @@ def held_share(layout: KVLayout | None, chunk: SeqChunk) -> float:
 
 
 def step_work(inp: StepInput, sliding_window: int | None = None, layout: KVLayout | None = None) -> StepWork:
-    """What a scheduler step asks of the model, as the cost model's aggregates (`layout`: the served model's
-    layered KV, whose sparse layers read only the rows they kept: held_share)."""
+    """What a scheduler step asks of the model, as the cost model's aggregates (`layout`: the served model's KV
+    layout; under layered KV a chunk's sparse layers read only the rows they kept: held_share)."""
     num_decode, dec_kv, pre_tok, pre_kv, pairs, sampled = 0, 0.0, 0, 0.0, 0.0, 0
     cap = (lambda n: min(n, sliding_window)) if sliding_window else (lambda n: n)
     for c in inp.chunks:
@@ -77,9 +77,8 @@ class SimBackend(Backend):
         out = self.inner.step(inp)
         if not inp.chunks:
             return out
-        layout = self.kv_spec.kv_layout
-        layered = layout if layout is not None and layout.is_layered else None
-        self.clock_s += step_cost(self.system, step_work(inp, self.system.model.sliding_window, layered)).time_s
+        work = step_work(inp, self.system.model.sliding_window, self.kv_spec.kv_layout)
+        self.clock_s += step_cost(self.system, work).time_s
         return replace(out, virtual_clock_s=self.clock_s)
 
     def reset_clock(self) -> None:

@@ -122,6 +122,8 @@ class Replica:
 
     def _start_decode(self, s: _Seq) -> None:
         """Layered KV: a sequence whose prompt was just computed keeps its budget in the sparse layers."""
+        if self.system.layered is None:
+            return
         s.budget = self.system.layered.budget(s.prompt)
         s.cross_iter = s.budget - s.base
         s.capped = s.cross_iter <= self.iter
@@ -135,6 +137,8 @@ class Replica:
 
     def _stop_decode(self, s: _Seq) -> None:
         """Layered KV: a decoding sequence finished or was preempted."""
+        if self.system.layered is None:
+            return
         if s.capped:
             self.sum_capped -= s.budget
         else:
@@ -191,8 +195,7 @@ class Replica:
             length = s.base + self.iter
             self.num_decode -= 1
             self.sum_len -= s.base
-            if self.system.layered is not None:
-                self._stop_decode(s)
+            self._stop_decode(s)
             s.prompt, s.remaining, s.finish_iter = length, s.finish_iter - self.iter, -1
         else:
             self.prefilling.remove(s)
@@ -234,8 +237,7 @@ class Replica:
         # decodes: every decoding sequence grew by one token
         self.iter += 1
         self.num_generated += num_decode
-        if self.system.layered is not None:
-            self._cross()
+        self._cross()
         while self.heap and self.heap[0][0] <= self.iter:
             finish_iter, _, s = heapq.heappop(self.heap)
             if not s.is_alive or s.finish_iter != finish_iter:  # stale: preempted since
@@ -243,8 +245,7 @@ class Replica:
             s.is_alive = False
             self.num_decode -= 1
             self.sum_len -= s.base
-            if self.system.layered is not None:
-                self._stop_decode(s)
+            self._stop_decode(s)
             s.req.finish_s = now
             finished.append(s.req)
         for s, n in chunks:
@@ -266,8 +267,7 @@ class Replica:
             s.finish_iter = self.iter + s.remaining
             self.num_decode += 1
             self.sum_len += s.base
-            if self.system.layered is not None:
-                self._start_decode(s)
+            self._start_decode(s)
             self._order += 1
             heapq.heappush(self.heap, (s.finish_iter, self._order, s))
         if len(self.admitted) > 4 * (self.num_running + 16):

@@ -95,11 +95,10 @@ def decode_steps_ms(backends: dict, batches: list[int], context: int, repeats: i
     from hetcore.backend import SamplingParams, SeqChunk, StepInput
 
     greedy, num_seqs = SamplingParams(temperature=0.0), max(batches)
-    tables, prompt = {}, tuple(range(1000, 1000 + context))
-    for backend in backends.values():
-        bs = backend.kv_spec.block_size
-        per_seq = (context + 1 + bs - 1) // bs
-        tables = {i: tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)}
+    prompt, bs = tuple(range(1000, 1000 + context)), next(iter(backends.values())).kv_spec.block_size
+    per_seq = (context + bs) // bs  # blocks of context + 1 tokens
+    tables = {i: tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)}
+    for backend in backends.values():  # one model and block size, several weight formats
         for i in range(num_seqs):  # prompts one at a time: a step of 32 x 256 tokens would need a large scratch
             backend.step(StepInput((SeqChunk(i, prompt, 0, tables[i][:(context + bs - 1) // bs], greedy),)))
     steps = {b: StepInput(tuple(SeqChunk(i, (7,), context, tables[i], greedy, 1) for i in range(b))) for b in batches}

@@ -80,11 +80,10 @@ class AttentionActor:
         from cpu_attn.worker import ChunkLayout
         from hetcore.kv_policy import KVView
 
-        layout = ChunkLayout(num_tokens, start, self._local(table), seq_id, drafts)
         if view is None:
-            return layout
+            return ChunkLayout(num_tokens, start, self._local(table), seq_id, drafts)
         tables, before, after, observed = view
-        return LayeredChunkLayout(**vars(layout), kv_view=KVView(
+        return LayeredChunkLayout(num_tokens, start, self._local(table), seq_id, drafts, kv_view=KVView(
             tuple(map(self._local, tables)), tuple(before), tuple(after), observed))
 
     def _local(self, table: list[int]) -> tuple[int, ...]:
