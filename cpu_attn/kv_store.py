@@ -36,11 +36,16 @@ class KVStore(Protocol):
     num_blocks: int
 
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
-              positions: np.ndarray | None = None) -> None: ...
+              positions: np.ndarray | None = None, provisional: np.ndarray | None = None) -> None:
+        """provisional: [T] bool, rows a later write may replace (draft tokens), which must leave no trace then."""
 
     def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]: ...
 
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                         scale: float) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def verify_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                         row_first: np.ndarray, row_count: np.ndarray,
                          scale: float) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -81,8 +86,9 @@ class PagedKVStore:
         return x.astype(np.float16).view(np.uint16) if self.dtype == "float16" else np.ascontiguousarray(x, np.float32)
 
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
-              positions: np.ndarray | None = None) -> None:
-        """slot_mapping: [T] int64; k, v: [T, Hkv, D] float32 (positions: unused here)."""
+              positions: np.ndarray | None = None, provisional: np.ndarray | None = None) -> None:
+        """slot_mapping: [T] int64; k, v: [T, Hkv, D] float32 (positions, provisional: unused here: rows are
+        independent, a row written again replaces the old one)."""
         write_kv(self.k[layer], self.v[layer], slot_mapping, self._encode(k), self._encode(v))
 
     def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -168,7 +174,7 @@ class SimQuantKVStore(PagedKVStore):
         return None  # write quantizes
 
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
-              positions: np.ndarray | None = None) -> None:
+              positions: np.ndarray | None = None, provisional: np.ndarray | None = None) -> None:
         if self.kind in _INT_BITS:
             c = self.num_kv_heads * self.head_dim
             k, v = (_int_roundtrip(x.reshape(-1, c), 1, _INT_BITS[self.kind]).reshape(x.shape) for x in (k, v))

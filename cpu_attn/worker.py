@@ -54,6 +54,8 @@ class _StepPlan:
     prefills: list[tuple[int, int, int, tuple[int, ...]]]  # (first row, num_tokens, start_pos, block_table)
     chunks: list[tuple[int, int, int, int, tuple[int, ...]]]  # (first row, num_tokens, start_pos, seq_id, block_table)
     decode_seq_ids: list[int]
+    provisional: np.ndarray | None = None
+    """[T] bool with draft tokens: the rows of chunks with drafts, which the next step may write again."""
     verify: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     """With a chunk with draft tokens: the decode rows per sequence, (block_tables [S, max_blocks], the first row's
     seq_len [S], first decode row [S], rows [S]) for the store's verify_attention; None otherwise."""
@@ -109,6 +111,7 @@ class AttentionWorker:
                 prefills.append((row, c.num_tokens, c.start_pos, c.block_table))
             row += c.num_tokens
         block_tables = padded_tables(tables)
+        drafting = any(c.num_draft for c in chunks)
         if self.sparse is not None:
             self.sparse.begin_step()
         self._plan = _StepPlan(
@@ -120,7 +123,9 @@ class AttentionWorker:
             prefills=prefills,
             chunks=spans,
             decode_seq_ids=decode_ids,
-            verify=self._verify_plan(groups) if any(c.num_draft for c in chunks) else None,
+            provisional=np.repeat([c.num_draft > 0 for c in chunks], [c.num_tokens for c in chunks])
+            if drafting else None,
+            verify=self._verify_plan(groups) if drafting else None,
         )
 
     @staticmethod
@@ -185,7 +190,8 @@ class AttentionWorker:
         """Write the step's k, v [T, Hkv, D] to the store (and k to the sparse part's tables) only."""
         plan = self._plan
         assert plan is not None, "begin_step must come first"
-        self.store.write(layer, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy(), plan.positions)
+        self.store.write(layer, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy(), plan.positions,
+                         plan.provisional)
         if self.sparse is not None and self.sparse.sampled_layers[layer]:
             codes = None if k_codes is None else k_codes.numpy()  # sliced below as NumPy: ~1 us a row less
             for first, n, start, seq_id, table in plan.chunks:
@@ -199,7 +205,7 @@ class AttentionWorker:
 
     def _decode(self, layer: int, q: np.ndarray, q_codes: np.ndarray | None) -> np.ndarray:
         plan = self._plan
-        if plan.verify is not None:  # rows of draft tokens: fp16 / fp32 stores with exact attention only
+        if plan.verify is not None:  # rows of draft tokens: exact attention only
             return self.store.verify_attention(layer, q, *plan.verify, self.scale)[0]
         if self.sparse is not None:
             sampled = self.sparse.decode_attention(self.store, layer, plan.decode_seq_ids, q, q_codes,

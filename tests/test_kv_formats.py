@@ -782,3 +782,80 @@ def test_int16_dots_when_a_later_block_outscores_the_first_by_far():
     ref_out, ref_lse = naive_attention(q[0], kd, vd, 0.125)
     np.testing.assert_allclose(out[0], ref_out, atol=1e-3 * np.abs(ref_out).max())
     np.testing.assert_allclose(lse[0], ref_lse, atol=1e-3)
+
+
+@pytest.mark.parametrize("recent_blocks", [0, 4])
+def test_rejected_draft_rows_leave_no_trace_in_the_oaken_store(recent_blocks):
+    """Speculative steps write each sequence's token and drafts as provisional rows, then the next step writes
+    again from the first rejected position. Against a store that was only ever written the accepted rows, one
+    decode at a time: the same values read back, bit for bit (quantized rows and full-precision tails alike), and
+    the same attention, after every step's write; blocks that drafts filled and that rejections reopened
+    included."""
+    rng = np.random.default_rng(11)
+    c = 3 * 64
+    transforms = dict(key_bias=rng.standard_normal((2, c)).astype(np.float32),
+                      rope_inv_freq=10000.0 ** -(np.arange(32) / 32))
+    stores = [oaken_store(recent_blocks=recent_blocks, **transforms) for _ in range(2)]
+    tables = np.array([[3, 8, 1, 12, 20, 7, 30, 33, 35], [4, 9, 2, 13, 21, 6, 31, 34, 36]])
+    total, prompt = 144, np.array([5, 13])
+    kv = rng.standard_normal((2, 2, total, 3, 64)).astype(np.float32)  # [seq, k|v, position, Hkv, D]
+
+    def slots(b, pos):
+        return tables[b][pos // 16] * 16 + pos % 16
+
+    for store in stores:
+        for b in range(2):
+            pos = np.arange(prompt[b])
+            store.write(1, slots(b, pos), kv[b, 0, pos], kv[b, 1, pos], pos)
+    plain, spec = stores
+    done = prompt.copy()  # positions written for good
+    reopened = filled = 0
+    while done.max() < total - 20:
+        drafts = rng.integers(1, 8, 2)  # rows past the sequence's token: its drafts
+        accepted = rng.integers(0, drafts + 1)
+        pos = [np.arange(done[b], done[b] + drafts[b] + 1) for b in range(2)]
+        k, v = (np.concatenate([kv[b, i, p] for b, p in enumerate(pos)]) for i in (0, 1))
+        for b, p in enumerate(pos):  # rejected drafts' rows carry other values
+            rejected = np.arange(accepted[b] + 1, len(p)) + sum(len(q) for q in pos[:b])
+            k[rejected] = rng.standard_normal(k[rejected].shape).astype(np.float32) * 3
+        spec.write(1, np.concatenate([slots(b, p) for b, p in enumerate(pos)]), k, v, np.concatenate(pos),
+                   provisional=np.ones(len(k), bool))
+        for b in range(2):  # the positions written for good before this step, as the plain store holds them
+            for x, y in zip(plain.gather(1, tables[b], done[b]), spec.gather(1, tables[b], done[b])):
+                np.testing.assert_array_equal(x, y)
+        for b, p in enumerate(pos):
+            filled += (p % 16 == 15).any()
+            reopened += (p[accepted[b] + 1:] % 16 == 15).any()  # a rejected row had filled a block
+            for i in p[:accepted[b] + 1]:
+                plain.write(1, slots(b, np.array([i])), kv[b, 0, [i]], kv[b, 1, [i]], np.array([i]))
+            done[b] += accepted[b] + 1
+    last = [np.array([d]) for d in done]  # one more decode each settles what the drafts held
+    for store in stores:
+        store.write(1, np.concatenate([slots(b, p) for b, p in enumerate(last)]),
+                    np.concatenate([kv[b, 0, p] for b, p in enumerate(last)]),
+                    np.concatenate([kv[b, 1, p] for b, p in enumerate(last)]), np.concatenate(last))
+    assert filled >= 3 and reopened >= 2
+    assert not spec.held.any()
+    for b in range(2):
+        for x, y in zip(plain.gather(1, tables[b], done[b] + 1), spec.gather(1, tables[b], done[b] + 1)):
+            np.testing.assert_array_equal(x, y)
+    q = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    lens = (done + 1).astype(np.int32)
+    for x, y in zip(plain.decode_attention(1, q, tables.astype(np.int32), lens, 0.125),
+                    spec.decode_attention(1, q, tables.astype(np.int32), lens, 0.125)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_oaken_verify_attention_attends_each_row_as_a_decode_of_its_position():
+    rng = np.random.default_rng(12)
+    store = oaken_store(recent_blocks=2)
+    table = np.array([[5, 2, 9, 11]], np.int32)
+    pos = np.arange(40)
+    store.write(0, table[0][pos // 16] * 16 + pos % 16, *rng.standard_normal((2, 40, 3, 64)).astype(np.float32))
+    q = rng.standard_normal((5, 9, 64)).astype(np.float32)  # the rows of positions 35 .. 39
+    out, lse = store.verify_attention(0, q, table, np.array([36], np.int32), np.array([0], np.int32),
+                                      np.array([5], np.int32), 0.125)
+    for i in range(5):
+        o, s = store.decode_attention(0, q[i:i + 1], table, np.array([36 + i], np.int32), 0.125)
+        np.testing.assert_array_equal(out[i], o[0])
+        np.testing.assert_array_equal(lse[i], s[0])

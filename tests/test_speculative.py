@@ -194,8 +194,13 @@ def test_speculative_sampling_keeps_the_targets_distribution():
 def test_bad_speculative_settings_are_refused_at_start_up():
     with pytest.raises(ValueError, match="1..16"):
         ServeConfig(speculative_method="ngram", num_speculative_tokens=17)
-    with pytest.raises(ValueError, match="needs kv_format fp16 or fp32"):
-        ServeConfig(speculative_method="ngram", kv_format="oaken")
+    with pytest.raises(ValueError, match="needs kv_format fp16, fp32 or oaken"):
+        ServeConfig(speculative_method="ngram", kv_format="int4")
+    with pytest.raises(ValueError, match="attention exact"):
+        ServeConfig(speculative_method="ngram", kv_format="oaken", attention="magicpig")
+    with pytest.raises(ValueError, match="self-mx needs kv_format fp16 or fp32"):
+        ServeConfig(speculative_method="self-mx", kv_format="oaken")
+    ServeConfig(speculative_method="ngram", kv_format="oaken")
     with pytest.raises(ValueError, match="must be one of"):
         ServeConfig(speculative_method="medusa")
     with pytest.raises(ValueError, match="ngram_min"):
@@ -353,6 +358,28 @@ def test_self_sparse_text_equals_text_without_it(server, sparse_server):
     metrics = httpx.get(sparse_server.url + "/metrics").text
     sent = [line for line in metrics.splitlines() if line.startswith("hetserve:spec_decode_num_draft_tokens")]
     assert 'method="self-sparse"' in sent[0] and float(sent[0].split()[-1]) > 0
+
+
+def test_ngram_over_oaken_kv_gives_the_text_without_speculation():
+    """Oaken KV (quantized on write: no full-precision tails, so every row reads the store as a decode of its
+    position would) and fp32 linears: the greedy text of a server without speculation, with drafts accepted and
+    rejected; the store-level no-trace test with tails is tests/test_kv_formats.py."""
+    common = dict(kv_format="oaken", oaken_recent_blocks=0, kv_cache_bytes=128 * 2**20, cpu_linear_dtype="float32")
+    plain, spec = (RunningServer(ServeConfig(**common, **kw))
+                   for kw in ({}, dict(speculative_method="ngram", num_speculative_tokens=4)))
+    try:
+        for prompt in (PROMPTS[0], PROMPTS[2]):
+            texts = [complete(srv.url, prompt, max_tokens=96)["text"] for srv in (plain, spec)]
+            assert texts[0] == texts[1]
+        metrics = httpx.get(spec.url + "/metrics").text
+        counts = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("hetserve:spec_decode_num_") and 'method="ngram"' in line}
+        accepted, drafted = counts["hetserve:spec_decode_num_accepted_tokens_total"], \
+            counts["hetserve:spec_decode_num_draft_tokens_total"]
+        assert 0 < accepted < drafted  # some drafts rejected: their rows were written, then written again
+    finally:
+        plain.close()
+        spec.close()
 
 
 @pytest.mark.slow

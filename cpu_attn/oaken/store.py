@@ -45,7 +45,15 @@ class OakenKVStore:
     last) stays in full precision in one of `recent_blocks` tail slots per layer and is quantized
     when its last row arrives, so a sequence's newest tokens are exact (as KIVI's window). When
     every slot is taken, the least recently written tail is quantized early (still correct, only
-    less exact), so slots never leak: size them to the running batch."""
+    less exact), so slots never leak: size them to the running batch.
+
+    Rows a later write may replace (speculative drafts: `write(..., provisional=)`) never quantize
+    their block: a tail they fill is held in full precision and quantized at the layer's next write,
+    unless that write goes on into the same block (the drafts from some row on were rejected and
+    their positions are written again). A quantized row's values depend only on the rows before it in
+    its block (the block's sparse entries are laid out in row order), so rewriting rows in position
+    order replaces them without a trace either way; holding keeps the rows that stay exactly as a
+    write of those rows alone would have left them, tails included."""
 
     dtype = "oaken"
 
@@ -102,6 +110,7 @@ class OakenKVStore:
         self.tail_block = np.full((num_layers, recent_blocks), -1, np.int64)  # block of each slot, or -1
         self.tail_len = np.zeros((num_layers, recent_blocks), np.int64)
         self.tail_stamp = np.zeros((num_layers, recent_blocks), np.int64)
+        self.held = np.zeros((num_layers, recent_blocks), bool)  # full tails of provisional rows, not quantized yet
         self._writes = 0
         # each layer's K and V and its tails as the kernels take them (oaken.OakenParts and oaken.TailSlots as
         # plain tuples of views into the arrays above, which are never replaced), made once
@@ -187,11 +196,14 @@ class OakenKVStore:
                 raise _not_finite('KV'[kv], layer, bad)
 
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
-              positions: np.ndarray | None = None) -> None:
+              positions: np.ndarray | None = None, provisional: np.ndarray | None = None) -> None:
         """slot_mapping: [T] int64 (a sequence's rows in position order); k, v: [T, Hkv, D] float32;
-        positions: [T] of the rows in their sequences (needed when keys are centered)."""
+        positions: [T] of the rows in their sequences (needed when keys are centered); provisional: [T] bool, rows
+        a later write may replace (held, see the class)."""
         if len(slot_mapping) == 0:
             return
+        if self.tail.shape[2]:
+            self._release_held(layer, slot_mapping)
         if self.key_bias is not None:
             if positions is None:
                 raise ValueError("this store centers keys by position: write needs the rows' positions")
@@ -210,7 +222,7 @@ class OakenKVStore:
         if self.rotation.size:
             for x in rows:
                 oaken.turn_heads(x, self.rotation)
-        direct = self._route_to_tails(layer, slot_mapping, rows) if self.tail.shape[2] else slice(None)
+        direct = self._route_to_tails(layer, slot_mapping, rows, provisional) if self.tail.shape[2] else slice(None)
         self._quantize(layer, slot_mapping[direct], (rows[0][direct], rows[1][direct]))
 
     def _write_decode_rows(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray],
@@ -234,9 +246,20 @@ class OakenKVStore:
         self._writes += len(slot_mapping)
         return True
 
-    def _route_to_tails(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    def _release_held(self, layer: int, slot_mapping: np.ndarray) -> None:
+        """Before a write: quantize the layer's held tails, but those of blocks this write goes on into."""
+        held = np.flatnonzero(self.held[layer])
+        if len(held):
+            self.held[layer, held] = False
+            rewritten = np.isin(self.tail_block[layer, held], slot_mapping // self.block_size)
+            for slot in held[~rewritten]:
+                self._flush_tail(layer, int(slot))
+
+    def _route_to_tails(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray],
+                        provisional: np.ndarray | None = None) -> np.ndarray:
         """Put the rows of still-filling blocks into their tails (quantizing a tail once its block is
-        full); returns the mask of the other rows, to quantize now."""
+        full, or holding it when its last row is provisional); returns the mask of the other rows, to
+        quantize now."""
         bs, runs = self.block_size, _block_runs(slot_mapping, self.block_size)
         direct = np.ones(len(slot_mapping), bool)
         # a decode step's rows at once: one-row runs that go on filling a tail and leave it unfilled
@@ -254,9 +277,10 @@ class OakenKVStore:
         for r in np.flatnonzero(direct[runs[:-1]]):  # the other runs, one by one
             a, b = runs[r], runs[r + 1]
             block, first, last = slot_mapping[a] // bs, slot_mapping[a] % bs, slot_mapping[b - 1] % bs
+            hold = provisional is not None and bool(provisional[b - 1])
             slot = self.tail_of[layer, block]
             if slot < 0:
-                if first != 0 or last == bs - 1:  # a whole block at once, or one already quantized in part
+                if first != 0 or last == bs - 1 and not hold:  # a whole block at once, or one already quantized in part
                     continue
                 slot = self._take_tail(layer, block)
             for kv in (0, 1):
@@ -264,7 +288,9 @@ class OakenKVStore:
             self._writes += 1
             self.tail_len[layer, slot], self.tail_stamp[layer, slot] = last + 1, self._writes
             direct[a:b] = False
-            if last == bs - 1:
+            if last == bs - 1 and hold:
+                self.held[layer, slot] = True
+            elif last == bs - 1:
                 self._flush_tail(layer, slot)
         return direct
 
@@ -278,7 +304,7 @@ class OakenKVStore:
 
     def _flush_tail(self, layer: int, slot: int) -> None:
         block, n = self.tail_block[layer, slot], self.tail_len[layer, slot]
-        self.tail_of[layer, block], self.tail_block[layer, slot] = -1, -1
+        self.tail_of[layer, block], self.tail_block[layer, slot], self.held[layer, slot] = -1, -1, False
         self._quantize(layer, block * self.block_size + np.arange(n), (self.tail[layer, 0, slot, :n],
                                                                        self.tail[layer, 1, slot, :n]))
 
@@ -321,6 +347,14 @@ class OakenKVStore:
                                      tuple(oaken.oaken_scratch(scratch, int_dots)))
         oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
         return out, lse
+
+    def verify_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                         row_first: np.ndarray, row_count: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """Consecutive positions per sequence, as kv_store.PagedKVStore.verify_attention takes them: each row is
+        attended as the decode row of its own position (decode_attention over the rows, K and V read once a row)."""
+        seq = np.repeat(np.arange(len(seq_lens)), row_count)
+        lens = seq_lens[seq] + (np.arange(len(seq)) - row_first[seq])
+        return self.decode_attention(layer, q, np.ascontiguousarray(block_tables[seq]), lens.astype(np.int32), scale)
 
     def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
         """q [B, Hq, D] -> q * key_scales, so that q'.k' = q.k for keys in store space (k / key_scales)."""
