@@ -107,7 +107,7 @@ def gpu_prefill(backend, prompt: list[int], blocks: tuple[int, ...]) -> int:
     t0, num_layers = time.perf_counter(), model.cfg.num_layers
     for i in range(num_layers):
         q, k, v = model.pre_attention(i, x, cos, sin)
-        codes = None if coder is None else coder.codes(i, q, k, [(0, 0, n)])
+        codes = None if coder is None else coder.codes(i, q, k, [(0, 0, n, 0)])
         attn.append(i, k.float().cpu(), v.float().cpu(), None if codes is None else codes[1])
         o = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], True)[0]
         x = model.post_attention(i, x, o)
@@ -227,7 +227,7 @@ def offload_decode(model: LlamaModel, thresholds: Path, context: int, num_device
             backend.device_attn.load(i, tables[s], k, v)
         if num_host:
             kr, vr, qr = (t.repeat(num_host, 1, 1) for t in (k, v, q))
-            spans = [(s, 0, n) for s in host_ids]
+            spans = [(s, 0, n, 0) for s in host_ids]
             codes = None if coder is None else coder.codes(i, qr, kr, spans)
             attn.append(i, kr.float().cpu(), vr.float().cpu(), None if codes is None else codes[1])
         o = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], True)[0]

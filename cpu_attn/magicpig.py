@@ -157,10 +157,16 @@ class MagicPig:
             self.new_centers = [c for c in self.new_centers if c[0] not in freed]  # a failed step's
 
     def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes: np.ndarray | None,
-               earlier: Callable[[], torch.Tensor] | None = None) -> None:
+               earlier: Callable[[], torch.Tensor] | None = None, decode: bool | None = None) -> None:
         """k [n, Hkv, D] (CPU float32): the keys of positions start_pos .. start_pos + n - 1;
         k_codes [n, Hkv, L] int32: their centered codes (cpu_attn.simhash.LshCoder). `earlier()` gives
-        the keys of positions 0 .. start_pos - 1 as stored, [start_pos, Hkv, D].
+        the keys of positions 0 .. start_pos - 1 as stored, [start_pos, Hkv, D]. `decode`: the rows are a
+        decoding sequence's (its token and draft tokens), not a prompt chunk's; default: one row is.
+
+        Keys wait unindexed while they are among the last cfg.window, and a chunk rewrites its positions: keys
+        pending from start_pos on (speculative drafts that were rejected) are dropped first, so they leave no
+        trace; an indexed key is never rewritten (the window is longer than the most drafts a step sends), and
+        when a decode merges depends on its token's position alone, not on its drafts.
 
         A sequence's keys are centered on the mean of its first chunk. Two cases choose a center here
         instead, code the sequence's keys so far on the CPU (_recenter), and hand the center on to the
@@ -180,10 +186,14 @@ class MagicPig:
             return
         if k_codes is None:
             raise ValueError("MagicPIG needs the key and query codes of the model worker's LshCoder")
+        prompt = not (len(k) == 1 if decode is None else decode)
         layers = self.seqs.setdefault(seq_id, [None] * len(self.sampled_layers))
         state = layers[layer]
-        chunked = start_pos > 0 and state is not None and (state.recenter_due or self.cfg.recenter and len(k) > 1)
-        if chunked and (len(k) > 1 or self._merges_left <= 0):
+        if state is not None and start_pos:
+            self._rewind(state, start_pos)
+        recentered = False
+        chunked = start_pos > 0 and state is not None and (state.recenter_due or self.cfg.recenter and prompt)
+        if chunked and (prompt or self._merges_left <= 0):
             state.recenter_due = True  # a prompt's later chunk (not coded), or a decode step with no merge left
             return
         if start_pos and (state is None or chunked):  # after a cached prefix, or a chunked prompt's decode step
@@ -191,18 +201,32 @@ class MagicPig:
                 raise ValueError(f"sequence {seq_id} starts at {start_pos} without its earlier keys")
             state = layers[layer] = self._recenter(seq_id, layer, earlier(), k)  # a decode's: the merge below is
             # the one it takes from the step's budget
+            recentered = True
         elif start_pos:
             self._pend(state, k, k_codes)
         else:
             state = layers[layer] = _Layer(mu=k.mean(0).numpy().astype(np.float32))
             self._pend(state, k, k_codes)
-        n = start_pos + len(k)
-        upto = n - self.cfg.window
-        due = upto - state.indexed
+        n = start_pos + (len(k) if prompt else 1)  # a decode's draft rows may be rejected: they do not count
+        due = n - self.cfg.window - state.indexed
         if n >= self.cfg.min_context and due >= self.cfg.merge_every and \
-                (len(k) > 1 or self._merges_left > 0 or due >= 2 * self.cfg.merge_every):
-            self._merges_left -= len(k) == 1  # prefill chunks index their keys at once, outside the budget
-            self._merge(state, upto)
+                (prompt or self._merges_left > 0 or due >= 2 * self.cfg.merge_every):
+            self._merges_left -= not prompt  # prefill chunks index their keys at once, outside the budget
+            # a decode indexes whole merge_every's of keys (the same keys at the same positions, however many tokens
+            # the steps before it accepted); after a re-center, all but the window, as a prompt's end does
+            whole = prompt or recentered
+            self._merge(state, state.indexed + (due if whole else due - due % self.cfg.merge_every))
+
+    @staticmethod
+    def _rewind(state: _Layer, start_pos: int) -> None:
+        """Drop the pending keys of positions start_pos and later (rejected drafts, about to be written again)."""
+        keep = start_pos - state.indexed
+        if keep < 0:
+            raise ValueError(f"position {start_pos} is written again after keys up to {state.indexed} were indexed")
+        pending = sum(len(p) for p in state.pending)
+        if keep < pending:
+            codes, norms = np.concatenate(state.pending)[:keep], np.concatenate(state.pending_norms)[:keep]
+            state.pending, state.pending_norms = [codes.copy()], [norms.copy()]
 
     def _recenter(self, seq_id: int, layer: int, keys: torch.Tensor, k: torch.Tensor) -> _Layer:
         """A new state for `layer` of `seq_id`, centered on the mean of keys [start_pos, Hkv, D] (the

@@ -76,36 +76,36 @@ class LshCoder:
         self._rows: dict[int, tuple[tuple, torch.Tensor]] = {}  # per layer: (a decode batch's seq ids, their centers)
 
     def codes(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-              chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """q [T, Hq, D], k [T, Hkv, D]; chunks [(seq_id, start_pos, num_tokens)] in row order ->
+              chunks: list[tuple[int, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """q [T, Hq, D], k [T, Hkv, D]; chunks [(seq_id, start_pos, num_tokens, num_draft)] in row order ->
         (query codes of the decode rows [D, Hq, L] or, shared, [D, Hkv, L], centered key codes
-        [T, Hkv, L]), int32 on the CPU; None for a layer without codes. Decode rows are the
-        one-token chunks' (the others are prefill, whose attention is exact: hashing their
-        queries too cost as much as the rest of a long prompt's prefill on SmolLM2)."""
+        [T, Hkv, L]), int32 on the CPU; None for a layer without codes. Decode rows are the rows of
+        one-token chunks and of chunks with draft tokens (the others are prefill, whose attention is
+        exact: hashing their queries too cost as much as the rest of a long prompt's prefill on SmolLM2)."""
         if self.layers is not None and layer not in self.layers:
             return None
         proj = k.to(self.w.dtype) @ self.w
         self._subtract_centers(layer, proj, chunks)
-        if any(n != 1 for _, _, n in chunks):
-            starts = itertools.accumulate((n for _, _, n in chunks), initial=0)
-            q = q[[row for row, (_, _, n) in zip(starts, chunks) if n == 1]]
+        if any(n != 1 and not drafts for _, _, n, drafts in chunks):
+            starts = itertools.accumulate((n for _, _, n, _ in chunks), initial=0)
+            q = q[[row + i for row, (_, _, n, drafts) in zip(starts, chunks) if n == 1 or drafts for i in range(n)]]
         if self.shared:
             q = q.unflatten(1, (k.shape[1], -1)).mean(2)
         return simhash(q, self.w, self.k).cpu(), pack_signs(proj, self.k).cpu()
 
-    def _subtract_centers(self, layer: int, proj: torch.Tensor, chunks: list[tuple[int, int, int]]) -> None:
+    def _subtract_centers(self, layer: int, proj: torch.Tensor, chunks: list[tuple[int, int, int, int]]) -> None:
         """proj [T, Hkv, K * L] -= each row's projected center, set from its sequence's first chunk.
         A decode step's centers are stacked once per layer and batch and reused while the batch
         stays the same (16 small subtractions a layer cost ~0.2 ms)."""
-        seq_ids = tuple(seq_id for seq_id, _, _ in chunks)
-        if all(n == 1 and start > 0 and layer in self.centers.get(s, ()) for s, start, n in chunks):
+        seq_ids = tuple(seq_id for seq_id, *_ in chunks)
+        if all(n == 1 and start > 0 and layer in self.centers.get(s, ()) for s, start, n, _ in chunks):
             kept = self._rows.get(layer)
             if kept is None or kept[0] != seq_ids:
                 kept = self._rows[layer] = (seq_ids, torch.stack([self.centers[s][layer] for s in seq_ids]))
             proj -= kept[1]
             return
         row = 0
-        for seq_id, start, n in chunks:
+        for seq_id, start, n, _ in chunks:
             centers = self.centers.setdefault(seq_id, {})
             if start == 0 or layer not in centers:
                 centers[layer] = proj[row:row + n].mean(0)

@@ -52,7 +52,8 @@ class _StepPlan:
     block_tables: np.ndarray  # [B, max_blocks] int32
     seq_lens: np.ndarray  # [B] int32
     prefills: list[tuple[int, int, int, tuple[int, ...]]]  # (first row, num_tokens, start_pos, block_table)
-    chunks: list[tuple[int, int, int, int, tuple[int, ...]]]  # (first row, num_tokens, start_pos, seq_id, block_table)
+    chunks: list[tuple[int, int, int, int, tuple[int, ...], bool]]
+    """(first row, num_tokens, start_pos, seq_id, block_table, decode: a one-token chunk or one with drafts)"""
     decode_seq_ids: list[int]
     provisional: np.ndarray | None = None
     """[T] bool with draft tokens: the rows of chunks with drafts, which the next step may write again."""
@@ -99,8 +100,9 @@ class AttentionWorker:
             table = np.asarray(c.block_table, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             positions.append(pos)
-            spans.append((row, c.num_tokens, c.start_pos, c.seq_id, c.block_table))
-            if c.num_tokens == 1 or c.num_draft:
+            decode = c.num_tokens == 1 or c.num_draft > 0
+            spans.append((row, c.num_tokens, c.start_pos, c.seq_id, c.block_table, decode))
+            if decode:
                 groups.append((len(decode_rows), c.num_tokens, c.start_pos + 1, c.block_table))
                 for i in range(c.num_tokens):
                     decode_ids.append(c.seq_id)
@@ -194,10 +196,10 @@ class AttentionWorker:
                          plan.provisional)
         if self.sparse is not None and self.sparse.sampled_layers[layer]:
             codes = None if k_codes is None else k_codes.numpy()  # sliced below as NumPy: ~1 us a row less
-            for first, n, start, seq_id, table in plan.chunks:
+            for first, n, start, seq_id, table, decode in plan.chunks:
                 self.sparse.append(layer, seq_id, start, k[first:first + n],
                                    None if codes is None else codes[first:first + n],
-                                   functools.partial(self._stored_keys, layer, table, start))
+                                   functools.partial(self._stored_keys, layer, table, start), decode)
 
     def _stored_keys(self, layer: int, table: tuple[int, ...], n: int) -> torch.Tensor:
         """A sequence's first `n` keys as stored (those it took from the prefix cache)."""
@@ -205,13 +207,13 @@ class AttentionWorker:
 
     def _decode(self, layer: int, q: np.ndarray, q_codes: np.ndarray | None) -> np.ndarray:
         plan = self._plan
-        if plan.verify is not None:  # rows of draft tokens: exact attention only
-            return self.store.verify_attention(layer, q, *plan.verify, self.scale)[0]
-        if self.sparse is not None:
+        if self.sparse is not None:  # each row, draft rows too, as the decode row of its position
             sampled = self.sparse.decode_attention(self.store, layer, plan.decode_seq_ids, q, q_codes,
                                                      plan.block_tables, plan.seq_lens, self.scale)
             if sampled is not None:
                 return sampled[0]
+        if plan.verify is not None:  # rows of draft tokens
+            return self.store.verify_attention(layer, q, *plan.verify, self.scale)[0]
         return self.store.decode_attention(layer, q, plan.block_tables, plan.seq_lens, self.scale)[0]
 
     def take_centers(self) -> list:

@@ -12,10 +12,10 @@ from cpu_attn.worker import AttentionWorker, DecodeKV
 from gpu_model.model import LlamaModel
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], codes) -> [T, Hq * D], all CPU float32;
-# codes: (query codes [D, Hq, L] of the D decode rows (one-token chunks), key codes [T, Hkv, L]) int32 from the
-# LshCoder, or None
+# codes: (query codes [D, Hq, L] of the D decode rows (one-token chunks, chunks with drafts), key codes [T, Hkv, L])
+# int32 from the LshCoder, or None
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, Optional[tuple]], torch.Tensor]
-Chunks = Sequence[tuple[int, int, int]]  # (seq_id, start_pos, num_tokens) of the flat batch, in order
+Chunks = Sequence[tuple[int, int, int, int]]  # (seq_id, start_pos, num_tokens, num_draft) of the flat batch, in order
 
 
 class ModelWorker:

@@ -184,8 +184,8 @@ class ServeConfig:
                                           "(speculative_model drafts; these four need the KV in the model's "
                                           "process: executor local, or ray with ray_cpu_actors 0); each "
                                           "emitted token is the one the model samples without speculation; needs "
-                                          "kv_format fp16, fp32 or oaken (ngram, draft-model) and attention exact; see "
-                                          "docs/speculative.md")
+                                          "kv_format fp16, fp32 or oaken (ngram, draft-model; with attention exact or "
+                                          "magicpig); see docs/speculative.md")
     num_speculative_tokens: int = _opt(4, "speculative decoding: most draft tokens a sequence sends per step (1-16); "
                                           "fewer, or none, when its acceptance rate and the measured step cost say "
                                           "more would not pay")
@@ -281,9 +281,13 @@ class ServeConfig:
                 raise ValueError(message)
         self.speculative_config()  # raises on bad speculative settings
         if self.speculative_method != "off" and (self.kv_format not in ("fp16", "fp32", "oaken")
-                                                 or self.attention != "exact" or self.backend != "hetero"):
-            raise ValueError(f"speculative_method {self.speculative_method} needs kv_format fp16, fp32 or oaken, "
-                             "attention exact and backend hetero (its rejected drafts' KV must not stay in the store)")
+                                                 or self.backend != "hetero"):
+            raise ValueError(f"speculative_method {self.speculative_method} needs kv_format fp16, fp32 or oaken and "
+                             "backend hetero (its rejected drafts' KV must not stay in the store)")
+        if self.speculative_method != "off" and self.attention == "magicpig" and \
+                self.lsh_window <= self.num_speculative_tokens:
+            raise ValueError(f"speculative_method with attention magicpig needs lsh_window > num_speculative_tokens "
+                             f"(drafts are never indexed into the hash tables), not {self.lsh_window}")
         if self.speculative_method.startswith("self") and self.kv_format == "oaken":
             raise ValueError(f"speculative_method {self.speculative_method} needs kv_format fp16 or fp32 (its draft "
                              "steps are plain decodes on the store; ngram and draft-model, whose drafts come from "

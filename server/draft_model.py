@@ -104,7 +104,7 @@ class DraftModel:
             positions += range(start, end)
             rows.append(len(token_ids) - 1)
             layouts.append(ChunkLayout(len(tokens), start, c.block_table[:-(-end // self.block_size)], c.seq_id))
-            chunks.append((c.seq_id, start, len(tokens)))
+            chunks.append((c.seq_id, start, len(tokens), 0))
         self.attn.begin_step(layouts)
         logits, busy_s = self.worker.run(self.attn, token_ids, positions, rows if last_rows else [], chunks)
         return (logits if last_rows else None), busy_s

@@ -100,7 +100,7 @@ class FlatBatch:
     """Each sampled row's request's outputs so far, for penalties (empty without)."""
     sampled_ids: list[int]
     layouts: list[ChunkLayout]
-    chunks: list[tuple[int, int, int]]  # (seq_id, start_pos, num_tokens)
+    chunks: list[tuple[int, int, int, int]]  # (seq_id, start_pos, num_tokens, num_draft)
     masks: list = field(default_factory=list)
     """Each sampled row's SeqChunk.allowed_tokens (a TokenMask, or None)."""
     drafts: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
@@ -137,7 +137,7 @@ def flatten(inp: StepInput) -> FlatBatch:
         b.layouts.append(ChunkLayout(len(c.token_ids), c.start_pos, c.block_table, c.seq_id, c.num_draft))
         if c.kv_view is not None:  # layered KV sparsity: the chunk's rows in the later layer groups too
             b.layouts[-1] = layered_chunk_layout(b.layouts[-1], c)
-        b.chunks.append((c.seq_id, c.start_pos, len(c.token_ids)))
+        b.chunks.append((c.seq_id, c.start_pos, len(c.token_ids), c.num_draft))
     return b
 
 

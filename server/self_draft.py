@@ -52,7 +52,7 @@ def self_drafts(inp: StepInput, model: ModelWorker, attn: AttentionWorker, block
         attn.begin_step(layouts)
         inputs = [drafts[c.seq_id][-1] if j else c.token_ids[-1] for c in active]  # the token before draft j + 1
         logits, took = model.run(attn, inputs, [c.start_pos + j for c in active], list(range(len(active))),
-                                 [(c.seq_id, lay.start_pos, 1) for c, lay in zip(active, layouts)])
+                                 [(c.seq_id, lay.start_pos, 1, 0) for c, lay in zip(active, layouts)])
         t0 = time.perf_counter()
         for c, token in zip(active, sample_drafts(logits, active, j, drafts)):
             drafts[c.seq_id].append(token)

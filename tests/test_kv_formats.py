@@ -788,17 +788,19 @@ def test_int16_dots_when_a_later_block_outscores_the_first_by_far():
 def test_rejected_draft_rows_leave_no_trace_in_the_oaken_store(recent_blocks):
     """Speculative steps write each sequence's token and drafts as provisional rows, then the next step writes
     again from the first rejected position. Against a store that was only ever written the accepted rows, one
-    decode at a time: the same values read back, bit for bit (quantized rows and full-precision tails alike), and
-    the same attention, after every step's write; blocks that drafts filled and that rejections reopened
-    included."""
+    decode at a time: every accepted row's attention in the step that wrote it is that decode's, bit for bit
+    (a block the drafts filled is read from its full-precision tail by the rows before the one that filled it),
+    and the store reads back the same, quantized rows and tails alike; blocks that drafts filled and that
+    rejections reopened included."""
     rng = np.random.default_rng(11)
     c = 3 * 64
     transforms = dict(key_bias=rng.standard_normal((2, c)).astype(np.float32),
                       rope_inv_freq=10000.0 ** -(np.arange(32) / 32))
     stores = [oaken_store(recent_blocks=recent_blocks, **transforms) for _ in range(2)]
-    tables = np.array([[3, 8, 1, 12, 20, 7, 30, 33, 35], [4, 9, 2, 13, 21, 6, 31, 34, 36]])
+    tables = np.array([[3, 8, 1, 12, 20, 7, 30, 33, 35], [4, 9, 2, 13, 21, 6, 31, 34, 36]], np.int32)
     total, prompt = 144, np.array([5, 13])
     kv = rng.standard_normal((2, 2, total, 3, 64)).astype(np.float32)  # [seq, k|v, position, Hkv, D]
+    queries = rng.standard_normal((2, total, 9, 64)).astype(np.float32)
 
     def slots(b, pos):
         return tables[b][pos // 16] * 16 + pos % 16
@@ -820,14 +822,19 @@ def test_rejected_draft_rows_leave_no_trace_in_the_oaken_store(recent_blocks):
             k[rejected] = rng.standard_normal(k[rejected].shape).astype(np.float32) * 3
         spec.write(1, np.concatenate([slots(b, p) for b, p in enumerate(pos)]), k, v, np.concatenate(pos),
                    provisional=np.ones(len(k), bool))
-        for b in range(2):  # the positions written for good before this step, as the plain store holds them
-            for x, y in zip(plain.gather(1, tables[b], done[b]), spec.gather(1, tables[b], done[b])):
-                np.testing.assert_array_equal(x, y)
+        counts = drafts + 1
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+        verified, _ = spec.verify_attention(1, np.concatenate([queries[b, p] for b, p in enumerate(pos)]), tables,
+                                            (done + 1).astype(np.int32), first, counts.astype(np.int32), 0.125)
         for b, p in enumerate(pos):
             filled += (p % 16 == 15).any()
             reopened += (p[accepted[b] + 1:] % 16 == 15).any()  # a rejected row had filled a block
-            for i in p[:accepted[b] + 1]:
+            for j, i in enumerate(p[:accepted[b] + 1]):
                 plain.write(1, slots(b, np.array([i])), kv[b, 0, [i]], kv[b, 1, [i]], np.array([i]))
+                splits = split_parts(2, done + 1 + j, 16)  # as a decode step of both at this offset would cut them
+                decoded, _ = plain.decode_attention(1, queries[b, [i]], tables[[b]], np.array([i + 1], np.int32),
+                                                    0.125, splits)
+                np.testing.assert_array_equal(verified[first[b] + j], decoded[0])
             done[b] += accepted[b] + 1
     last = [np.array([d]) for d in done]  # one more decode each settles what the drafts held
     for store in stores:

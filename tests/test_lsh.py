@@ -235,8 +235,8 @@ def test_coder_centers_keys_on_their_first_chunk():
     w = coder.w.numpy()
     k = torch.randn(300, 3, 64) + 2.0
     q = torch.randn(300, 9, 64)
-    first = [coder.codes(1, q[:200], k[:200], [(5, 0, 120), (6, 0, 80)])]
-    later = coder.codes(1, q[200:], k[200:], [(6, 80, 40), (5, 120, 60)])
+    first = [coder.codes(1, q[:200], k[:200], [(5, 0, 120, 0), (6, 0, 80, 0)])]
+    later = coder.codes(1, q[200:], k[200:], [(6, 80, 40, 0), (5, 120, 60, 0)])
     mu5, mu6 = k[:120].mean(0).numpy(), k[120:200].mean(0).numpy()
     centered = np.concatenate([k[:120] - mu5, k[120:200] - mu6, k[200:240] - mu6, k[240:] - mu5])
     got_k = np.concatenate([first[0][1], later[1]])
@@ -246,22 +246,22 @@ def test_coder_centers_keys_on_their_first_chunk():
     np.testing.assert_array_equal(got_k[clear], reference_codes(centered, w, 8)[clear])
     assert got_k.dtype == np.int32 and sorted(coder.centers) == [5, 6]
     # a mixed step: the query codes are those of the decode rows, in row order
-    got_q, _ = coder.codes(2, q[:13], k[:13], [(7, 0, 6), (8, 40, 1), (9, 0, 5), (10, 9, 1)])
+    got_q, _ = coder.codes(2, q[:13], k[:13], [(7, 0, 6, 0), (8, 40, 1, 0), (9, 0, 5, 0), (10, 9, 1, 0)])
     np.testing.assert_array_equal(got_q, reference_codes(q.numpy()[[6, 12]], w, 8))
     coder.free([7, 8, 9, 10])
-    coder.codes(1, q[:10], k[:10] + 5, [(5, 0, 10)])
+    coder.codes(1, q[:10], k[:10] + 5, [(5, 0, 10, 0)])
     np.testing.assert_allclose(coder.centers[5][1].numpy(), (k[:10] + 5).mean(0).numpy() @ w, rtol=1e-4, atol=1e-3)
     # decode steps (one token a sequence, the centers kept stacked per batch) use the current centers
     mu5 = (k[:10] + 5).mean(0).numpy()
     for step in range(3):
         rows = k[2 * step:2 * step + 2]
-        got_q, got = coder.codes(1, q[:2], rows, [(6, 300 + step, 1), (5, 300 + step, 1)])
+        got_q, got = coder.codes(1, q[:2], rows, [(6, 300 + step, 1, 0), (5, 300 + step, 1, 0)])
         np.testing.assert_array_equal(got_q, reference_codes(q.numpy()[:2], w, 8))
         centered = rows.numpy() - np.stack([mu6, mu5])
         clear = (np.abs(centered.astype(np.float64) @ w) > 1e-4).reshape(2, 3, 20, 8).all(-1)
         np.testing.assert_array_equal(got.numpy()[clear], reference_codes(centered, w, 8)[clear])
         if step == 1:  # sequence 5 starts again: a new center, which the next decode step must use
-            coder.codes(1, q[:10], k[:10] - 3, [(5, 0, 10)])
+            coder.codes(1, q[:10], k[:10] - 3, [(5, 0, 10, 0)])
             mu5 = (k[:10] - 3).mean(0).numpy()
     coder.free([5, 6])
     assert coder.centers == {}
@@ -272,7 +272,7 @@ def test_shared_coder_hashes_each_groups_mean_query():
 
     coder = LshCoder(64, 8, 20, seed=3, shared=True)
     q, k = torch.randn(5, 9, 64), torch.randn(5, 3, 64)
-    q_codes, k_codes = coder.codes(0, q, k, [(s, 0, 1) for s in range(5)])  # five one-token rows
+    q_codes, k_codes = coder.codes(0, q, k, [(s, 0, 1, 0) for s in range(5)])  # five one-token rows
     assert q_codes.shape == (5, 3, 20) and k_codes.shape == (5, 3, 20)
     mean = q.numpy().reshape(5, 3, 3, 64).mean(2)
     proj = mean.astype(np.float64) @ coder.w.numpy()
@@ -290,9 +290,9 @@ def test_magicpig_state_indexes_centered_keys_in_batches():
     mp = MagicPig(cfg, num_layers=2, num_kv_heads=2, head_dim=64)
     coder = mp.coder()
     keys = torch.randn(1000, 2, 64) + 3.0  # a common offset that centering must remove
-    codes = np.concatenate([coder.codes(0, keys[:1], keys[:600], [(7, 0, 600)])[1]] +
-                           [coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1)])[1] for n in range(600, 1000)])
-    assert coder.codes(1, keys[:1], keys[:10], [(7, 0, 10)]) is None  # dense layer: no codes
+    codes = np.concatenate([coder.codes(0, keys[:1], keys[:600], [(7, 0, 600, 0)])[1]] +
+                           [coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1, 0)])[1] for n in range(600, 1000)])
+    assert coder.codes(1, keys[:1], keys[:10], [(7, 0, 10, 0)]) is None  # dense layer: no codes
     with pytest.raises(ValueError, match="codes"):
         mp.append(0, 7, 0, keys[:600], None)
     mp.append(1, 7, 0, keys[:600], codes[:600])
@@ -350,10 +350,10 @@ def test_a_sequence_after_a_cached_prefix_codes_its_keys_on_the_cpu_and_hands_th
     keys = torch.randn(1000, 2, 64) + torch.linspace(0, 4, 1000)[:, None, None]  # a center that drifts
     start = 700
     with pytest.raises(ValueError, match="earlier keys"):
-        mp.append(0, 7, start, keys[start:720], coder.codes(0, keys[:1], keys[start:720], [(7, start, 20)])[1])
+        mp.append(0, 7, start, keys[start:720], coder.codes(0, keys[:1], keys[start:720], [(7, start, 20, 0)])[1])
     mp.free([7])
     coder.free([7])
-    chunk_codes = coder.codes(0, keys[:1], keys[start:720], [(7, start, 20)])[1]  # centered on the chunk
+    chunk_codes = coder.codes(0, keys[:1], keys[start:720], [(7, start, 20, 0)])[1]  # centered on the chunk
     mp.append(0, 7, start, keys[start:720], chunk_codes, lambda: keys[:start])
     mp.append(1, 7, start, keys[start:720], None, lambda: keys[:start])  # a dense layer: nothing
     state = mp.seqs[7][0]
@@ -362,7 +362,7 @@ def test_a_sequence_after_a_cached_prefix_codes_its_keys_on_the_cpu_and_hands_th
     centers = mp.take_centers()
     assert [(s, layer) for s, layer, _ in centers] == [(7, 0)] and mp.take_centers() == []
     coder.set_center(7, 0, centers[0][2])
-    later = [coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1)])[1] for n in range(720, 1000)]
+    later = [coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1, 0)])[1] for n in range(720, 1000)]
     for n, codes in zip(range(720, 1000), later):
         mp.append(0, 7, n, keys[n:n + 1], codes)
     assert state.indexed == 856  # 656 at the first chunk, then 100 at a time
@@ -388,7 +388,7 @@ def test_a_chunked_prompt_is_centered_on_all_its_keys_at_a_decode_step(recenter)
     coder = mp.coder()
     keys = torch.randn(1000, 2, 64) + torch.linspace(0, 4, 1000)[:, None, None]  # a center that drifts
     for start in (0, 300, 600):  # the prompt: 900 keys in three chunks
-        codes = coder.codes(0, keys[:1], keys[start:start + 300], [(7, start, 300)])[1]
+        codes = coder.codes(0, keys[:1], keys[start:start + 300], [(7, start, 300, 0)])[1]
         mp.append(0, 7, start, keys[start:start + 300], codes, lambda s=start: keys[:s])
     prompt_state = mp.seqs[7][0]
     np.testing.assert_allclose(prompt_state.mu, keys[:300].mean(0).numpy(), rtol=1e-5, atol=1e-5)
@@ -397,7 +397,7 @@ def test_a_chunked_prompt_is_centered_on_all_its_keys_at_a_decode_step(recenter)
     assert sum(len(p) for p in prompt_state.pending) == (300 if recenter else 900 - 836)
 
     def decode(n):
-        mp.append(0, 7, n, keys[n:n + 1], coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1)])[1], lambda: keys[:n])
+        mp.append(0, 7, n, keys[n:n + 1], coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1, 0)])[1], lambda: keys[:n])
 
     mp._merges_left = 0  # the step's merges taken by other layers: the recenter waits
     decode(900)
@@ -418,9 +418,9 @@ def test_a_chunked_prompt_is_centered_on_all_its_keys_at_a_decode_step(recenter)
     assert state.indexed == 838  # all but the window at the recenter (100 more at 1,002 keys)
     _assert_tables_over(state, keys[:state.indexed].numpy() - mu, coder.w.numpy(), cfg)
     whole = MagicPig(cfg, num_layers=2, num_kv_heads=2, head_dim=64)  # one chunk: its center is already all keys'
-    whole.append(0, 8, 0, keys[:900], coder.codes(0, keys[:1], keys[:900], [(8, 0, 900)])[1])
+    whole.append(0, 8, 0, keys[:900], coder.codes(0, keys[:1], keys[:900], [(8, 0, 900, 0)])[1])
     first = whole.seqs[8][0]
-    whole.append(0, 8, 900, keys[900:901], coder.codes(0, keys[:1], keys[900:901], [(8, 900, 1)])[1])
+    whole.append(0, 8, 900, keys[900:901], coder.codes(0, keys[:1], keys[900:901], [(8, 900, 1, 0)])[1])
     assert whole.seqs[8][0] is first and whole.take_centers() == []
 
 
@@ -557,10 +557,10 @@ def test_magicpig_indexes_past_max_keys_in_more_table_sets(monkeypatch):
     mp = MagicPig(cfg, num_layers=1, num_kv_heads=2, head_dim=64)
     coder = mp.coder()
     keys = torch.randn(1000, 2, 64)
-    codes = [coder.codes(0, keys[:1], keys[:600], [(3, 0, 600)])[1]]
+    codes = [coder.codes(0, keys[:1], keys[:600], [(3, 0, 600, 0)])[1]]
     mp.append(0, 3, 0, keys[:600], codes[0])
     for n in range(600, 1000):
-        codes.append(coder.codes(0, keys[:1], keys[n:n + 1], [(3, n, 1)])[1])
+        codes.append(coder.codes(0, keys[:1], keys[n:n + 1], [(3, n, 1, 0)])[1])
         mp.append(0, 3, n, keys[n:n + 1], codes[-1])
     codes = np.concatenate(codes)
     state = mp.seqs[3][0]
@@ -589,7 +589,7 @@ def test_batch_tables_are_reused_until_a_sequence_is_freed():
     coder = mp.coder()
     for seq in (1, 2):
         keys = torch.randn(200, 2, 64)
-        mp.append(0, seq, 0, keys, coder.codes(0, keys[:1], keys, [(seq, 0, 200)])[1])
+        mp.append(0, seq, 0, keys, coder.codes(0, keys[:1], keys, [(seq, 0, 200, 0)])[1])
     states = [mp.seqs[1][0], mp.seqs[2][0]]
     first = mp._tables(0, states)
     mp.free([])
@@ -659,17 +659,17 @@ def test_magicpig_worker_is_exact_below_min_context_and_samples_above(retrieval)
         w.begin_step([ChunkLayout(400, 0, tables[0], 0), ChunkLayout(50, 0, tables[1], 1)])
         for layer in range(2):
             q, k, v = torch.randn(450, 9, 64), torch.randn(450, 3, 64), torch.randn(450, 3, 64)
-            w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 0, 400), (1, 0, 50)]))
+            w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 0, 400, 0), (1, 0, 50, 0)]))
         w.begin_step([ChunkLayout(1, 400, tables[0], 0), ChunkLayout(1, 50, tables[1], 1)])
         step = []
         for layer in range(2):
             q, k, v = (torch.randn(2, h, 64) for h in (9, 3, 3))
-            step.append(w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 400, 1), (1, 50, 1)])))
+            step.append(w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 400, 1, 0), (1, 50, 1, 0)])))
         # a mixed step with a single decode row (a one-row index must keep the codes' batch axis)
         w.begin_step([ChunkLayout(1, 401, tables[0], 0), ChunkLayout(20, 0, tables[2], 2)])
         for layer in range(2):
             q, k, v = torch.randn(21, 9, 64), torch.randn(21, 3, 64), torch.randn(21, 3, 64)
-            step.append(w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 401, 1), (2, 0, 20)])))
+            step.append(w.attend(layer, q, k, v, coder.codes(layer, q, k, [(0, 401, 1, 0), (2, 0, 20, 0)])))
         outs.append(step)
     np.testing.assert_allclose(outs[1][3], outs[0][3], rtol=1e-5, atol=1e-6)  # mixed step, dense layer
     assert not np.allclose(outs[1][2][0], outs[0][2][0], atol=1e-4)  # mixed step, long one sampled
@@ -836,3 +836,50 @@ def test_magicpig_clone_copies_the_state_into_buffers_of_its_own():
     for a, b in [(src.mu, dst.mu), *zip(src.pending, dst.pending), *zip(src.pending_norms, dst.pending_norms),
                  *zip(src.offsets[0], dst.offsets[0]), *zip(src.ids[0], dst.ids[0]), *zip(src.norms, dst.norms)]:
         assert np.array_equal(a, b) and not np.shares_memory(a, b)
+
+
+def test_magicpig_drops_rejected_drafts_and_indexes_only_accepted_keys():
+    """Decode chunks with draft rows, rewritten from the first rejected position the next step: the state
+    (indexed keys' tables and norms, pending codes and norms) equals that of a MagicPig that was only ever given
+    the accepted keys one at a time, merges across the drafts included; the coder codes the draft rows' queries."""
+    from cpu_attn.magicpig import LshConfig, MagicPig
+
+    cfg = LshConfig(k=6, l=12, window=32, min_context=256, merge_every=40, dense_layers=(1,))
+    spec, plain = (MagicPig(cfg, num_layers=2, num_kv_heads=2, head_dim=64) for _ in range(2))
+    coder = spec.coder()
+    rng = np.random.default_rng(5)
+    keys = torch.randn(900, 2, 64) + 1.0
+    prompt = coder.codes(0, keys[:1], keys[:400], [(7, 0, 400, 0)])[1]
+    for mp in (spec, plain):
+        mp.append(0, 7, 0, keys[:400], prompt)
+    done = 400
+    while done < 800:
+        drafts = int(rng.integers(1, 6))
+        accepted = int(rng.integers(0, drafts + 1))
+        rows = keys[done:done + drafts + 1].clone()
+        rows[accepted + 1:] = torch.randn(drafts - accepted, 2, 64) * 4  # rejected drafts' keys
+        q_codes, k_codes = coder.codes(0, torch.randn(drafts + 2, 4, 64), torch.cat([keys[:1], rows]),
+                                       [(8, 0, 1, 0), (7, done, drafts + 1, drafts)])
+        assert q_codes.shape[0] == drafts + 2  # a query row each: the one-token chunk's and every draft row's
+        spec.begin_step()
+        spec.append(0, 7, done, rows, k_codes[1:].numpy(), decode=True)
+        for n in range(done, done + accepted + 1):
+            plain.begin_step()
+            plain.append(0, 7, n, keys[n:n + 1], coder.codes(0, keys[:1], keys[n:n + 1], [(7, n, 1, 0)])[1])
+        done += accepted + 1
+    last = coder.codes(0, keys[:1], keys[done:done + 1], [(7, done, 1, 0)])[1]
+    for mp in (spec, plain):  # one more decode each: the rejected keys of the last step dropped too
+        mp.begin_step()
+        mp.append(0, 7, done, keys[done:done + 1], last)
+    a, b = spec.seqs[7][0], plain.seqs[7][0]
+    assert a.indexed == b.indexed >= 400 + 2 * cfg.merge_every
+    np.testing.assert_array_equal(np.concatenate(a.pending), np.concatenate(b.pending))
+    np.testing.assert_array_equal(np.concatenate(a.pending_norms), np.concatenate(b.pending_norms))
+    for x, y in zip(a.norms, b.norms):
+        np.testing.assert_array_equal(x, y)
+    for sets_a, sets_b in ((a.offsets, b.offsets), (a.ids, b.ids)):
+        for x, y in zip(sets_a, sets_b):
+            for h in range(2):
+                np.testing.assert_array_equal(x[h], y[h])
+    with pytest.raises(ValueError, match="written again"):
+        spec.append(0, 7, a.indexed - 1, keys[:2], k_codes[:2].numpy(), decode=True)

@@ -16,7 +16,7 @@ from server.hetero import accept
 from server.scheduler import Scheduler, SchedulerConfig, Sequence
 from server.speculative import TRUSTED_SAMPLES, NgramDrafter, SpecConfig, SpecPolicy
 from gpu_model.sampler import sample
-from tests.conftest import RunningServer
+from tests.conftest import SHARED, RunningServer
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -196,8 +196,8 @@ def test_bad_speculative_settings_are_refused_at_start_up():
         ServeConfig(speculative_method="ngram", num_speculative_tokens=17)
     with pytest.raises(ValueError, match="needs kv_format fp16, fp32 or oaken"):
         ServeConfig(speculative_method="ngram", kv_format="int4")
-    with pytest.raises(ValueError, match="attention exact"):
-        ServeConfig(speculative_method="ngram", kv_format="oaken", attention="magicpig")
+    with pytest.raises(ValueError, match="lsh_window > num_speculative_tokens"):
+        ServeConfig(speculative_method="ngram", kv_format="oaken", attention="magicpig", lsh_window=4)
     with pytest.raises(ValueError, match="self-mx needs kv_format fp16 or fp32"):
         ServeConfig(speculative_method="self-mx", kv_format="oaken")
     ServeConfig(speculative_method="ngram", kv_format="oaken")
@@ -324,6 +324,61 @@ def test_verify_attention_matches_a_numpy_reference_and_the_decode_kernel(dtype,
             np.testing.assert_allclose(out[row], one[0], rtol=1e-6 if cut == 1 else 1e-5, atol=1e-7 if cut == 1 else 1e-6)
 
 
+def test_draft_rows_over_oaken_and_magicpig_attend_as_decodes_of_their_positions():
+    """The attention worker over Oaken KV (quantized on write) with MagicPIG sampling on layer 0: a chunk of a
+    token and four drafts gives each row the output five one-token decodes give, one after another, over the
+    same prompt; then a step that rewrites from the second draft (three rejected) leaves the worker's store and
+    tables as the decodes of the accepted tokens alone."""
+    from cpu_attn.magicpig import LshConfig, MagicPig
+    from cpu_attn.worker import AttentionWorker, ChunkLayout
+    from tests.test_kv_formats import oaken_store
+
+    rng = np.random.default_rng(3)
+    hkv, heads, d, prompt = 3, 6, 64, 300
+    cfg = LshConfig(k=6, l=40, window=16, min_context=128, merge_every=8, dense_layers=(1,))
+    table = tuple(range(3, 3 + 40))
+    rows = {name: torch.from_numpy(rng.standard_normal((prompt + 12, n, d)).astype(np.float32))
+            for name, n in (("q", heads), ("k", hkv), ("v", hkv))}
+
+    def worker():
+        mp = MagicPig(cfg, num_layers=2, num_kv_heads=hkv, head_dim=d)
+        w = AttentionWorker(oaken_store(num_blocks=50), d, mp)
+        w.coder = mp.coder()
+        step(w, ChunkLayout(prompt, 0, table, 7))
+        return w
+
+    def step(w, layout):
+        span = slice(layout.start_pos, layout.start_pos + layout.num_tokens)
+        q, k, v = rows["q"][span], rows["k"][span], rows["v"][span]
+        w.begin_step([layout])
+        codes = w.coder.codes(0, q, k, [(7, layout.start_pos, layout.num_tokens, layout.num_draft)])
+        return w.attend(0, q, k, v, codes)
+
+    spec, plain = worker(), worker()
+    verified = step(spec, ChunkLayout(5, prompt, table, 7, num_draft=4))
+    decoded = torch.cat([step(plain, ChunkLayout(1, prompt + i, table, 7)) for i in range(5)])
+    assert spec.sparse.touched > 0  # the rows were sampled, not attended exactly
+    np.testing.assert_allclose(verified.numpy(), decoded.numpy(), rtol=1e-5, atol=1e-6)
+
+    true = {name: x.clone() for name, x in rows.items()}
+    for name in ("k", "v"):  # the drafts to be rejected: other tokens, other keys and values
+        rows[name][prompt + 2:prompt + 5] = torch.randn(3, hkv, d)
+    spec = worker()
+    step(spec, ChunkLayout(5, prompt, table, 7, num_draft=4))
+    rows.update(true)
+    plain = worker()
+    for i in range(2):
+        step(plain, ChunkLayout(1, prompt + i, table, 7))
+    for w in (spec, plain):
+        for i in range(2, 10):
+            step(w, ChunkLayout(1, prompt + i, table, 7))
+    a, b = spec.sparse.seqs[7][0], plain.sparse.seqs[7][0]
+    assert a.indexed == b.indexed > prompt - cfg.window
+    np.testing.assert_array_equal(np.concatenate(a.pending), np.concatenate(b.pending))
+    for x, y in zip(spec.store.gather(0, table, prompt + 10), plain.store.gather(0, table, prompt + 10)):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_self_sparse_view_reads_the_sink_and_window_blocks_at_the_real_slot():
     from hetcore.backend import SeqChunk
     from server.self_draft import view_layout
@@ -360,23 +415,29 @@ def test_self_sparse_text_equals_text_without_it(server, sparse_server):
     assert 'method="self-sparse"' in sent[0] and float(sent[0].split()[-1]) > 0
 
 
-def test_ngram_over_oaken_kv_gives_the_text_without_speculation():
-    """Oaken KV (quantized on write: no full-precision tails, so every row reads the store as a decode of its
-    position would) and fp32 linears: the greedy text of a server without speculation, with drafts accepted and
-    rejected; the store-level no-trace test with tails is tests/test_kv_formats.py."""
-    common = dict(kv_format="oaken", oaken_recent_blocks=0, kv_cache_bytes=128 * 2**20, cpu_linear_dtype="float32")
+@pytest.mark.parametrize("attention", ["exact", "magicpig"])
+def test_ngram_over_oaken_kv_gives_the_text_without_speculation(attention):
+    """Oaken KV with its full-precision tails, exact attention or MagicPIG sampling past lsh_min_context, the
+    default linears: the greedy text of a server without speculation, token for token, with drafts accepted and
+    rejected. A short prompt, and a 600-token passage to repeat (sampled attention on the decode rows and the
+    drafts' rows: each row attends as the one-token decode of its position would, to the last bit). The prompt
+    is prefilled in one step and the output is shorter than a merge: MagicPIG's re-centering and merges run
+    within a per-step budget, so where they are due they land at other positions when steps carry drafts."""
+    passage = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[3000:5600]
+    common = dict(kv_format="oaken", attention=attention, lsh_min_context=256, kv_cache_bytes=256 * 2**20,
+                  max_num_batched_tokens=1024)
     plain, spec = (RunningServer(ServeConfig(**common, **kw))
                    for kw in ({}, dict(speculative_method="ngram", num_speculative_tokens=4)))
     try:
-        for prompt in (PROMPTS[0], PROMPTS[2]):
-            texts = [complete(srv.url, prompt, max_tokens=96)["text"] for srv in (plain, spec)]
+        for prompt in (PROMPTS[2], f"{passage}\n\nRepeat the first paragraph above exactly:\n{passage[:80]}"):
+            texts = [complete(srv.url, prompt, max_tokens=80)["text"] for srv in (plain, spec)]
             assert texts[0] == texts[1]
         metrics = httpx.get(spec.url + "/metrics").text
         counts = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("hetserve:spec_decode_num_") and 'method="ngram"' in line}
         accepted, drafted = counts["hetserve:spec_decode_num_accepted_tokens_total"], \
             counts["hetserve:spec_decode_num_draft_tokens_total"]
-        assert 0 < accepted < drafted  # some drafts rejected: their rows were written, then written again
+        assert 10 < accepted < drafted  # some drafts rejected: their rows were written, then written again
     finally:
         plain.close()
         spec.close()

@@ -47,13 +47,15 @@ class OakenKVStore:
     every slot is taken, the least recently written tail is quantized early (still correct, only
     less exact), so slots never leak: size them to the running batch.
 
-    Rows a later write may replace (speculative drafts: `write(..., provisional=)`) never quantize
-    their block: a tail they fill is held in full precision and quantized at the layer's next write,
-    unless that write goes on into the same block (the drafts from some row on were rejected and
-    their positions are written again). A quantized row's values depend only on the rows before it in
-    its block (the block's sparse entries are laid out in row order), so rewriting rows in position
-    order replaces them without a trace either way; holding keeps the rows that stay exactly as a
-    write of those rows alone would have left them, tails included."""
+    Rows a later write may replace (speculative drafts: `write(..., provisional=)`) may be rejected
+    and written again from some position on. A quantized row's values depend only on the rows before
+    it in its block (the block's sparse entries are laid out in row order), so rewriting rows in
+    position order replaces them without a trace. A tail that provisional rows fill is quantized as
+    usual but held: its slot keeps the rows in full precision until the layer's next write, which
+    reopens the tail if it goes on into the block (the row that filled it was rejected), else lets
+    the slot go. So the store ends as a write of the accepted rows alone would have left it, tails
+    included. While a tail is held, attention reads the block from it for the rows before the one
+    that filled it, as one-token decodes of those rows would have (_tail_passes)."""
 
     dtype = "oaken"
 
@@ -110,7 +112,7 @@ class OakenKVStore:
         self.tail_block = np.full((num_layers, recent_blocks), -1, np.int64)  # block of each slot, or -1
         self.tail_len = np.zeros((num_layers, recent_blocks), np.int64)
         self.tail_stamp = np.zeros((num_layers, recent_blocks), np.int64)
-        self.held = np.zeros((num_layers, recent_blocks), bool)  # full tails of provisional rows, not quantized yet
+        self.held = np.zeros((num_layers, recent_blocks), bool)  # quantized tails kept for provisional rows
         self._writes = 0
         # each layer's K and V and its tails as the kernels take them (oaken.OakenParts and oaken.TailSlots as
         # plain tuples of views into the arrays above, which are never replaced), made once
@@ -247,13 +249,43 @@ class OakenKVStore:
         return True
 
     def _release_held(self, layer: int, slot_mapping: np.ndarray) -> None:
-        """Before a write: quantize the layer's held tails, but those of blocks this write goes on into."""
+        """Before a write: reopen the layer's held tails of blocks this write goes on into; let the others go."""
         held = np.flatnonzero(self.held[layer])
         if len(held):
             self.held[layer, held] = False
-            rewritten = np.isin(self.tail_block[layer, held], slot_mapping // self.block_size)
-            for slot in held[~rewritten]:
-                self._flush_tail(layer, int(slot))
+            blocks = self.tail_block[layer, held]
+            reopened = np.isin(blocks, slot_mapping // self.block_size)
+            self.tail_of[layer, blocks[reopened]] = held[reopened]
+            self.tail_block[layer, held[~reopened]] = -1
+
+    def _tail_passes(self, layer: int, block_tables: np.ndarray, seq_lens: np.ndarray) -> list[tuple[np.ndarray,
+                                                                                                      int]]:
+        """Rows [B] (the last of each of seq_lens' contexts) grouped by how they read the layer's held tails:
+        [(rows, held block to read from its tail, or -1)]. A row inside a held block, before the row that filled
+        it, reads the block's tail; the others read it quantized."""
+        rows = np.arange(len(seq_lens))
+        held = np.flatnonzero(self.held[layer])
+        if not len(held):
+            return [(rows, -1)]
+        pos = np.asarray(seq_lens, np.int64) - 1
+        own = block_tables[rows, pos // self.block_size]
+        inside = np.isin(own, self.tail_block[layer, held]) & (pos % self.block_size != self.block_size - 1)
+        return [(rows[~inside], -1)] + [(rows[inside & (own == b)], int(b)) for b in np.unique(own[inside])]
+
+    def _in_passes(self, layer: int, block_tables: np.ndarray, seq_lens: np.ndarray, attend, outputs: tuple) -> None:
+        """attend(rows) -> outputs of those rows, run once per _tail_passes group with its held block's tail in
+        view, into `outputs` (arrays [B, ...])."""
+        for rows, block in self._tail_passes(layer, block_tables, seq_lens):
+            if not len(rows):
+                continue
+            if block >= 0:
+                self.tail_of[layer, block] = np.flatnonzero(self.tail_block[layer] == block)[0]
+            try:
+                for into, got in zip(outputs, attend(rows)):
+                    into[rows] = got
+            finally:
+                if block >= 0:
+                    self.tail_of[layer, block] = -1
 
     def _route_to_tails(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray],
                         provisional: np.ndarray | None = None) -> np.ndarray:
@@ -288,10 +320,8 @@ class OakenKVStore:
             self._writes += 1
             self.tail_len[layer, slot], self.tail_stamp[layer, slot] = last + 1, self._writes
             direct[a:b] = False
-            if last == bs - 1 and hold:
-                self.held[layer, slot] = True
-            elif last == bs - 1:
-                self._flush_tail(layer, slot)
+            if last == bs - 1:
+                self._flush_tail(layer, slot, hold)
         return direct
 
     def _take_tail(self, layer: int, block: int) -> int:
@@ -302,11 +332,15 @@ class OakenKVStore:
         self.tail_block[layer, slot], self.tail_of[layer, block] = block, slot
         return slot
 
-    def _flush_tail(self, layer: int, slot: int) -> None:
+    def _flush_tail(self, layer: int, slot: int, hold: bool = False) -> None:
+        """Quantize a tail's rows into its block; the slot goes free, or with `hold` is held (see the class).
+        A held slot is already quantized: it only goes free."""
         block, n = self.tail_block[layer, slot], self.tail_len[layer, slot]
-        self.tail_of[layer, block], self.tail_block[layer, slot], self.held[layer, slot] = -1, -1, False
-        self._quantize(layer, block * self.block_size + np.arange(n), (self.tail[layer, 0, slot, :n],
-                                                                       self.tail[layer, 1, slot, :n]))
+        self.tail_of[layer, block] = -1
+        if not self.held[layer, slot]:
+            self._quantize(layer, block * self.block_size + np.arange(n), (self.tail[layer, 0, slot, :n],
+                                                                           self.tail[layer, 1, slot, :n]))
+        self.tail_block[layer, slot], self.held[layer, slot] = (block, True) if hold else (-1, False)
 
     def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """One sequence's first `seq_len` positions, dequantized -> k, v: [seq_len, Hkv, D] float32."""
@@ -323,14 +357,26 @@ class OakenKVStore:
         return out[0], out[1]
 
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
-                         scale: float) -> tuple[np.ndarray, np.ndarray]:
-        """q: [B, Hq, D] float32 -> out [B, Hq, D], lse [B, Hq] (float32)."""
+                         scale: float, splits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """q: [B, Hq, D] float32 -> out [B, Hq, D], lse [B, Hq] (float32). splits: into how many parts each
+        context is cut (default: kernels.split_parts of this batch; the parts' sums are joined in that order)."""
+        # the kernel's tasks are parts of sequences (all kv-heads of a block in turn): split as many
+        if splits is None:
+            splits = split_parts(len(q), seq_lens, self.block_size)
+        if not self.held[layer].any():
+            return self._decode_rows(layer, q, block_tables, seq_lens, scale, splits)
+        outputs = np.empty(q.shape, np.float32), np.empty(q.shape[:2], np.float32)
+        self._in_passes(layer, block_tables, seq_lens, lambda rows: self._decode_rows(
+            layer, q[rows], block_tables[rows], seq_lens[rows], scale, splits), outputs)
+        return outputs
+
+    def _decode_rows(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray, scale: float,
+                     splits: int) -> tuple[np.ndarray, np.ndarray]:
         num_seqs, num_heads, head_dim = q.shape
         group, work = num_heads // self.num_kv_heads, num_seqs * self.num_kv_heads
         out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
-        # the kernel's tasks are parts of sequences (all kv-heads of a block in turn): split as many
-        scratch = attention_scratch(work, group, self.block_size, head_dim, split_parts(num_seqs, seq_lens, self.block_size))
+        scratch = attention_scratch(work, group, self.block_size, head_dim, splits)
         int_dots = self.int_dots and num_heads <= oaken.MAX_HEADS  # else no int16 scratch, empty query codes
         # the queries in store space, turned, their center terms and int16 codes, in one call
         centered = self.key_bias is not None
@@ -351,10 +397,21 @@ class OakenKVStore:
     def verify_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          row_first: np.ndarray, row_count: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
         """Consecutive positions per sequence, as kv_store.PagedKVStore.verify_attention takes them: each row is
-        attended as the decode row of its own position (decode_attention over the rows, K and V read once a row)."""
+        attended as the decode row of its own position (decode_attention over the rows, K and V read once a row),
+        its context cut into the parts a decode step of these sequences at that row's offset would cut it into
+        (kernels.split_parts), so that a row's sums are the decode's, to the last bit."""
         seq = np.repeat(np.arange(len(seq_lens)), row_count)
-        lens = seq_lens[seq] + (np.arange(len(seq)) - row_first[seq])
-        return self.decode_attention(layer, q, np.ascontiguousarray(block_tables[seq]), lens.astype(np.int32), scale)
+        offset = np.arange(len(seq)) - row_first[seq]
+        lens = (seq_lens[seq] + offset).astype(np.int32)
+        tables = np.ascontiguousarray(block_tables[seq])
+        splits = np.array([split_parts(len(seq_lens), seq_lens + i, self.block_size) for i in range(row_count.max())])
+        if (splits == splits[0]).all():
+            return self.decode_attention(layer, q, tables, lens, scale, int(splits[0]))
+        out, lse = np.empty(q.shape, np.float32), np.empty(q.shape[:2], np.float32)
+        for parts in np.unique(splits):
+            rows = np.flatnonzero(splits[offset] == parts)
+            out[rows], lse[rows] = self.decode_attention(layer, q[rows], tables[rows], lens[rows], scale, int(parts))
+        return out, lse
 
     def _store_queries(self, layer: int, q: np.ndarray) -> np.ndarray:
         """q [B, Hq, D] -> q * key_scales, so that q'.k' = q.k for keys in store space (k / key_scales)."""
@@ -375,6 +432,19 @@ class OakenKVStore:
         -> out [B, Hq, D], lse [B, Hq], touched [B, Hq] (keys sampled per query head)."""
         if window < 1:
             raise ValueError("the exact local window must hold at least the current token")
+        if not self.held[layer].any():
+            return self._sampled_rows(layer, q, q_codes, block_tables, seq_lens, scale, tables, mu, log_u, num_sinks,
+                                      window, min_hits)
+        outputs = sampled.SampledOutputs(np.empty(q.shape, np.float32), np.empty(q.shape[:2], np.float32),
+                                         np.empty(q.shape[:2], np.int64))
+        self._in_passes(layer, block_tables, seq_lens, lambda rows: self._sampled_rows(
+            layer, q[rows], q_codes[rows], block_tables[rows], seq_lens[rows], scale, (tables[0][rows], *tables[1:]),
+            mu[rows], log_u, num_sinks, window, min_hits), outputs)
+        return outputs
+
+    def _sampled_rows(self, layer: int, q: np.ndarray, q_codes: np.ndarray, block_tables: np.ndarray,
+                      seq_lens: np.ndarray, scale: float, tables: tuple, mu: np.ndarray, log_u: np.ndarray,
+                      num_sinks: int, window: int, min_hits: int) -> sampled.SampledOutputs:
         num_seqs, num_heads, head_dim = q.shape
         group = num_heads // self.num_kv_heads
         set_of, indexed, offsets, ids, norms = tables
