@@ -258,8 +258,8 @@ class OakenKVStore:
             self.tail_of[layer, blocks[reopened]] = held[reopened]
             self.tail_block[layer, held[~reopened]] = -1
 
-    def _tail_passes(self, layer: int, block_tables: np.ndarray, seq_lens: np.ndarray) -> list[tuple[np.ndarray,
-                                                                                                      int]]:
+    def _tail_passes(self, layer: int, block_tables: np.ndarray,
+                     seq_lens: np.ndarray) -> list[tuple[np.ndarray, int]]:
         """Rows [B] (the last of each of seq_lens' contexts) grouped by how they read the layer's held tails:
         [(rows, held block to read from its tail, or -1)]. A row inside a held block, before the row that filled
         it, reads the block's tail; the others read it quantized."""
