@@ -35,8 +35,9 @@ class TopK:
     def clone(self, src: int, dst: int) -> None:
         """As MagicPig.clone; exact top-k keeps no per-sequence state."""
 
-    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None, earlier=None) -> None:
-        pass
+    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None, earlier=None,
+               decode=None) -> None:
+        """As MagicPig.append; top-k reads its keys from the store."""
 
     def take_centers(self) -> list:
         """As MagicPig.take_centers; top-k uses no LSH codes."""
@@ -81,9 +82,11 @@ class AnnTopK(TopK):
         if src in self.seqs:
             self.seqs[dst] = copy.deepcopy(self.seqs[src])
 
-    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None, earlier=None) -> None:
+    def append(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor, k_codes=None, earlier=None,
+               decode=None) -> None:
         """Keys enter their kv-head's graph once they leave the window (ids = positions); a first chunk
-        past 0 takes the keys before it from `earlier()` (a cached prefix, as MagicPig.append)."""
+        past 0 takes the keys before it from `earlier()` (a cached prefix, as MagicPig.append). Positions are
+        never written again here (these yardsticks run in `hetserve eval`, without speculation)."""
         if not self.sampled_layers[layer]:
             return
         layers = self.seqs.setdefault(seq_id, {})

@@ -102,7 +102,7 @@ def _forward(model_worker: ModelWorker, attn: AttentionWorker, batch: torch.Tens
     positions = list(range(start, start + length)) * len(batch)
     rows = [i * length + length - 1 for i in range(len(batch))]
     attn.begin_step(layouts or [ChunkLayout(length, start, t, i) for i, t in zip(seq_ids, tables)])
-    logits, _ = model_worker.forward(tokens, positions, rows, attn.attend, [(i, start, length) for i in seq_ids])
+    logits, _ = model_worker.forward(tokens, positions, rows, attn.attend, [(i, start, length, 0) for i in seq_ids])
     model_worker.set_centers(attn.take_centers())
     return logits
 

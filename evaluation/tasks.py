@@ -166,7 +166,7 @@ def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], 
                                                  for i, s in enumerate(samples)])
     ends = list(itertools.accumulate(len(s.prompt) for s in samples))
     logits, _ = forward([t for s in samples for t in s.prompt], [p for s in samples for p in range(len(s.prompt))],
-                        [e - 1 for e in ends], prefill, [(i, 0, len(s.prompt)) for i, s in enumerate(samples)])
+                        [e - 1 for e in ends], prefill, [(i, 0, len(s.prompt), 0) for i, s in enumerate(samples)])
     first_tokens = logits.argmax(-1).tolist()
     answers = {}
     for name, worker in workers.items():
@@ -183,7 +183,7 @@ def generate(model, workers: dict[str, AttentionWorker], samples: list[Sample], 
             worker.begin_step([ChunkLayout(1, p, tables[i], i) if run is None else run.chunk(i, i, p, 1, p + 1)
                                for i, p in zip(live, pos)])
             logits, _ = forward([outputs[i][-1] for i in live], pos, list(range(len(live))), worker.attend,
-                                [(i, p, 1) for i, p in zip(live, pos)])
+                                [(i, p, 1, 0) for i, p in zip(live, pos)])
             for i, t in zip(live, logits.argmax(-1).tolist()):
                 outputs[i].append(t)
         answers[name] = [[t for t in out if t not in eos] for out in outputs]
