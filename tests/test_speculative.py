@@ -457,6 +457,26 @@ def test_ngram_on_the_ray_executor_gives_the_text_without_speculation(server):
         srv.close()
 
 
+@pytest.mark.slow
+def test_ngram_over_oaken_and_magicpig_on_a_ray_attention_actor_gives_the_text_without_speculation():
+    """The same over a Ray CPU attention actor, which marks the drafts' rows itself from the layouts it gets."""
+    passage = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[3000:5600]
+    common = dict(kv_format="oaken", attention="magicpig", lsh_min_context=256, kv_cache_bytes=256 * 2**20,
+                  max_num_batched_tokens=1024)
+    plain, spec = (RunningServer(ServeConfig(**common, **kw)) for kw in (
+        {}, dict(executor="ray", ray_cpu_actors=1, speculative_method="ngram")))
+    try:
+        for prompt in (PROMPTS[2], f"{passage}\n\nRepeat the first paragraph above exactly:\n{passage[:80]}"):
+            texts = [complete(srv.url, prompt, max_tokens=80)["text"] for srv in (plain, spec)]
+            assert texts[0] == texts[1]
+        metrics = httpx.get(spec.url + "/metrics").text
+        accepted = [line for line in metrics.splitlines() if line.startswith("hetserve:spec_decode_num_accepted")]
+        assert float(accepted[0].split()[-1]) > 0
+    finally:
+        plain.close()
+        spec.close()
+
+
 def test_policy_stops_drafting_where_drafted_steps_emitted_less_and_explores():
     policy = SpecPolicy(max_tokens=4)
     measure(policy, {1: 0.020, 2: 0.021, 3: 0.022, 4: 0.023, 5: 0.024})
