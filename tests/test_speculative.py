@@ -16,6 +16,7 @@ from server.hetero import accept
 from server.scheduler import Scheduler, SchedulerConfig, Sequence
 from server.speculative import TRUSTED_SAMPLES, NgramDrafter, SpecConfig, SpecPolicy
 from gpu_model.sampler import sample
+from loadgen.server_metrics import read_counters
 from tests.conftest import SHARED, RunningServer
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -415,6 +416,12 @@ def test_self_sparse_text_equals_text_without_it(server, sparse_server):
     assert 'method="self-sparse"' in sent[0] and float(sent[0].split()[-1]) > 0
 
 
+def repeat_passage_prompt() -> str:
+    """A 600-token WikiText passage and the start of its first paragraph to repeat: n-gram drafts find matches."""
+    passage = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[3000:5600]
+    return f"{passage}\n\nRepeat the first paragraph above exactly:\n{passage[:80]}"
+
+
 @pytest.mark.parametrize("attention", ["exact", "magicpig"])
 def test_ngram_over_oaken_kv_gives_the_text_without_speculation(attention):
     """Oaken KV with its full-precision tails, exact attention or MagicPIG sampling past lsh_min_context, the
@@ -423,21 +430,17 @@ def test_ngram_over_oaken_kv_gives_the_text_without_speculation(attention):
     drafts' rows: each row attends as the one-token decode of its position would, to the last bit). The prompt
     is prefilled in one step and the output is shorter than a merge: MagicPIG's re-centering and merges run
     within a per-step budget, so where they are due they land at other positions when steps carry drafts."""
-    passage = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[3000:5600]
     common = dict(kv_format="oaken", attention=attention, lsh_min_context=256, kv_cache_bytes=256 * 2**20,
                   max_num_batched_tokens=1024)
     plain, spec = (RunningServer(ServeConfig(**common, **kw))
                    for kw in ({}, dict(speculative_method="ngram", num_speculative_tokens=4)))
     try:
-        for prompt in (PROMPTS[2], f"{passage}\n\nRepeat the first paragraph above exactly:\n{passage[:80]}"):
+        for prompt in (PROMPTS[2], repeat_passage_prompt()):
             texts = [complete(srv.url, prompt, max_tokens=80)["text"] for srv in (plain, spec)]
             assert texts[0] == texts[1]
-        metrics = httpx.get(spec.url + "/metrics").text
-        counts = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
-                  if line.startswith("hetserve:spec_decode_num_") and 'method="ngram"' in line}
-        accepted, drafted = counts["hetserve:spec_decode_num_accepted_tokens_total"], \
-            counts["hetserve:spec_decode_num_draft_tokens_total"]
-        assert 10 < accepted < drafted  # some drafts rejected: their rows were written, then written again
+        counts = read_counters(spec.url)
+        # some drafts rejected: their rows were written, then written again
+        assert 10 < counts["spec_decode_num_accepted_tokens"] < counts["spec_decode_num_draft_tokens"]
     finally:
         plain.close()
         spec.close()
@@ -460,18 +463,15 @@ def test_ngram_on_the_ray_executor_gives_the_text_without_speculation(server):
 @pytest.mark.slow
 def test_ngram_over_oaken_and_magicpig_on_a_ray_attention_actor_gives_the_text_without_speculation():
     """The same over a Ray CPU attention actor, which marks the drafts' rows itself from the layouts it gets."""
-    passage = (SHARED / "data" / "wikitext-2" / "test.txt").read_text()[3000:5600]
     common = dict(kv_format="oaken", attention="magicpig", lsh_min_context=256, kv_cache_bytes=256 * 2**20,
                   max_num_batched_tokens=1024)
     plain, spec = (RunningServer(ServeConfig(**common, **kw)) for kw in (
         {}, dict(executor="ray", ray_cpu_actors=1, speculative_method="ngram")))
     try:
-        for prompt in (PROMPTS[2], f"{passage}\n\nRepeat the first paragraph above exactly:\n{passage[:80]}"):
+        for prompt in (PROMPTS[2], repeat_passage_prompt()):
             texts = [complete(srv.url, prompt, max_tokens=80)["text"] for srv in (plain, spec)]
             assert texts[0] == texts[1]
-        metrics = httpx.get(spec.url + "/metrics").text
-        accepted = [line for line in metrics.splitlines() if line.startswith("hetserve:spec_decode_num_accepted")]
-        assert float(accepted[0].split()[-1]) > 0
+        assert read_counters(spec.url)["spec_decode_num_accepted_tokens"] > 0
     finally:
         plain.close()
         spec.close()

@@ -261,30 +261,33 @@ class OakenKVStore:
     def _tail_passes(self, layer: int, block_tables: np.ndarray,
                      seq_lens: np.ndarray) -> list[tuple[np.ndarray, int]]:
         """Rows [B] (the last of each of seq_lens' contexts) grouped by how they read the layer's held tails:
-        [(rows, held block to read from its tail, or -1)]. A row inside a held block, before the row that filled
-        it, reads the block's tail; the others read it quantized."""
+        [(rows, the held slot they read their block from, or -1)]. A row inside a held block, before the row that
+        filled it, reads the block's tail; the others read it quantized."""
         rows = np.arange(len(seq_lens))
         held = np.flatnonzero(self.held[layer])
         if not len(held):
             return [(rows, -1)]
         pos = np.asarray(seq_lens, np.int64) - 1
         own = block_tables[rows, pos // self.block_size]
-        inside = np.isin(own, self.tail_block[layer, held]) & (pos % self.block_size != self.block_size - 1)
-        return [(rows[~inside], -1)] + [(rows[inside & (own == b)], int(b)) for b in np.unique(own[inside])]
+        slot_of = dict(zip(self.tail_block[layer, held].tolist(), held.tolist()))
+        inside = np.isin(own, list(slot_of)) & (pos % self.block_size != self.block_size - 1)
+        return [(rows[~inside], -1)] + [(rows[inside & (own == b)], slot_of[b])
+                                        for b in np.unique(own[inside]).tolist()]
 
     def _in_passes(self, layer: int, block_tables: np.ndarray, seq_lens: np.ndarray, attend, outputs: tuple) -> None:
-        """attend(rows) -> outputs of those rows, run once per _tail_passes group with its held block's tail in
-        view, into `outputs` (arrays [B, ...])."""
-        for rows, block in self._tail_passes(layer, block_tables, seq_lens):
+        """attend(rows) -> outputs of those rows, run once per _tail_passes group with its held tail in view, into
+        `outputs` (arrays [B, ...])."""
+        for rows, slot in self._tail_passes(layer, block_tables, seq_lens):
             if not len(rows):
                 continue
-            if block >= 0:
-                self.tail_of[layer, block] = np.flatnonzero(self.tail_block[layer] == block)[0]
+            block = self.tail_block[layer, slot] if slot >= 0 else -1
+            if slot >= 0:
+                self.tail_of[layer, block] = slot
             try:
                 for into, got in zip(outputs, attend(rows)):
                     into[rows] = got
             finally:
-                if block >= 0:
+                if slot >= 0:
                     self.tail_of[layer, block] = -1
 
     def _route_to_tails(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray],
