@@ -439,8 +439,9 @@ def test_ngram_over_oaken_kv_gives_the_text_without_speculation(attention):
             texts = [complete(srv.url, prompt, max_tokens=80)["text"] for srv in (plain, spec)]
             assert texts[0] == texts[1]
         counts = read_counters(spec.url)
-        # some drafts rejected: their rows were written, then written again
-        assert 10 < counts["spec_decode_num_accepted_tokens"] < counts["spec_decode_num_draft_tokens"]
+        # drafts accepted, and some rejected: their rows were written, then written again (how many the policy
+        # sends follows the measured step times, so the counts vary with the machine's load)
+        assert 0 < counts["spec_decode_num_accepted_tokens"] < counts["spec_decode_num_draft_tokens"]
     finally:
         plain.close()
         spec.close()
