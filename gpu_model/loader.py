@@ -26,7 +26,7 @@ from gpu_model.config import ModelConfig
 from gpu_model.model import LlamaModel, rope_inv_freq
 from gpu_model.quant import load_quant, read_gguf_quant, save_quant
 from gpu_model.quant_amx import is_available as has_tiles
-from gpu_model.quant_vnni import is_available as has_vnni
+from gpu_model.quant_vnni import is_available as has_int_dots
 from gpu_model.quant_vnni import mx_available
 from gpu_model.weight_format import (MX_FILE, WeightFormat, WeightFormatError, attach, attach_device, cache_path,
                                      dense_with_mx, tied_head_values)
@@ -39,7 +39,11 @@ QUANT_FILE = "gguf_blocks.safetensors"
 
 GGUF_BLOCKS_MAX_TOKENS = 64
 """Steps of at most this many tokens (decode batches) multiply by the GGUF's own blocks, decoded
-once per step (gpu_model/quant.py); prefill chunks use the fp32 copy with BLAS (README: Usage)."""
+once per step (gpu_model/quant.py), or with integer dots where the CPU has them (gpu_model/quant_vnni.py:
+with AVX2 alone on a 2-core Zen 3, the bundled model's linears and head took 7.1 / 12.6 / 17.3 / 33.2 / 98 / 134 ms
+by integer dots against 16.1 / 23.6 / 24.0 / 40.0 / 98 / 142 ms by the float blocks and 55 / 114 / 94 / 113 / 162 /
+292 ms by fp32 BLAS at 1 / 5 / 8 / 16 / 32 / 64 tokens, 2026-12-01); prefill chunks use the fp32 copy with BLAS
+(README: Usage)."""
 GGUF_BLOCKS_MAX_TOKENS_BF16 = 16
 """The same beside bf16 linears (oneDNN, AMX) on CPUs with AVX512-VNNI, where the blocks multiply with
 integer dots (gpu_model/quant_vnni.py): on a 2-core Xeon VM with AMX a step's linears (30 layers and the
@@ -172,10 +176,12 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     """Load weights. On the CPU in float32 the linear layers run in `cpu_linear_dtype`, and a
     GGUF's own blocks serve steps of at most `gguf_blocks_max_tokens` tokens (bandwidth-bound
     decode, gpu_model/quant.py; default GGUF_BLOCKS_MAX_TOKENS with float32 linears, whose exact
-    values the blocks hold, and with bf16 linears GGUF_BLOCKS_MAX_TOKENS_BF16 on CPUs with AVX512-VNNI,
-    where the blocks multiply with integer dots, GGUF_BLOCKS_MAX_TOKENS_TILES where they also have AMX,
-    else 1). With fp32 linears a sequence's greedy tokens
-    do not depend on what it is batched with; with bf16 ones they may, as on GPUs.
+    values the blocks hold, and with bf16 linears GGUF_BLOCKS_MAX_TOKENS_BF16 on CPUs with integer dots
+    (AVX512-VNNI or AVX2), GGUF_BLOCKS_MAX_TOKENS_TILES where they also have AMX, else 1). The blocks multiply
+    with integer dots where the CPU has them, beside bf16 linears and with cpu_linear_dtype auto (x rounded to
+    int16 per block, gpu_model/quant_vnni.py); an explicit float32 keeps their exact float products. With fp32
+    linears a sequence's greedy tokens do not depend on what it is batched with; with bf16 ones they may, as on
+    GPUs.
 
     `weight_format` (gpu_model/weight_format.py) picks the linears' format: auto keeps the above;
     gguf, bf16 and fp32 force one; an MX format converts the dense weights (cached under
@@ -214,23 +220,24 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     if bf16:
         model.cast_linears(torch.bfloat16, pack=cpu_has_native_bf16())
         model.tile_rows = TILE_MIN_TOKENS if has_tiles() else 0
+    # integer dots (x rounded to int16 per block) where this CPU has them, beside bf16 linears and by default beside
+    # float32 ones; an explicit float32 keeps the blocks' exact float products
+    int_dots = has_int_dots() and (bf16 or cpu_linear_dtype == "auto")
     if mx_weights is not None:
-        # beside bf16 linears, integer dots where this CPU has them for the format (as the GGUF blocks)
-        vnni = bf16 and has_vnni()
-        if vnni and mx_available(wf.name):
-            default = integer_dot_max_tokens()
+        if int_dots and mx_available(wf.name):
+            default = integer_dot_max_tokens() if bf16 else MX_MAX_TOKENS
         else:
             default = MX_MAX_TOKENS_BF16 if bf16 else MX_MAX_TOKENS
-        attach(model, mx_weights, default if gguf_blocks_max_tokens is None else gguf_blocks_max_tokens, vnni=vnni)
+        attach(model, mx_weights, default if gguf_blocks_max_tokens is None else gguf_blocks_max_tokens,
+               vnni=int_dots)
         return model
     if wf.name in ("fp32", "bf16"):
         return model
     if gguf_blocks_max_tokens is None:
         if bf16 and wf.name == "auto":
-            gguf_blocks_max_tokens = integer_dot_max_tokens() if has_vnni() else 1
+            gguf_blocks_max_tokens = integer_dot_max_tokens() if int_dots else 1
         else:
             gguf_blocks_max_tokens = GGUF_BLOCKS_MAX_TOKENS
     if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:
-        # beside float32 linears the blocks give their exact products; beside bf16 ones, integer dots
-        model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens, vnni=bf16 and has_vnni())
+        model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens, vnni=int_dots)
     return model

@@ -1,4 +1,4 @@
-"""GGUF Q4_1 / Q8_0 weights multiplied with integer dot products (AVX512-VNNI), for decode steps.
+"""GGUF Q4_1 / Q8_0 weights multiplied with integer dot products (AVX512-VNNI, or AVX2), for decode steps.
 
 The float kernels of gpu_model/quant.py decode every weight to float32 (~10 vector operations a
 block of 32): at one row of x they are bound by the CPU, not by memory. Here each row of x is
@@ -12,7 +12,8 @@ applied in float32):
 
 (Q8_0 has no m term.) The 16 lanes are 16 weight rows: a group of ROWS = 16 rows is stored block by
 block, and within a block as 16 vectors V_t whose lane l holds row l's weights 2t, 2t + 1 (as two
-16-bit values); `vpdpwssd(acc, V_t, x pair t broadcast)` adds both products to each row's lane. After
+16-bit values); `vpdpwssd(acc, V_t, x pair t broadcast)` adds both products to each row's lane (without AVX-512:
+`vpmaddwd` on each half of the lanes, then `vpaddd`; the same integers). After
 a block's 16 such steps each lane holds its row's whole integer dot for the block, so the float work
 (convert, scale by d x dx, Q4_1's m term) is four operations a block for 16 rows, and the 16 sums
 are the 16 outputs, stored as one vector. The vectors come straight from the GGUF bytes:
@@ -51,13 +52,19 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.llvm_ir import by_row_count, c_array, host_has, prefetch_ir
+from cpu_attn.llvm_ir import by_row_count, c_array, host_has, pmaddwd_pairs, prefetch_ir
 from cpu_attn.softmax import fast_exp
 from gpu_model import mx
 from gpu_model.quant import BLOCK, PREFETCH_BYTES, QuantWeight
 
+WIDE = host_has("avx512vnni", "avx512bw")
+"""Whether the integer dots run as AVX512-VNNI's vpdpwssd; else as AVX2's vpmaddwd + vpaddd (is_available)."""
 ROWS = 16  # weight rows a group: one per lane
-X_ROWS = 8  # rows of x each pass over a group's weights takes
+X_ROWS = 8 if WIDE else 4
+"""Rows of x each pass over a group's weights takes, their sums in registers beside the widened weights (32 vectors
+of 16 lanes with AVX-512, 16 of 8 with AVX2; on a 2-core Zen 3, 2, 3, 6 or 8 rows a pass were slower than 4)."""
+_PARTS = ((0, 1, 2, 3), (4, 5, 6, 7)) if WIDE else tuple((k,) for k in range(8))
+"""The V_k (and V_k+8) widened at a time: 8 live V_t beside X_ROWS rows' sums with AVX-512, 2 with AVX2."""
 
 
 MX_KINDS = {"mxfp4": 1, "mxfp6": 3, "mxint8": 6}
@@ -65,13 +72,13 @@ MX_KINDS = {"mxfp4": 1, "mxfp6": 3, "mxint8": 6}
 
 
 def is_available() -> bool:
-    """Whether this CPU has the integer dot products the kernels use (AVX512-VNNI)."""
-    return host_has("avx512vnni", "avx512bw")
+    """Whether this CPU has the integer dot products the kernels use (AVX512-VNNI, or AVX2 with FMA and F16C)."""
+    return WIDE or host_has("avx2", "fma", "f16c")
 
 
 def mx_available(fmt: str) -> bool:
     """Whether this CPU runs MX format `fmt` here (mxfp6 also needs AVX512-VBMI's byte table lookups)."""
-    return fmt in MX_KINDS and is_available() and (fmt != "mxfp6" or host_has("avx512vbmi"))
+    return fmt in MX_KINDS and is_available() and (fmt != "mxfp6" or (WIDE and host_has("avx512vbmi")))
 
 
 @dataclass(frozen=True)
@@ -323,15 +330,19 @@ def _codegen(kind: str):
         nscales = 2 if kind == "q4_1" else 1  # scale vectors a block
         scale_bytes = ROWS * nscales * item  # of a block in scales
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI] * 3),
-                                             "llvm.x86.avx512.vpdpwssd.512")
+        if WIDE:
+            vpdpwssd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI] * 3),
+                                                      "llvm.x86.avx512.vpdpwssd.512")
+            dot = lambda acc, v, x: builder.call(vpdpwssd, [acc, v, x])  # noqa: E731
+        else:
+            dot = lambda acc, v, x: pmaddwd_pairs(builder, acc, v, x)  # noqa: E731
         first = builder.mul(group, num_blocks)  # the group's first block
 
         def run(count):
             sums = [cgutils.alloca_once(builder, _VF) for _ in range(count)]  # registers
             for acc in sums:
                 builder.store(ir.Constant(_VF, [0.0] * ROWS), acc)
-            chains = 2 if count <= 4 else 1
+            chains = 2 if WIDE and count <= 4 else 1  # AVX2's chain is of vpaddd alone (latency 1)
             with cgutils.for_range(builder, num_blocks) as loop:
                 b = loop.index
                 at = builder.add(first, b)
@@ -343,8 +354,7 @@ def _codegen(kind: str):
                     for line in range(0, step, 64):
                         prefetch_ir(builder, array.data, builder.add(byte, _I64(ahead + line)))
                 partials = [[ir.Constant(_VI, [0] * ROWS)] * chains for _ in range(count)]
-                # half a block's vectors at a time: 8 live V_t leave registers for up to X_ROWS rows' sums
-                for ks in ((0, 1, 2, 3), (4, 5, 6, 7)):
+                for ks in _PARTS:
                     vs = _weight_vectors(builder, kind, qa, q_at, ks)
                     for i in range(count):
                         block_x = builder.add(builder.mul(_I64(i), width), builder.mul(b, _I64(BLOCK)))
@@ -352,8 +362,7 @@ def _codegen(kind: str):
                         for n, t in enumerate(k + h for h in (0, 8) for k in ks):
                             at_x = builder.gep(xa.data, [builder.add(block_x, _I64(2 * t))])
                             pair = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=2)
-                            partial[n % chains] = builder.call(dot, [partial[n % chains], vs[t],
-                                                                     _splat(builder, pair, _VI)])
+                            partial[n % chains] = dot(partial[n % chains], vs[t], _splat(builder, pair, _VI))
                 if is_mx:
                     e8m0 = _vload(builder, builder.gep(sa.data, [s_at]), ir.VectorType(ir.IntType(8), ROWS))
                     e8m0 = builder.zext(e8m0, _VI)
@@ -394,12 +403,15 @@ def block_arrays(scales, qs) -> bool:
 def kind_codegen(make, scales, qs, qs_arg: int):
     """make(kind)'s codegen for the weights' kind told from the array types (block_arrays): float32 scales with
     Q4_1 (qs uint8) or Q8_0 (int8); uint8 scales with mxint8 (qs int8), or mxfp4 / mxfp6 (qs uint8), told apart at
-    run time by the planes of qs (the intrinsic's argument qs_arg: 8 or 12)."""
+    run time by the planes of qs (the intrinsic's argument qs_arg: 8 or 12; mxfp4 alone where mx_available says
+    this CPU runs no mxfp6)."""
     u8 = c_array(qs, 4, types.uint8)
     if not c_array(scales, 4, types.uint8):
         return make("q4_1" if u8 else "q8_0")
     if not u8:
         return make("mxint8")
+    if not mx_available("mxfp6"):  # its byte table lookups need AVX-512; no mxfp6 weight is laid out here
+        return make("mxfp4")
 
     def mx_bytes(context, builder, signature, args):
         qa = context.make_array(signature.args[qs_arg])(context, builder, args[qs_arg])

@@ -87,14 +87,16 @@ class ServeConfig:
     dtype: str = _opt("auto", "model dtype: auto (float32 on cpu, bfloat16 on cuda), float32, float16, bfloat16")
     cpu_linear_dtype: str = _opt("auto", "on the CPU (dtype float32), the linear layers' weights and matmuls: auto "
                                          "(bfloat16 where the CPU has AVX512-BF16 or AMX, else float32), float32, "
-                                         "bfloat16; activations, norms and embeddings stay float32. With float32 a "
-                                         "sequence's greedy tokens do not depend on what it is batched with; with "
-                                         "bfloat16 they may, as on GPUs")
+                                         "bfloat16; activations, norms and embeddings stay float32. With auto or "
+                                         "bfloat16 the GGUF blocks multiply x rounded to int16 per block by integer "
+                                         "dots where the CPU has AVX512-VNNI or AVX2; float32 keeps their exact "
+                                         "float products. With float32 linears a sequence's greedy tokens do not "
+                                         "depend on what it is batched with; with bfloat16 they may, as on GPUs")
     gguf_blocks_max_tokens: int | None = _opt(None, "on the CPU, steps of at most this many tokens multiply by the GGUF's "
                                                     "own Q4_1/Q8_0 blocks, or by the MX weights of an MX weight_format "
                                                     "(0 = never; default: 64 with float32 linears or weight_format gguf; "
                                                     "with bfloat16 ones 32 where the CPU has AVX512-VNNI and AMX, 16 with "
-                                                    "AVX512-VNNI alone, else 1; MX 2)")
+                                                    "AVX512-VNNI or AVX2, else 1; MX 2)")
     weight_format: str = _opt("auto", "the linear layers' weights: auto (gguf blocks where the model has them, "
                                       "else cpu_linear_dtype), gguf (the GGUF's Q4_1/Q8_0 blocks), mxfp8, mxfp6, "
                                       "mxfp4, mxint8 (OCP MX, converted at load and cached), bf16 or fp32; see "

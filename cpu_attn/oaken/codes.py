@@ -7,7 +7,7 @@ from llvmlite import binding, ir
 from numba import njit, types
 from numba.core import cgutils
 
-from cpu_attn.llvm_ir import _F32, _I1, _I16, _I32, _I64, _I8, _llvm_fn, c_array, host_has, splat
+from cpu_attn.llvm_ir import _F32, _I1, _I16, _I32, _I64, _I8, _llvm_fn, c_array, host_has, pmaddwd_pairs, splat
 from cpu_attn.oaken.codec import MIDDLE_OFFSET, SEGMENT
 
 VNNI = host_has("avx512bw", "avx512vnni", "avx512vbmi2")
@@ -53,12 +53,10 @@ def _dpwssd(builder, acc, x, y):
     """acc + the pairwise int16 dot products of x and y (<16 x i32> each): one vpdpwssd, as inline
     assembly. Called as the intrinsic, LLVM's machine combiner splits most into vpmaddwd + vpaddd
     (a shorter chain for one product, two uops for every one): the kernels here are bound by uops.
-    Without VNNI, two AVX2 vpmaddwd and vpaddd (_pmaddwd)."""
-    vec = ir.VectorType(_I32, 16)
+    Without VNNI, two AVX2 vpmaddwd and vpaddd (llvm_ir.pmaddwd_pairs)."""
     if not VNNI:
-        halves = [ir.Constant(ir.VectorType(_I32, 8), list(range(k, k + 8))) for k in (0, 8)]
-        sums = [_pmaddwd(builder, *(builder.shuffle_vector(v, v, half) for v in (x, y))) for half in halves]
-        return builder.add(acc, builder.shuffle_vector(sums[0], sums[1], ir.Constant(vec, list(range(16)))))
+        return pmaddwd_pairs(builder, acc, x, y)
+    vec = ir.VectorType(_I32, 16)
     return builder.asm(ir.FunctionType(vec, [vec] * 3), "vpdpwssd $2, $1, $0", "=v,v,v,0", [x, y, acc], False)
 
 
