@@ -1,17 +1,17 @@
 """The decode step's linear layers on the CPU, five ways in one run, on the bundled model's weights:
 the fp32 copy with BLAS, the GGUF's own Q4_1 blocks (gpu_model/quant.py: float32 products), the
-same blocks with integer dots (gpu_model/quant_vnni.py, CPUs with AVX512-VNNI) and by AMX tiles
+same blocks with integer dots (gpu_model/quant_vnni.py, CPUs with AVX512-VNNI or AVX2) and by AMX tiles
 (gpu_model/quant_amx.py, CPUs with AMX; served from TILE_MIN_TOKENS rows), and bf16 weights with
 oneDNN (`--cpu-linear-dtype bfloat16`, the default on CPUs with AVX512-BF16 or AMX).
 
-    python -m benchmarks.bench_linears [--tokens 1 2 4 16 64 512] [--repeats 20]
+    python -m benchmarks.bench_linears [--tokens 1 2 4 16 64 512] [--repeats 20] [--name linears]
 
 One "step" = every layer's qkv, o, gate_up and down plus the output head, for a batch of `tokens`
 rows (a decode step at that many sequences, or a prefill chunk). Warm caches: the weights of a
 135M model (212 MB in bf16) do not stay in L3 between real steps, so in the server the bf16 and
 fp32 paths also pay the weight reads that the blocks (~0.6 byte a weight) avoid; the table gives
 the floor that read costs at the machine's measured bandwidth. Prints a table, writes
-benchmarks/results/linears.json and linears.png.
+benchmarks/results/NAME.json and NAME.png.
 """
 from __future__ import annotations
 
@@ -51,14 +51,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 16, 64, 512])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--model", help="GGUF file or safetensors directory (default: the bundled model)")
+    p.add_argument("--name", default="linears", help="results file stem (default: linears)")
     args = p.parse_args()
     model_dir = resolve_model_dir(args.model, Path("~/.cache/hetserve/models").expanduser())
     torch.set_grad_enabled(False)
     fp32 = load_model(model_dir, gguf_blocks_max_tokens=0, cpu_linear_dtype="float32")
     blocks = load_model(model_dir, gguf_blocks_max_tokens=BLOCKS_MAX_TOKENS, cpu_linear_dtype="float32")
     bf16 = load_model(model_dir, gguf_blocks_max_tokens=0, cpu_linear_dtype="bfloat16")
-    # the blocks with integer dots (gpu_model/quant_vnni.py), as served beside bf16 linears on CPUs with VNNI
-    vnni = load_model(model_dir, gguf_blocks_max_tokens=BLOCKS_MAX_TOKENS, cpu_linear_dtype="bfloat16")
+    # the blocks with integer dots (gpu_model/quant_vnni.py), as served by default where the CPU has them
+    vnni = load_model(model_dir, gguf_blocks_max_tokens=BLOCKS_MAX_TOKENS, cpu_linear_dtype="auto")
     has_blocks, has_vnni = bool(blocks.quant), any(isinstance(q, VnniWeight) for q in vnni.quant.values())
     mach = machine()
     gbs = mach["memory_read_gb_s"]
@@ -91,9 +92,10 @@ def main() -> None:
     print("ms per step (speed-ups: a / b > 1 means b is faster)")
     print_table(rows, ["tokens", "fp32_ms", "blocks_ms", "vnni_ms", "tiles_ms", "bf16_ms", "bf16_vs_fp32",
                        "bf16_vs_blocks", "vnni_vs_blocks", "bf16_vs_vnni", "vnni_vs_tiles"])
-    path = write_json("linears.json", {"machine": mach, "weight_bytes": nbytes, "read_floor_ms": floors, "rows": rows})
-    plot(rows, floors, RESULTS / "linears.png")
-    print(f"wrote {path} and linears.png")
+    path = write_json(f"{args.name}.json", {"machine": mach, "weight_bytes": nbytes, "read_floor_ms": floors,
+                                            "rows": rows})
+    plot(rows, floors, RESULTS / f"{args.name}.png")
+    print(f"wrote {path} and {args.name}.png")
 
 
 def plot(rows: list[dict], floors: dict[str, float], path: Path) -> None:
