@@ -11,7 +11,7 @@ from gpu_model.mx_weight import MXWeight, rotate
 from gpu_model.quant_vnni import VnniWeight, is_available, mx_available, vnni_matmul
 from tests.test_quant import random_blocks
 
-pytestmark = pytest.mark.skipif(not is_available(), reason="this CPU has no AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not is_available(), reason="this CPU has no integer dots (AVX512-VNNI or AVX2)")
 
 
 def rounded(v: np.ndarray) -> np.ndarray:
