@@ -19,6 +19,7 @@ import numpy as np
 from cpu_attn.calibrate import SPARSE_FRACTION, OakenThresholds
 from cpu_attn.kernels import (attention_scratch, gather_rows, paged_decode_attention, paged_verify_attention,
                               split_parts, verify_scratch, write_kv, zeros_aligned)
+from cpu_attn.kv_policy import compact_rows, paged_decode_attention_scored
 from cpu_attn.oaken.store import OakenKVStore
 
 # fp16 is kept as raw uint16 bits (Numba has no CPU float16); see fp16.py
@@ -47,6 +48,12 @@ class KVStore(Protocol):
     def verify_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          row_first: np.ndarray, row_count: np.ndarray,
                          scale: float) -> tuple[np.ndarray, np.ndarray]: ...
+
+    # layered KV sparsity's worker (cpu_attn/layered_worker.py) also needs:
+    def scored_decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                                scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+    def compact(self, layer: int, block_table, held: int, keep: np.ndarray) -> None: ...
 
 
 class PagedKVStore:
@@ -122,6 +129,25 @@ class PagedKVStore:
         paged_decode_attention(np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables, seq_lens,
                                np.float32(scale), out, lse, self.decode_scratch(num_heads, seq_lens))
         return out, lse
+
+    def scored_decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                                scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """decode_attention that also returns every row's logit: raw [B, Hq, max(seq_lens)] float32, row t of
+        sequence b scale * q[b, h] . k_t (t < seq_lens[b]), from the kernel's own scores
+        (kv_policy.paged_decode_attention_scored)."""
+        num_seqs, num_heads, head_dim = q.shape
+        out = np.empty((num_seqs, num_heads, head_dim), np.float32)
+        lse = np.empty((num_seqs, num_heads), np.float32)
+        raw = np.empty((num_seqs, num_heads, int(seq_lens.max())), np.float32)
+        paged_decode_attention_scored(np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables,
+                                      seq_lens, np.float32(scale), out, lse, raw,
+                                      self.decode_scratch(num_heads, seq_lens))
+        return out, lse, raw
+
+    def compact(self, layer: int, block_table, held: int, keep: np.ndarray) -> None:
+        """Keep keep.shape[1] of a sequence's first `held` rows, compacted to the front: row i of kv-head h becomes
+        its old row keep[h, i] (keep [Hkv, K] ascending; layered KV sparsity, kv_policy.compact_rows)."""
+        compact_rows(self.k[layer], self.v[layer], np.asarray(block_table, np.int64), keep)
 
     def verify_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          row_first: np.ndarray, row_count: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -218,3 +244,27 @@ def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int
     if kv_format in ("fp16", "fp32"):
         return PagedKVStore(*geometry, "float16" if kv_format == "fp16" else "float32")
     raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}, not {kv_format!r}")
+
+
+def layered_stores(kv_format: str, slots: int, num_groups: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   num_blocks: int, oaken_cal: OakenThresholds | None = None, sparse_fraction: float = SPARSE_FRACTION,
+                   recent_blocks: int = 0) -> list[KVStore]:
+    """The stores of a layered cache's `num_groups` layer groups of `slots` layers each over one pool of blocks
+    (cpu_attn/layered_worker.py): one fp16 / fp32 store for every group, or for Oaken one store per group with its
+    layers' calibration (oaken_cal sliced) and its own tails, all over the first one's codes."""
+    geometry = (slots, num_kv_heads, head_dim, block_size, num_blocks)
+    if kv_format in ("fp16", "fp32"):
+        return [PagedKVStore(*geometry, "float16" if kv_format == "fp16" else "float32")] * num_groups
+    if kv_format != "oaken":
+        raise ValueError(f"a layered cache needs kv_format fp16, fp32 or oaken, not {kv_format!r}")
+    if oaken_cal is None:
+        raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
+    stores: list[KVStore] = []
+    for g in range(num_groups):
+        layers = slice(g * slots, (g + 1) * slots)
+        key_scales, key_bias, value_scales = (None if x is None else x[layers] for x in (
+            oaken_cal.key_scales, oaken_cal.key_bias, oaken_cal.value_scales))
+        stores.append(OakenKVStore(*geometry, oaken_cal.values[layers], sparse_fraction, key_scales, recent_blocks,
+                                   key_bias, value_scales, oaken_cal.rope_inv_freq, oaken_cal.rotation,
+                                   codes_of=stores[0] if stores else None))
+    return stores

@@ -1,10 +1,13 @@
 """The attention worker of layered KV sparsity (hetcore/kv_policy.py).
 
-The store holds `layout.slots` layers; layer l lives in slot l % slots of the blocks of its group
-l // slots. Group 0's layers run as in AttentionWorker, on the chunk's block_table. Every other
-group's layers run on the chunk's KVView: its rows are appended after the rows the group holds,
+Every block holds `layout.slots` layers; layer l lives in slot l % slots of the blocks of its group
+l // slots, in that group's store (`stores[g]`: one store over the block pool for every group, or for
+Oaken KV one per group, each with its layers' calibration over the same codes). Group 0's layers run
+as in AttentionWorker, on the chunk's block_table. Every other group's layers run on the chunk's
+KVView: its rows are appended after the rows the group holds,
 attention reads rows [0, rows_before + n), and a sparse group then scores its rows and, when the
-view says so, keeps the best `keep_after` of them, compacted to the front of its blocks:
+view says so, keeps the best `keep_after` of them, compacted to the front of its blocks (the store's
+`compact`; a row's position in a group's store is its row number):
 
     before (budget 6, sinks 1, window 2)    rows  0 1 2 3 4 5 6 7 8      kept: 0, 3, 5, 6, 7, 8
     after                                   rows  0 3 5 6 7 8 . . .      (the last blocks go free)
@@ -18,9 +21,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cpu_attn.kv_policy import (accumulate_probs, compact_rows, observed_attention, paged_decode_attention_scored,
-                                pooled, select_keep)
-from cpu_attn.kv_store import PagedKVStore
+from cpu_attn.kv_policy import accumulate_probs, observed_attention, pooled, select_keep
+from cpu_attn.kv_store import KVStore
 from cpu_attn.prefill import prefill_attention
 from cpu_attn.worker import AttentionWorker, ChunkLayout, padded_tables
 from hetcore.kv_policy import KVLayout, KVView
@@ -36,6 +38,7 @@ class LayeredChunkLayout(ChunkLayout):
 @dataclass
 class _GroupPlan:
     slot_mapping: np.ndarray  # [T] int64
+    rows: np.ndarray  # [T] int64: each token's row in its sequence's group table (its position in the store)
     decode_rows: torch.Tensor  # [B] rows of 1-token chunks in the flat batch
     decode_seq_ids: list[int]
     block_tables: np.ndarray  # [B, max_blocks] int32
@@ -48,7 +51,7 @@ class _GroupPlan:
 
 def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: int) -> _GroupPlan:
     """The plan of group index + 1 (view entry `index`)."""
-    slots, decode_rows, decode_ids, tables, seq_lens, prefills, evictions = [], [], [], [], [], [], []
+    slots, row_ids, decode_rows, decode_ids, tables, seq_lens, prefills, evictions = [], [], [], [], [], [], [], []
     row = 0
     for c in chunks:
         v = c.kv_view
@@ -56,6 +59,7 @@ def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: in
         rows = np.arange(before, before + c.num_tokens)
         ids = np.asarray(table, dtype=np.int64)
         slots.append(ids[rows // block_size] * block_size + rows % block_size)
+        row_ids.append(rows)
         if c.num_tokens == 1:
             decode_rows.append(row)
             decode_ids.append(c.seq_id)
@@ -66,17 +70,21 @@ def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: in
         if after < before + c.num_tokens:
             evictions.append((c.seq_id, before + c.num_tokens, after, table, c.num_tokens > 1))
         row += c.num_tokens
-    return _GroupPlan(np.concatenate(slots) if slots else np.zeros(0, np.int64),
+    none = np.zeros(0, np.int64)
+    return _GroupPlan(np.concatenate(slots) if slots else none, np.concatenate(row_ids) if row_ids else none,
                       torch.tensor(decode_rows, dtype=torch.long), decode_ids, padded_tables(tables),
                       np.asarray(seq_lens, dtype=np.int32), prefills, evictions)
 
 
 class LayeredAttentionWorker(AttentionWorker):
-    """AttentionWorker over a store of `layout.slots` layers, with per-group rows and eviction."""
+    """AttentionWorker over stores of `layout.slots` layers, one per layer group, with per-group rows and eviction.
+    A store needs, beside KVStore's methods, scored_decode_attention and compact (PagedKVStore, OakenKVStore)."""
 
-    def __init__(self, store: PagedKVStore, head_dim: int, layout: KVLayout):
-        assert isinstance(store, PagedKVStore) and store.num_layers == layout.slots, "a paged fp16/fp32 store of slots"
-        super().__init__(store, head_dim, None)
+    def __init__(self, stores: Sequence[KVStore], head_dim: int, layout: KVLayout):
+        assert len(stores) == layout.num_groups and all(s.num_layers == layout.slots for s in stores), \
+            "a store of `slots` layers for each group"
+        super().__init__(stores[0], head_dim, None)
+        self.stores = list(stores)
         self.layout = layout
         self._scores: dict[int, np.ndarray] = {}
         """seq_id -> [num_layers, Hkv, capacity] float32: each row's accumulated attention (sparse layers')."""
@@ -106,49 +114,44 @@ class LayeredAttentionWorker(AttentionWorker):
         if group == 0:
             return super().attend(slot, q, k, v)
         t0 = time.perf_counter()
-        plan = self._groups[group - 1]
+        plan, store = self._groups[group - 1], self.stores[group]
         sparse = self.layout.is_sparse(group)
-        self.store.write(slot, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy())
+        store.write(slot, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy(), plan.rows)
         if not plan.prefills:  # a decode-only step: every row is a decode row, in order
-            out = torch.from_numpy(self._decode_rows(layer, slot, np.ascontiguousarray(q.numpy(), np.float32), plan,
-                                                     sparse))
+            out = torch.from_numpy(self._decode_rows(store, layer, slot, np.ascontiguousarray(q.numpy(), np.float32),
+                                                     plan, sparse))
         else:
             out = torch.empty(q.shape, dtype=q.dtype)
         if len(plan.decode_rows) and plan.prefills:
             rows = plan.decode_rows
-            out[rows] = torch.from_numpy(self._decode_rows(layer, slot, np.ascontiguousarray(q[rows].numpy(),
-                                                                                          np.float32), plan, sparse))
+            out[rows] = torch.from_numpy(self._decode_rows(store, layer, slot,
+                                                           np.ascontiguousarray(q[rows].numpy(), np.float32), plan,
+                                                           sparse))
         policy = self.layout.policy
         at_prompt_end = {e[0] for e in plan.evictions if e[4]}
         focus = {}
         for first, n, before, table, seq_id, observed in plan.prefills:
             last = min(policy.focus, observed) if sparse and seq_id in at_prompt_end else 0
             out[first:first + n], focus[seq_id] = self._prefill(
-                layer, slot, q[first:first + n], k[first:first + n], v[first:first + n], before, table, seq_id,
+                store, layer, slot, q[first:first + n], k[first:first + n], v[first:first + n], before, table, seq_id,
                 observed if sparse else 0, last)
         for seq_id, held, kept, table, prompt in plan.evictions:
-            self._evict(layer, slot, seq_id, held, kept, table, policy.score_pool if prompt else 1,
+            self._evict(store, layer, slot, seq_id, held, kept, table, policy.score_pool if prompt else 1,
                         focus.get(seq_id) if prompt else None)
         self.busy_s += time.perf_counter() - t0
         return out.reshape(q.shape[0], -1)
 
-    def _decode_rows(self, layer: int, slot: int, q: np.ndarray, plan: _GroupPlan, sparse: bool) -> np.ndarray:
+    def _decode_rows(self, store: KVStore, layer: int, slot: int, q: np.ndarray, plan: _GroupPlan,
+                     sparse: bool) -> np.ndarray:
         """q: [B, Hq, D] of the plan's decode rows -> their attention output [B, Hq, D]."""
         if sparse:
-            return self._scored_decode(layer, slot, q, plan)
-        return self.store.decode_attention(slot, q, plan.block_tables, plan.seq_lens, self.scale)[0]
+            return self._scored_decode(store, layer, slot, q, plan)
+        return store.decode_attention(slot, q, plan.block_tables, plan.seq_lens, self.scale)[0]
 
-    def _scored_decode(self, layer: int, slot: int, q: np.ndarray, plan: _GroupPlan) -> np.ndarray:
+    def _scored_decode(self, store: KVStore, layer: int, slot: int, q: np.ndarray, plan: _GroupPlan) -> np.ndarray:
         """Exact decode attention over the group's rows; each row's probabilities add to its score."""
-        store = self.store
-        num_seqs, num_heads, head_dim = q.shape
-        longest = int(plan.seq_lens.max())
-        out = np.empty((num_seqs, num_heads, head_dim), np.float32)
-        lse = np.empty((num_seqs, num_heads), np.float32)
-        raw = np.empty((num_seqs, num_heads, longest), np.float32)
-        scratch = store.decode_scratch(num_heads, plan.seq_lens)
-        paged_decode_attention_scored(q, store.k[slot], store.v[slot], plan.block_tables, plan.seq_lens,
-                                      np.float32(self.scale), out, lse, raw, scratch)
+        out, lse, raw = store.scored_decode_attention(slot, q, plan.block_tables, plan.seq_lens, self.scale)
+        num_seqs, longest = len(q), raw.shape[2]
         probs = np.zeros((num_seqs, store.num_kv_heads, longest), np.float32)
         accumulate_probs(raw, lse, plan.seq_lens, store.num_kv_heads, probs)
         decay = self.layout.policy.score_decay
@@ -160,15 +163,16 @@ class LayeredAttentionWorker(AttentionWorker):
             scores += probs[b, :, :n]
         return out
 
-    def _prefill(self, layer: int, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, before: int,
-                 table: tuple[int, ...], seq_id: int, observed: int, last: int) -> tuple[torch.Tensor, np.ndarray | None]:
+    def _prefill(self, store: KVStore, layer: int, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 before: int, table: tuple[int, ...], seq_id: int, observed: int,
+                 last: int) -> tuple[torch.Tensor, np.ndarray | None]:
         """A prompt chunk's attention (q: [n, Hq, D]) over the group's rows (its own at before ..
         before + n - 1, causal by row: the rows before it are earlier tokens, kept); its last `observed`
         queries also score the rows (a sparse group's, KVView.observed). Returns the output and, when `last`,
         the scores of the chunk's last `last` queries alone [Hkv, before + n] (KVPolicy.focus)."""
         n = q.shape[0]
         if before:
-            k_np, v_np = self.store.gather(slot, table, before + n)
+            k_np, v_np = store.gather(slot, table, before + n)
             k_ctx, v_ctx = torch.from_numpy(k_np), torch.from_numpy(v_np)
         else:
             k_ctx, v_ctx = k, v
@@ -183,7 +187,7 @@ class LayeredAttentionWorker(AttentionWorker):
         self._scores[seq_id][layer, :, :before + n] += scores
         return out, tail
 
-    def _evict(self, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...],
+    def _evict(self, store: KVStore, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...],
                pool: int, focus: np.ndarray | None) -> None:
         """Keep `kept` of the `held` rows, each ranked by the larger of its score and the mean of the `pool` rows
         around it; the kept rows carry that on. With `focus` (the prompt's last queries' scores, KVPolicy.focus),
@@ -198,7 +202,7 @@ class LayeredAttentionWorker(AttentionWorker):
         else:
             ranked = own if pool == 1 else np.maximum(own, pooled(own, pool))
         keep = select_keep(ranked, kept, p.sinks, p.window_rows(kept))
-        compact_rows(self.store.k[slot], self.store.v[slot], np.asarray(table, np.int64), keep)
+        store.compact(slot, table, held, keep)
         scores[:, :kept] = np.take_along_axis(ranked, keep, axis=1)
         scores[:, kept:] = 0.0
 

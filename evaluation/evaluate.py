@@ -159,7 +159,8 @@ def evaluate(model, windows: list[list[int]], kv_formats: list[str], *, prefill_
                   for name in names if not name.endswith(LAYERED_SUFFIX)}
         attn = {name: AttentionWorker(store, cfg.head_dim, sparse_part(name, lsh, topk_frac, cfg))
                 for name, store in stores.items()}
-        layered = {name: LayeredRun(name.split("+")[0], cfg, layout, num, blocks_per_window, block_size)
+        layered = {name: LayeredRun(name.split("+")[0], cfg, layout, num, blocks_per_window, block_size, oaken_cal,
+                                    sparse_fraction, num if exact_recent else 0)
                    for name in names if name.endswith(LAYERED_SUFFIX)}
         for name, run in layered.items():
             stores[name], attn[name] = run.store, run.worker

@@ -8,20 +8,21 @@ rows held in all layers over the rows a full cache holds there.
 """
 from __future__ import annotations
 
-from cpu_attn.kv_store import make_store
+from cpu_attn.calibrate import SPARSE_FRACTION, OakenThresholds
+from cpu_attn.kv_store import layered_stores
 from cpu_attn.layered_worker import LayeredAttentionWorker, LayeredChunkLayout
 from hetcore.kv_policy import KVLayout, KVView, SeqRows
 
 LAYERED_SUFFIX = "+layered"
-LAYERED_FORMATS = ("fp16", "fp32")
-"""KV formats whose rows the compaction moves (a paged store of plain values)."""
+LAYERED_FORMATS = ("fp16", "fp32", "oaken")
+"""KV formats whose stores compact a sparse layer's rows (cpu_attn/kv_store.layered_stores)."""
 
 
 def layered_names(kv_formats: list[str], has_sparse_attention: bool, cached_prefix_tokens: int) -> list[str]:
     """"<format>+layered" for each format; refuses the combinations layered sparsity does not run with."""
     bad = [f for f in kv_formats if f not in LAYERED_FORMATS]
     if bad:
-        raise ValueError(f"--kv-policy layered runs over the fp16 and fp32 KV formats, not {', '.join(bad)}")
+        raise ValueError(f"--kv-policy layered runs over the fp16, fp32 and oaken KV formats, not {', '.join(bad)}")
     if has_sparse_attention:
         raise ValueError("--kv-policy layered runs with exact attention (not MagicPIG or TopK)")
     if cached_prefix_tokens:
@@ -30,14 +31,19 @@ def layered_names(kv_formats: list[str], has_sparse_attention: bool, cached_pref
 
 
 class LayeredRun:
-    """One layered variant over a batch of `num` windows of `blocks_per_window` blocks."""
+    """One layered variant over a batch of `num` windows of `blocks_per_window` blocks (oaken_cal, sparse_fraction,
+    recent_blocks: as make_store takes them for an Oaken store)."""
 
-    def __init__(self, kv_format: str, cfg, layout: KVLayout, num: int, blocks_per_window: int, block_size: int):
+    def __init__(self, kv_format: str, cfg, layout: KVLayout, num: int, blocks_per_window: int, block_size: int,
+                 oaken_cal: OakenThresholds | None = None, sparse_fraction: float = SPARSE_FRACTION,
+                 recent_blocks: int = 0):
         self.layout = layout
         groups = layout.num_groups
-        self.store = make_store(kv_format, layout.slots, cfg.num_kv_heads, cfg.head_dim, block_size,
-                                groups * num * blocks_per_window)
-        self.worker = LayeredAttentionWorker(self.store, cfg.head_dim, layout)
+        stores = layered_stores(kv_format, layout.slots, groups, cfg.num_kv_heads, cfg.head_dim, block_size,
+                                groups * num * blocks_per_window, oaken_cal, sparse_fraction, recent_blocks)
+        self.store = stores[0]
+        """Group 0's store (the full layers): what the realized bits of an Oaken store are read from."""
+        self.worker = LayeredAttentionWorker(stores, cfg.head_dim, layout)
         self.tables = [[tuple(range((g * num + i) * blocks_per_window, (g * num + i + 1) * blocks_per_window))
                         for g in range(groups)] for i in range(num)]
         self.rows = [SeqRows(layout) for _ in range(num)]

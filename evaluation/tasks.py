@@ -223,7 +223,8 @@ def evaluate_task(model, tok, task: str, context_tokens: list[int], num_samples:
                                              cfg.head_dim, sparse_part(name, lsh, topk_frac, cfg))
                        for name in names if not name.endswith(LAYERED_SUFFIX)}
             most = max(-(-(len(s.prompt) + s.max_new_tokens) // block_size) for s in batch)
-            layered = {name: LayeredRun(name.split("+")[0], cfg, layout, len(batch), most, block_size)
+            layered = {name: LayeredRun(name.split("+")[0], cfg, layout, len(batch), most, block_size, oaken_cal,
+                                        sparse_fraction, len(batch))
                        for name in names if name.endswith(LAYERED_SUFFIX)}
             workers.update((name, run.worker) for name, run in layered.items())
             for name, outs in generate(model, workers, batch, tok.eos_token_ids, layered).items():

@@ -22,7 +22,7 @@ int16_add_weighted_rows = vnni_add_weighted_rows if VNNI else avx2_add_weighted_
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_lens, scale, out, lse, scratch):
+def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_lens, scale, out, lse, raw, scratch):
     """paged_decode_attention (cpu_attn/kernels.py) over an Oaken store: each block's K and V rows
     of one kv-head are decoded into small scratch (kb, vb: [U, block_size, D], L1-sized) and used
     at once; no full-precision copy of the cache is ever made. Scratch and states are per unit, a
@@ -39,7 +39,9 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
     centers by vnni_center_scores (see center_codes) and its values summed by
     vnni_add_weighted_rows; without (codes [0, 0, 0]) every block is decoded. Without center
     terms (queries.center [0, 0, 0]) the keys are not centered; else their centers are added in
-    the score domain (add_center_scores)."""
+    the score domain (add_center_scores). raw: [B, Hq, >= max(seq_lens)] float32, where row t of sequence b
+    gets its logit scale * q[b, h] . k_t (written for t < seq_lens[b] only), as the layered cache's scores
+    need (cpu_attn/kv_policy.py); [0, 0, 0]: not written."""
     q, q_center, qi, qscale = queries  # read only: unpacked (records.py)
     k_dense, k_scales, k_counts, k_sparse, _, k_tail_of, thr_k = k_parts
     v_dense, v_scales, v_counts, v_sparse, _, _, thr_v = v_parts
@@ -62,6 +64,7 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
     group = num_heads // num_kv_heads
     splits = parts.shape[0] // (num_seqs * num_kv_heads)
     int_dots = qi.shape[0] > 0
+    scored = raw.shape[0] > 0
     for task in prange(num_seqs * splits):  # a part of one sequence, every kv-head of each of its blocks in turn
         b, part = task // splits, task % splits
         n = seq_lens[b]
@@ -91,6 +94,9 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
                 if centered:
                     center_codes(q_center[b], center, j, inv, abq)
                     vnni_center_scores(task_scores, abq, factor, offset_pairs)
+                if scored:
+                    for h in range(num_heads):
+                        raw[b, h, j * block_size:(j + 1) * block_size] = task_scores[h]
                 softmax_rows16(task_scores, task_acc, task_m, task_l)
                 int16_add_weighted_rows(task_acc, task_scores, v_dense[block], v_scales[block], v_counts[block],
                                         v_sparse[block], thr_v)
@@ -103,6 +109,9 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
                 block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
                 if q_center.shape[0]:
                     add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
+                if scored:
+                    for g in range(group):
+                        raw[b, kvh * group + g, j * block_size:j * block_size + width] = scores[unit, g, :width]
                 load_block(v_parts, block, first_seg, width, vb[unit])
                 attend_scores(scores[unit], vb[unit], width, parts[unit], m[unit], l[unit])
         for kvh in range(num_kv_heads):

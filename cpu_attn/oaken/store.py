@@ -62,7 +62,12 @@ class OakenKVStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  thresholds: np.ndarray, sparse_fraction: float = SPARSE_FRACTION, key_scales: np.ndarray | None = None,
                  recent_blocks: int = 0, key_bias: np.ndarray | None = None, value_scales: np.ndarray | None = None,
-                 rope_inv_freq: np.ndarray | None = None, rotation: np.ndarray | None = None):
+                 rope_inv_freq: np.ndarray | None = None, rotation: np.ndarray | None = None,
+                 codes_of: OakenKVStore | None = None):
+        """codes_of: a store of the same geometry whose codes (dense, scales, counts, sparse) this one uses
+        instead of its own, so that stores with other layers' calibrations share one block pool (the layered
+        cache: a block holds one layer group's rows, each group its own store over the pool,
+        cpu_attn/layered_worker.py). Tails and calibration stay each store's own."""
         if head_dim % oaken.SEGMENT:
             raise ValueError(f"Oaken KV needs head_dim a multiple of {oaken.SEGMENT}, not {head_dim}")
         if thresholds.shape != (num_layers, 2, 4):
@@ -102,11 +107,17 @@ class OakenKVStore:
         # full blocks in int16 dot products (oaken.vnni_* or avx2_*)
         self.int_dots = oaken.INT16 and block_size == oaken.ROWS
         lead = (num_layers, 2, num_blocks, block_size)
-        self.dense = zeros_aligned(lead + (c // 2,), np.uint8)
-        self.scales = zeros_aligned(lead + (3,), np.uint16)
-        self.counts = zeros_aligned(lead + (c // oaken.SEGMENT,), np.uint8)
-        # oaken.avx2_* read entries eight bytes at a time: up to 7 bytes past a block's last
-        self.sparse = zeros_aligned((num_layers, 2, num_blocks, self.budget), np.uint8, slack=64)
+        if codes_of is not None:
+            if codes_of.dense.shape != lead + (c // 2,) or codes_of.budget != self.budget:
+                raise ValueError("codes_of must be a store of the same geometry and sparse budget")
+            self.dense, self.scales, self.counts, self.sparse = (codes_of.dense, codes_of.scales, codes_of.counts,
+                                                                 codes_of.sparse)
+        else:
+            self.dense = zeros_aligned(lead + (c // 2,), np.uint8)
+            self.scales = zeros_aligned(lead + (3,), np.uint16)
+            self.counts = zeros_aligned(lead + (c // oaken.SEGMENT,), np.uint8)
+            # oaken.avx2_* read entries eight bytes at a time: up to 7 bytes past a block's last
+            self.sparse = zeros_aligned((num_layers, 2, num_blocks, self.budget), np.uint8, slack=64)
         self.tail = zeros_aligned((num_layers, 2, recent_blocks, block_size, c), np.float32)
         self.tail_of = np.full((num_layers, num_blocks), -1, np.int32)  # tail slot of each block, or -1
         self.tail_block = np.full((num_layers, recent_blocks), -1, np.int64)  # block of each slot, or -1
@@ -359,26 +370,58 @@ class OakenKVStore:
             out.append(x * (self.key_scales if kv == 0 else self.value_scales)[layer])
         return out[0], out[1]
 
+    def compact(self, layer: int, block_table, held: int, keep: np.ndarray) -> None:
+        """Keep keep.shape[1] of a sequence's first `held` rows, compacted to the front: row i of kv-head h becomes
+        its old row keep[h, i] (keep [Hkv, K] ascending; layered KV sparsity, cpu_attn/layered_worker.py). From the
+        first row that changes on, the kept rows are decoded and written again at their new rows, centered at
+        those rows' positions (the kernels center row r at position r), so each block's sparse entries stay in
+        row order; rows past K are left for the sequence's next writes to replace."""
+        kept = keep.shape[1]
+        moved = np.flatnonzero((keep != np.arange(kept)).any(axis=0))
+        if not len(moved):
+            return
+        first = int(moved[0])
+        k, v = self.gather(layer, block_table, held)
+        picks, heads = keep[:, first:].T, np.arange(self.num_kv_heads)  # [n, Hkv]: row of each (new row, head)
+        rows = np.arange(first, kept)
+        blocks = np.asarray(block_table, np.int64)
+        self.write(layer, blocks[rows // self.block_size] * self.block_size + rows % self.block_size,
+                   k[picks, heads], v[picks, heads], rows)
+
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          scale: float, splits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """q: [B, Hq, D] float32 -> out [B, Hq, D], lse [B, Hq] (float32). splits: into how many parts each
         context is cut (default: kernels.split_parts of this batch; the parts' sums are joined in that order)."""
+        return self._decode(layer, q, block_tables, seq_lens, scale, splits, False)
+
+    def scored_decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                                scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """decode_attention that also returns every row's logit: raw [B, Hq, max(seq_lens)] float32, row t of
+        sequence b scale * q[b, h] . k_t (t < seq_lens[b]), from the kernel's own scores."""
+        return self._decode(layer, q, block_tables, seq_lens, scale, None, True)
+
+    def _decode(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray, scale: float,
+                splits: int | None, scored: bool) -> tuple[np.ndarray, ...]:
         # the kernel's tasks are parts of sequences (all kv-heads of a block in turn): split as many
         if splits is None:
             splits = split_parts(len(q), seq_lens, self.block_size)
+        width = int(seq_lens.max()) if scored else 0
         if not self.held[layer].any():
-            return self._decode_rows(layer, q, block_tables, seq_lens, scale, splits)
-        outputs = np.empty(q.shape, np.float32), np.empty(q.shape[:2], np.float32)
+            return self._decode_rows(layer, q, block_tables, seq_lens, scale, splits, width)
+        outputs = (np.empty(q.shape, np.float32), np.empty(q.shape[:2], np.float32),
+                   *((np.empty((*q.shape[:2], width), np.float32),) if scored else ()))
         self._in_passes(layer, block_tables, seq_lens, lambda rows: self._decode_rows(
-            layer, q[rows], block_tables[rows], seq_lens[rows], scale, splits), outputs)
+            layer, q[rows], block_tables[rows], seq_lens[rows], scale, splits, width), outputs)
         return outputs
 
     def _decode_rows(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray, scale: float,
-                     splits: int) -> tuple[np.ndarray, np.ndarray]:
+                     splits: int, raw_width: int = 0) -> tuple[np.ndarray, ...]:
+        """raw_width: with it, also the rows' logits [B, Hq, raw_width] (scored_decode_attention)."""
         num_seqs, num_heads, head_dim = q.shape
         group, work = num_heads // self.num_kv_heads, num_seqs * self.num_kv_heads
         out = np.empty((num_seqs, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_seqs, num_heads), dtype=np.float32)
+        raw = np.zeros((num_seqs, num_heads, raw_width) if raw_width else (0, 0, 0), np.float32)
         scratch = attention_scratch(work, group, self.block_size, head_dim, splits)
         int_dots = self.int_dots and num_heads <= oaken.MAX_HEADS  # else no int16 scratch, empty query codes
         # the queries in store space, turned, their center terms and int16 codes, in one call
@@ -392,10 +435,10 @@ class OakenKVStore:
                              self.key_center[layer], queries)
         center = tuple(oaken.ScoreCenter(self._block_cos, self._block_sin, self._offset_table, self._offset_pairs))
         oaken.oaken_decode_attention(queries, self._parts(layer, 0), self._parts(layer, 1), center, block_tables,
-                                     seq_lens, np.float32(scale), out, lse,
+                                     seq_lens, np.float32(scale), out, lse, raw,
                                      tuple(oaken.oaken_scratch(scratch, int_dots)))
         oaken.decode_outputs(out, self._unrotation, self.value_scales[layer])
-        return out, lse
+        return (out, lse, raw) if raw_width else (out, lse)
 
     def verify_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          row_first: np.ndarray, row_count: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
