@@ -322,4 +322,7 @@ class HeteroBackend(Backend):
                                                 cpu_attn_dense_s=attn.get("cpu_attn_dense")))
 
     def close(self) -> None:
-        pass
+        """Let the model and the KV cache go (the backend is not stepped again), so that a process that goes on (a
+        test suite starting server after server) gets their memory back while something still holds the backend: a
+        web framework's caches keep the endpoints of every app they served, and those hold the engine."""
+        self.model = self.model_worker = self.draft_worker = self.attn_worker = self.draft_model = None

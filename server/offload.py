@@ -227,4 +227,5 @@ class OffloadBackend(HeteroBackend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self.device_attn = None
         super().close()
