@@ -58,7 +58,8 @@ TILE_MIN_TOKENS = 4
 """Beside bf16 linears on CPUs with AMX, steps of at least this many tokens multiply the integer-dot layout's
 weights by AMX tiles (gpu_model/quant_amx.py) instead of vpdpwssd: the bundled model's linears and head took
 11.6 / 14.0 / 19.4 / 35.3 ms with vpdpwssd and 10.8 / 12.6 / 12.6 / 18.9 ms with tiles at 4 / 5 / 8 / 16 rows, and
-8.2 against 10.5 ms at one row (benchmarks/bench_linears.py, 2-core Xeon VM, 2026-11-30)."""
+8.2 against 10.5 ms at one row (benchmarks/bench_linears.py, 2-core Xeon VM, 2026-11-30). A step with draft tokens
+takes tiles where the same step without them would (gpu_model/worker.ModelWorker.tiles_for)."""
 MX_MAX_TOKENS = 64
 """Steps of at most this many tokens multiply by MX weights (gpu_model/mx_kernels.py) by default with
 float32 dense linears. Beside bf16 ones (oneDNN, AMX) mxfp4, mxfp6 and mxint8 take the integer-dot
