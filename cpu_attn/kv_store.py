@@ -50,6 +50,9 @@ class KVStore(Protocol):
                          scale: float) -> tuple[np.ndarray, np.ndarray]: ...
 
     # layered KV sparsity's worker (cpu_attn/layered_worker.py) also needs:
+    rows_per_head: bool
+    """Whether compact may keep other rows in each kv-head (else every kv-head keeps the same tokens)."""
+
     def scored_decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                                 scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
@@ -57,6 +60,8 @@ class KVStore(Protocol):
 
 
 class PagedKVStore:
+    rows_per_head = True  # a row of one kv-head is independent of the others'
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  dtype: str = "float16"):
         if dtype not in _STORAGE:
@@ -251,7 +256,7 @@ def layered_stores(kv_format: str, slots: int, num_groups: int, num_kv_heads: in
                    recent_blocks: int = 0) -> list[KVStore]:
     """The stores of a layered cache's `num_groups` layer groups of `slots` layers each over one pool of blocks
     (cpu_attn/layered_worker.py): one fp16 / fp32 store for every group, or for Oaken one store per group with its
-    layers' calibration (oaken_cal sliced) and its own tails, all over the first one's codes."""
+    layers' calibration (oaken_cal sliced) and its own tails, all over the first one's codes and row positions."""
     geometry = (slots, num_kv_heads, head_dim, block_size, num_blocks)
     if kv_format in ("fp16", "fp32"):
         return [PagedKVStore(*geometry, "float16" if kv_format == "fp16" else "float32")] * num_groups
@@ -266,5 +271,5 @@ def layered_stores(kv_format: str, slots: int, num_groups: int, num_kv_heads: in
             oaken_cal.key_scales, oaken_cal.key_bias, oaken_cal.value_scales))
         stores.append(OakenKVStore(*geometry, oaken_cal.values[layers], sparse_fraction, key_scales, recent_blocks,
                                    key_bias, value_scales, oaken_cal.rope_inv_freq, oaken_cal.rotation,
-                                   codes_of=stores[0] if stores else None))
+                                   codes_of=stores[0] if stores else None, row_positions=True))
     return stores

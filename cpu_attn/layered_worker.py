@@ -7,7 +7,7 @@ as in AttentionWorker, on the chunk's block_table. Every other group's layers ru
 KVView: its rows are appended after the rows the group holds,
 attention reads rows [0, rows_before + n), and a sparse group then scores its rows and, when the
 view says so, keeps the best `keep_after` of them, compacted to the front of its blocks (the store's
-`compact`; a row's position in a group's store is its row number):
+`compact`, which keeps each row's position):
 
     before (budget 6, sinks 1, window 2)    rows  0 1 2 3 4 5 6 7 8      kept: 0, 3, 5, 6, 7, 8
     after                                   rows  0 3 5 6 7 8 . . .      (the last blocks go free)
@@ -38,7 +38,7 @@ class LayeredChunkLayout(ChunkLayout):
 @dataclass
 class _GroupPlan:
     slot_mapping: np.ndarray  # [T] int64
-    rows: np.ndarray  # [T] int64: each token's row in its sequence's group table (its position in the store)
+    positions: np.ndarray  # [T] int64: each token's position in its sequence
     decode_rows: torch.Tensor  # [B] rows of 1-token chunks in the flat batch
     decode_seq_ids: list[int]
     block_tables: np.ndarray  # [B, max_blocks] int32
@@ -51,7 +51,7 @@ class _GroupPlan:
 
 def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: int) -> _GroupPlan:
     """The plan of group index + 1 (view entry `index`)."""
-    slots, row_ids, decode_rows, decode_ids, tables, seq_lens, prefills, evictions = [], [], [], [], [], [], [], []
+    slots, positions, decode_rows, decode_ids, tables, seq_lens, prefills, evictions = [], [], [], [], [], [], [], []
     row = 0
     for c in chunks:
         v = c.kv_view
@@ -59,7 +59,7 @@ def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: in
         rows = np.arange(before, before + c.num_tokens)
         ids = np.asarray(table, dtype=np.int64)
         slots.append(ids[rows // block_size] * block_size + rows % block_size)
-        row_ids.append(rows)
+        positions.append(np.arange(c.start_pos, c.start_pos + c.num_tokens))
         if c.num_tokens == 1:
             decode_rows.append(row)
             decode_ids.append(c.seq_id)
@@ -71,7 +71,7 @@ def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: in
             evictions.append((c.seq_id, before + c.num_tokens, after, table, c.num_tokens > 1))
         row += c.num_tokens
     none = np.zeros(0, np.int64)
-    return _GroupPlan(np.concatenate(slots) if slots else none, np.concatenate(row_ids) if row_ids else none,
+    return _GroupPlan(np.concatenate(slots) if slots else none, np.concatenate(positions) if positions else none,
                       torch.tensor(decode_rows, dtype=torch.long), decode_ids, padded_tables(tables),
                       np.asarray(seq_lens, dtype=np.int32), prefills, evictions)
 
@@ -116,7 +116,7 @@ class LayeredAttentionWorker(AttentionWorker):
         t0 = time.perf_counter()
         plan, store = self._groups[group - 1], self.stores[group]
         sparse = self.layout.is_sparse(group)
-        store.write(slot, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy(), plan.rows)
+        store.write(slot, plan.slot_mapping, k.contiguous().numpy(), v.contiguous().numpy(), plan.positions)
         if not plan.prefills:  # a decode-only step: every row is a decode row, in order
             out = torch.from_numpy(self._decode_rows(store, layer, slot, np.ascontiguousarray(q.numpy(), np.float32),
                                                      plan, sparse))
@@ -190,8 +190,10 @@ class LayeredAttentionWorker(AttentionWorker):
     def _evict(self, store: KVStore, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...],
                pool: int, focus: np.ndarray | None) -> None:
         """Keep `kept` of the `held` rows, each ranked by the larger of its score and the mean of the `pool` rows
-        around it; the kept rows carry that on. With `focus` (the prompt's last queries' scores, KVPolicy.focus),
-        a row ranks by the larger of its own score and its pooled focus score, scaled to the same total."""
+        around it; the kept rows carry that on (each kv-head its own rows, or where the store keeps whole tokens,
+        rows_per_head False, the tokens of the most summed score). With `focus` (the prompt's last queries' scores,
+        KVPolicy.focus), a row ranks by the larger of its own score and its pooled focus score, scaled to the same
+        total."""
         p = self.layout.policy
         scores = self._scores[seq_id][layer]  # [Hkv, capacity]
         own = scores[:, :held]
@@ -201,6 +203,8 @@ class LayeredAttentionWorker(AttentionWorker):
             ranked = np.maximum(own, ranked_focus * scale)
         else:
             ranked = own if pool == 1 else np.maximum(own, pooled(own, pool))
+        if not store.rows_per_head:  # the same tokens for every kv-head, ranked by their summed scores
+            ranked = np.broadcast_to(ranked.sum(axis=0, keepdims=True), ranked.shape)
         keep = select_keep(ranked, kept, p.sinks, p.window_rows(kept))
         store.compact(slot, table, held, keep)
         scores[:, :kept] = np.take_along_axis(ranked, keep, axis=1)

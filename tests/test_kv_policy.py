@@ -201,7 +201,7 @@ def _oaken_sequence(transforms, int_dots, recent_blocks, n=45, seed=8):
     from tests.test_kv_formats import channel_transforms, oaken_store, write_sequences
 
     tf = channel_transforms(np.random.default_rng(2), 3, 64, transforms)
-    store = oaken_store(num_blocks=12, sparse_fraction=0.5, recent_blocks=recent_blocks, **tf)
+    store = oaken_store(num_blocks=12, sparse_fraction=0.5, recent_blocks=recent_blocks, row_positions=True, **tf)
     offset = tf["key_bias"][0].reshape(3, 64) if "bias" in transforms else 0.0
     tables, kv = write_sequences(store, np.random.default_rng(seed), [n], offset=offset,
                                  rope_inv_freq=tf.get("rope_inv_freq"))
@@ -239,10 +239,9 @@ def test_oaken_scored_decode_is_its_decode_with_the_logits(transforms, int_dots,
 @pytest.mark.parametrize("recent_blocks", [0, 2])
 def test_oaken_compact_keeps_the_chosen_rows_and_goes_on(transforms, recent_blocks):
     """compact: row i of kv-head h holds its old row keep[h, i] (rows before the first that moves: as they were;
-    the others quantized a second time: on average within 1.5x a row's error quantized once, of the values
-    written; measured 0.94-1.44x, and up to 2.04x on the worst row, centered at a row far from its position), and
-    the sequence goes on from there: rows written after it, one at a time, are attended by the kernel as over the
-    rows gather returns."""
+    the others quantized a second time, keys centered at their own positions: on average within 1.5x a row's
+    error quantized once, of the values written), and the sequence goes on from there: rows written after it,
+    one at a time at the next positions, are attended by the kernel as over the rows gather returns."""
     store, tables, written = _oaken_sequence(transforms, False, recent_blocks)
     table = tables[0]
     before_k, before_v = store.gather(0, table, 45)
@@ -254,6 +253,7 @@ def test_oaken_compact_keeps_the_chosen_rows_and_goes_on(transforms, recent_bloc
     after_k, after_v = store.gather(0, table, 25)
     heads = np.arange(3)
     np.testing.assert_array_equal(after_k[:first], before_k[:first])
+    np.testing.assert_array_equal(store._row_positions(0, table, 25), keep.T)  # each row keeps its position
     for after, before, x in ((after_k, before_k, written[0]), (after_v, before_v, written[1])):
         once = np.abs(before - x).max(axis=-1) / np.abs(x).max(axis=-1)  # [45, Hkv]: a row's error, quantized once
         once = once[once > 1e-4]  # rows quantized (not in a full-precision tail)
@@ -264,7 +264,7 @@ def test_oaken_compact_keeps_the_chosen_rows_and_goes_on(transforms, recent_bloc
     rows = np.arange(25, 35)
     for t in range(10):
         store.write(0, table[rows[t:t + 1] // 16] * 16 + rows[t:t + 1] % 16, k_new[t:t + 1], v_new[t:t + 1],
-                    rows[t:t + 1])
+                    rows[t:t + 1] + 20)
     q = rng.standard_normal((1, 9, 64)).astype(np.float32)
     out, lse = store.decode_attention(0, q, tables, np.asarray([35], np.int32), 64**-0.5)
     k, v = store.gather(0, table, 35)

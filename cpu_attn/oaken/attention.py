@@ -9,7 +9,8 @@ from cpu_attn.kernels import AttentionScratch, attend_scores, block_scores, fini
 from cpu_attn.llvm_ir import _FAST
 from cpu_attn.softmax import attend_begin, softmax_rows16
 from cpu_attn.oaken.avx2 import avx2_add_weighted_rows, avx2_block_scores
-from cpu_attn.oaken.center import add_center_scores, center_codes, center_scales, vnni_center_scores
+from cpu_attn.oaken.center import (add_center_scores, add_row_center_scores, center_codes, center_scales,
+                                   vnni_center_scores)
 from cpu_attn.oaken.codec import SEGMENT
 from cpu_attn.oaken.codes import ROWS, VNNI
 from cpu_attn.oaken.decode import load_block, prefetch_block
@@ -39,13 +40,16 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
     centers by vnni_center_scores (see center_codes) and its values summed by
     vnni_add_weighted_rows; without (codes [0, 0, 0]) every block is decoded. Without center
     terms (queries.center [0, 0, 0]) the keys are not centered; else their centers are added in
-    the score domain (add_center_scores). raw: [B, Hq, >= max(seq_lens)] float32, where row t of sequence b
+    the score domain (add_center_scores; with center's row_pos, at each row's own position:
+    add_row_center_scores). raw: [B, Hq, >= max(seq_lens)] float32, where row t of sequence b
     gets its logit scale * q[b, h] . k_t (written for t < seq_lens[b] only), as the layered cache's scores
     need (cpu_attn/kv_policy.py); [0, 0, 0]: not written."""
     q, q_center, qi, qscale = queries  # read only: unpacked (records.py)
     k_dense, k_scales, k_counts, k_sparse, _, k_tail_of, thr_k = k_parts
     v_dense, v_scales, v_counts, v_sparse, _, _, thr_v = v_parts
     offset_pairs = center[3]
+    row_pos, pos_cos, pos_sin = center[4], center[5], center[6]
+    positioned = row_pos.shape[0] > 0
     scores = scratch[0]  # written: by index, one statement each
     kb = scratch[1]
     vb = scratch[2]
@@ -91,7 +95,12 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
                 # the block's lines, loaded once, serve every kv-head; each step one call for all query heads
                 int16_block_scores(task_scores, qi[b], qscale[b], k_dense[block], k_scales[block], k_counts[block],
                                    k_sparse[block], thr_k, scale, task_kacc)
-                if centered:
+                if centered and positioned:
+                    for kvh in range(num_kv_heads):
+                        heads = slice(kvh * group, (kvh + 1) * group)
+                        add_row_center_scores(task_scores[heads], q_center[b, heads], pos_cos, pos_sin,
+                                              row_pos[block, kvh], block_size, scale)
+                elif centered:
                     center_codes(q_center[b], center, j, inv, abq)
                     vnni_center_scores(task_scores, abq, factor, offset_pairs)
                 if scored:
@@ -107,7 +116,10 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
                 first_seg = kvh * head_dim // SEGMENT
                 load_block(k_parts, block, first_seg, width, kb[unit])
                 block_scores(q[b, heads], kb[unit], width, scale, scores[unit])
-                if q_center.shape[0]:
+                if q_center.shape[0] and positioned:
+                    add_row_center_scores(scores[unit], q_center[b, heads], pos_cos, pos_sin, row_pos[block, kvh],
+                                          width, scale)
+                elif q_center.shape[0]:
                     add_center_scores(scores[unit], q_center[b, heads], center, j, width, scale, qcb[unit], sc[unit])
                 if scored:
                     for g in range(group):

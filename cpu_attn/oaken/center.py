@@ -158,6 +158,21 @@ def add_center_scores(s, qc, center, j, width, scale, qcb, sc):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def add_row_center_scores(s, qc, pos_cos, pos_sin, pos, width, scale):
+    """add_center_scores for rows at any positions: s[g, t] += scale * (q_g . the key center turned to position
+    pos[t]) for t < width, from the center terms qc [group, D] (A, then B) and the tables pos_cos, pos_sin
+    [> max(pos), D / 2] (ScoreCenter.row_pos: a layered cache's compacted rows)."""
+    half = qc.shape[1] // 2
+    for t in range(width):
+        c, sn = pos_cos[pos[t]], pos_sin[pos[t]]
+        for g in range(qc.shape[0]):
+            acc = np.float32(0.0)
+            for i in range(half):
+                acc += qc[g, i] * c[i] + qc[g, half + i] * sn[i]
+            s[g, t] += scale * acc
+
+
+@njit(cache=True, nogil=True, inline="always")
 def center_scales(qc, scale, inv, factor):
     """For center_codes, per query: inv = CODE_MAX / r, r the largest |(A_i, B_i)| of its center terms
     qc [group, D] (no turn changes it), and factor = scale * r / CODE_MAX^2 (the offsets' codes are

@@ -34,6 +34,9 @@ class ScoreCenter(NamedTuple):
     block_sin: np.ndarray  # the same, sin
     offsets: np.ndarray  # [bs, D] float32: [cos | sin] at the offsets in a block
     offset_pairs: np.ndarray  # [D / 2, 2 * bs] int16: the offsets' codes as vnni_center_scores takes them
+    row_pos: np.ndarray  # [num_blocks, Hkv, bs] int32: each row's position ([0, 0, 0]: row t of block j is j * bs + t)
+    pos_cos: np.ndarray  # with row_pos: [> every position, D / 2] float32: cos at each position
+    pos_sin: np.ndarray  # the same, sin
 
 
 class KeyCenter(NamedTuple):

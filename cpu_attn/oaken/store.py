@@ -58,16 +58,23 @@ class OakenKVStore:
     that filled it, as one-token decodes of those rows would have (_tail_passes)."""
 
     dtype = "oaken"
+    rows_per_head = False
+    """compact keeps whole tokens: a token's scales span all its kv-heads, so a row made of several tokens' heads
+    would be quantized anew at the scale of its largest (measured on SmolLM2's values: 6-9 % mean error a row, up
+    to 2x on small ones, +41 % perplexity at 2k against +6 % over fp32); a whole token quantized again keeps
+    its codes nearly as they were."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  thresholds: np.ndarray, sparse_fraction: float = SPARSE_FRACTION, key_scales: np.ndarray | None = None,
                  recent_blocks: int = 0, key_bias: np.ndarray | None = None, value_scales: np.ndarray | None = None,
                  rope_inv_freq: np.ndarray | None = None, rotation: np.ndarray | None = None,
-                 codes_of: OakenKVStore | None = None):
+                 codes_of: OakenKVStore | None = None, row_positions: bool = False):
         """codes_of: a store of the same geometry whose codes (dense, scales, counts, sparse) this one uses
         instead of its own, so that stores with other layers' calibrations share one block pool (the layered
         cache: a block holds one layer group's rows, each group its own store over the pool,
-        cpu_attn/layered_worker.py). Tails and calibration stay each store's own."""
+        cpu_attn/layered_worker.py). Tails and calibration stay each store's own. row_positions: keep each
+        row's position per kv-head (row_pos) instead of taking row t of a sequence's blocks as position t, so
+        that rows may sit anywhere (compact); shared with codes_of's."""
         if head_dim % oaken.SEGMENT:
             raise ValueError(f"Oaken KV needs head_dim a multiple of {oaken.SEGMENT}, not {head_dim}")
         if thresholds.shape != (num_layers, 2, 4):
@@ -112,12 +119,16 @@ class OakenKVStore:
                 raise ValueError("codes_of must be a store of the same geometry and sparse budget")
             self.dense, self.scales, self.counts, self.sparse = (codes_of.dense, codes_of.scales, codes_of.counts,
                                                                  codes_of.sparse)
+            self.row_pos = codes_of.row_pos
         else:
             self.dense = zeros_aligned(lead + (c // 2,), np.uint8)
             self.scales = zeros_aligned(lead + (3,), np.uint16)
             self.counts = zeros_aligned(lead + (c // oaken.SEGMENT,), np.uint8)
             # oaken.avx2_* read entries eight bytes at a time: up to 7 bytes past a block's last
             self.sparse = zeros_aligned((num_layers, 2, num_blocks, self.budget), np.uint8, slack=64)
+            # [L, num_blocks, Hkv, bs] int32: each row's position (the layers of a group keep their own rows)
+            self.row_pos = np.zeros((num_layers, num_blocks, num_kv_heads, block_size) if row_positions
+                                    else (0, 0, 0, 0), np.int32)
         self.tail = zeros_aligned((num_layers, 2, recent_blocks, block_size, c), np.float32)
         self.tail_of = np.full((num_layers, num_blocks), -1, np.int32)  # tail slot of each block, or -1
         self.tail_block = np.full((num_layers, recent_blocks), -1, np.int64)  # block of each slot, or -1
@@ -171,8 +182,22 @@ class OakenKVStore:
             self._block_cos, self._block_sin = np.cos(starts).astype(np.float32), np.sin(starts).astype(np.float32)
 
     def _centers(self, layer: int, positions: np.ndarray) -> np.ndarray:
-        """[T] written positions -> the key centers at them in store space, R(p) key_bias / key_scales: [T, Hkv, D]."""
-        return turn(self.key_bias[layer][None], self._cos[positions], self._sin[positions]) / self.key_scales[layer]
+        """[T] written positions (or [T, Hkv]: each kv-head's) -> the key centers at them in store space,
+        R(p) key_bias / key_scales: [T, Hkv, D]."""
+        if positions.ndim == 1:
+            return turn(self.key_bias[layer][None], self._cos[positions], self._sin[positions]) / self.key_scales[layer]
+        cos, sin = (np.tile(t[positions], 2) for t in (self._cos, self._sin))  # [T, Hkv, D]
+        b = self.key_bias[layer][None]
+        return ((b * cos + rotate_half(b) * sin) / self.key_scales[layer]).astype(np.float32)
+
+    def _row_positions(self, layer: int, block_table, seq_len: int) -> np.ndarray:
+        """The positions of a sequence's first seq_len rows: row_pos's [seq_len, Hkv], or the rows' own numbers
+        [seq_len]."""
+        rows = np.arange(seq_len)
+        if not self.row_pos.size:
+            return rows
+        blocks = np.asarray(block_table, np.int64)[rows // self.block_size]
+        return self.row_pos[layer, blocks, :, rows % self.block_size]
 
     def _key_center(self, layer: int) -> oaken.KeyCenter:
         """The kernels' key centers (oaken.add_key_center): cos and sin at the block starts and at the
@@ -211,19 +236,24 @@ class OakenKVStore:
     def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
               positions: np.ndarray | None = None, provisional: np.ndarray | None = None) -> None:
         """slot_mapping: [T] int64 (a sequence's rows in position order); k, v: [T, Hkv, D] float32;
-        positions: [T] of the rows in their sequences (needed when keys are centered); provisional: [T] bool, rows
-        a later write may replace (held, see the class)."""
+        positions: [T] of the rows in their sequences (needed when keys are centered or rows keep positions; with
+        row_pos, [T, Hkv]: each kv-head's); provisional: [T] bool, rows a later write may replace (held, see the
+        class)."""
         if len(slot_mapping) == 0:
             return
         if self.tail.shape[2]:
             self._release_held(layer, slot_mapping)
-        if self.key_bias is not None:
+        if self.key_bias is not None or self.row_pos.size:
             if positions is None:
                 raise ValueError("this store centers keys by position: write needs the rows' positions")
             positions = np.asarray(positions, np.int64)
             self._rope_tables(int(positions.max()) + 1)
+        if self.row_pos.size:
+            self.row_pos[layer, slot_mapping // self.block_size, :, slot_mapping % self.block_size] = \
+                positions if positions.ndim == 2 else positions[:, None]
         rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
-        if self.tail.shape[2] and self._write_decode_rows(layer, slot_mapping, rows, positions):
+        fast = self.tail.shape[2] and (positions is None or positions.ndim == 1)
+        if fast and self._write_decode_rows(layer, slot_mapping, rows, positions):
             return
         for kv, x in enumerate(rows):
             if not np.isfinite(x).all():
@@ -366,27 +396,31 @@ class OakenKVStore:
             oaken.dequantize_blocks(self._parts(layer, kv), blocks, seq_len, x)
             x = self._unrotate(x.transpose(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len])
             if kv == 0 and self.key_bias is not None:
-                x = x + self._centers(layer, np.arange(seq_len))
+                x = x + self._centers(layer, self._row_positions(layer, block_table, seq_len))
             out.append(x * (self.key_scales if kv == 0 else self.value_scales)[layer])
         return out[0], out[1]
 
     def compact(self, layer: int, block_table, held: int, keep: np.ndarray) -> None:
         """Keep keep.shape[1] of a sequence's first `held` rows, compacted to the front: row i of kv-head h becomes
         its old row keep[h, i] (keep [Hkv, K] ascending; layered KV sparsity, cpu_attn/layered_worker.py). From the
-        first row that changes on, the kept rows are decoded and written again at their new rows, centered at
-        those rows' positions (the kernels center row r at position r), so each block's sparse entries stay in
-        row order; rows past K are left for the sequence's next writes to replace."""
+        first row that changes on, the kept rows are decoded and written again at their new rows with their own
+        positions (row_pos: keys stay centered where they belong), so each block's sparse entries stay in row
+        order; rows past K are left for the sequence's next writes to replace. Needs row_positions where keys
+        are centered."""
         kept = keep.shape[1]
         moved = np.flatnonzero((keep != np.arange(kept)).any(axis=0))
         if not len(moved):
             return
+        assert self.row_pos.size or self.key_bias is None, "a store that centers keys compacts with row_positions"
         first = int(moved[0])
         k, v = self.gather(layer, block_table, held)
         picks, heads = keep[:, first:].T, np.arange(self.num_kv_heads)  # [n, Hkv]: row of each (new row, head)
         rows = np.arange(first, kept)
+        at = self._row_positions(layer, block_table, held)  # before the write
+        positions = at[picks, heads].astype(np.int64) if at.ndim == 2 else rows
         blocks = np.asarray(block_table, np.int64)
         self.write(layer, blocks[rows // self.block_size] * self.block_size + rows % self.block_size,
-                   k[picks, heads], v[picks, heads], rows)
+                   k[picks, heads], v[picks, heads], positions)
 
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          scale: float, splits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -433,7 +467,9 @@ class OakenKVStore:
                                             np.empty(q.shape[:2] if int_dots else (0, 0), np.float32)))
         oaken.decode_queries(np.ascontiguousarray(q, np.float32), self.key_scales[layer], self.rotation,
                              self.key_center[layer], queries)
-        center = tuple(oaken.ScoreCenter(self._block_cos, self._block_sin, self._offset_table, self._offset_pairs))
+        center = tuple(oaken.ScoreCenter(self._block_cos, self._block_sin, self._offset_table, self._offset_pairs,
+                                         self.row_pos[layer] if self.row_pos.size else np.zeros((0, 0, 0), np.int32),
+                                         self._cos, self._sin))
         oaken.oaken_decode_attention(queries, self._parts(layer, 0), self._parts(layer, 1), center, block_tables,
                                      seq_lens, np.float32(scale), out, lse, raw,
                                      tuple(oaken.oaken_scratch(scratch, int_dots)))
