@@ -7,8 +7,7 @@ PPIO's shape (long prompts, long outputs, arrivals at a fixed rate) scaled to th
 `--num-requests` requests of exactly `--prompt-tokens` + `--output-tokens` tokens are sent by
 `hetserve loadgen synth` (Poisson arrivals at `--rate` requests/s, streamed, greedy, ignore_eos) to
 a `hetserve serve` whose --kv-cache-bytes holds `--full-seqs` such sequences with every layer's KV
-(in `--kv-format`, fp16 by default; with oaken, its full-precision tails of --max-num-seqs blocks a
-layer on top). The same run is made with --kv-policy full and with --kv-policy layered (`--layered-args`
+(fp16). The same run is made with --kv-policy full and with --kv-policy layered (`--layered-args`
 give its budget). Chunked prefill is on (--max-num-batched-tokens); prefix caching is on, though
 prompts share no blocks. Reports the peak of concurrently running sequences (/metrics, polled),
 output tok/s, TTFT p50/p99 and TPOT. Prints a table, writes JSON and a PNG.
@@ -36,7 +35,7 @@ import httpx
 from benchmarks.bench_loadgen import free_port
 from benchmarks.common import RESULTS, machine, print_table, start_hetserve, write_json
 
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16  # SmolLM2-135M; the server's default block size
+BYTES_PER_TOKEN_FP16 = 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 kv-heads, head_dim 64: SmolLM2-135M
 
 
 def watch_running(url: str, stop: threading.Event, peaks: dict) -> None:
@@ -61,9 +60,9 @@ def watch_running(url: str, stop: threading.Event, peaks: dict) -> None:
 def run_policy(policy: str, args, capacity: int) -> dict:
     port = free_port()
     extra = args.layered_args.split() if policy == "layered" else []
-    proc, ready_s = start_hetserve(port, "--kv-format", args.kv_format, "--kv-cache-bytes", str(capacity),
-                                   "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                                   str(args.batch_tokens), "--kv-policy", policy, *extra)
+    proc, ready_s = start_hetserve(port, "--kv-format", "fp16", "--kv-cache-bytes", str(capacity), "--max-num-seqs",
+                                   str(args.max_num_seqs), "--max-num-batched-tokens", str(args.batch_tokens),
+                                   "--kv-policy", policy, *extra)
     url = f"http://127.0.0.1:{port}"
     stop, peaks = threading.Event(), {}
     watcher = threading.Thread(target=watch_running, args=(url, stop, peaks), daemon=True)
@@ -168,7 +167,6 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=256, help="--max-num-batched-tokens (chunked prefill)")
     p.add_argument("--layered-args", default="--kv-budget-tokens 750 --kv-prefill-evict on",
                    help="the layered server's --kv-* options")
-    p.add_argument("--kv-format", choices=("fp16", "fp32", "oaken"), default="fp16", help="both servers' KV format")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="kv_policy.json")
     p.add_argument("--attention-only", action="store_true", help="time the attention worker's decode step alone")
@@ -185,16 +183,13 @@ def main() -> None:
         print(f"wrote {path}")
         return
 
-    from cpu_attn.kv_store import OakenKVStore, bytes_per_block
-
-    blocks = -(-(args.prompt_tokens + args.output_tokens) // BLOCK)
-    tails = OakenKVStore.tail_bytes(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, args.max_num_seqs) \
-        if args.kv_format == "oaken" else 0
-    capacity = args.full_seqs * blocks * bytes_per_block(args.kv_format, LAYERS, KV_HEADS, HEAD_DIM, BLOCK) + tails
+    block = 16
+    per_seq = -(-(args.prompt_tokens + args.output_tokens) // block) * block * BYTES_PER_TOKEN_FP16
+    capacity = args.full_seqs * per_seq
     rows = []
     for policy in ("full", "layered"):
-        print(f"kv-policy {policy}, {args.kv_format} KV: {args.num_requests} requests of {args.prompt_tokens} + "
-              f"{args.output_tokens} tokens at {args.rate}/s, KV capacity {capacity / 2**20:.1f} MiB ...", flush=True)
+        print(f"kv-policy {policy}: {args.num_requests} requests of {args.prompt_tokens} + {args.output_tokens} "
+              f"tokens at {args.rate}/s, KV capacity {capacity / 2**20:.1f} MiB ...", flush=True)
         rows.append(run_policy(policy, args, capacity))
     full, layered = rows
     ratios = {"peak_running": layered["peak_running"] / max(full["peak_running"], 1),

@@ -60,9 +60,8 @@ class OakenKVStore:
     dtype = "oaken"
     rows_per_head = False
     """compact keeps whole tokens: a token's scales span all its kv-heads, so a row made of several tokens' heads
-    would be quantized anew at the scale of its largest (measured on SmolLM2's values: 6-9 % mean error a row, up
-    to 2x on small ones, +41 % perplexity at 2k against +6 % over fp32); a whole token quantized again keeps
-    its codes nearly as they were."""
+    would be quantized anew at the scale of its largest (on SmolLM2's values 6-9 % mean error a row, up to 2x on
+    small ones). Kept tokens are still quantized again at every eviction that moves them (docs/kv-policy.md)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  thresholds: np.ndarray, sparse_fraction: float = SPARSE_FRACTION, key_scales: np.ndarray | None = None,
@@ -245,7 +244,7 @@ class OakenKVStore:
             self._release_held(layer, slot_mapping)
         if self.key_bias is not None or self.row_pos.size:
             if positions is None:
-                raise ValueError("this store centers keys by position: write needs the rows' positions")
+                raise ValueError("this store centers keys or keeps rows' positions: write needs the positions")
             positions = np.asarray(positions, np.int64)
             self._rope_tables(int(positions.max()) + 1)
         if self.row_pos.size:
