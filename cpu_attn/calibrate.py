@@ -148,6 +148,12 @@ class OakenThresholds:
                    context_tokens=data.get("context_tokens", 0), version=data.get("version", 1),
                    rope_inv_freq=_rope_inv_freq(data, arrays["key_bias"]), **arrays)
 
+    def for_layers(self, layers: slice) -> OakenThresholds:
+        """The calibration of a run of layers (a layered cache's group store, cpu_attn/kv_store.layered_stores)."""
+        cut = {name: getattr(self, name)[layers] for name in ("values", "key_scales", "key_bias", "value_scales")
+               if getattr(self, name) is not None}
+        return replace(self, **cut)
+
     def key_centers(self, layer: int, positions: np.ndarray) -> np.ndarray:
         """[T] positions -> [T, Hkv * D]: key_bias of `layer` turned to each position (R(p) b)."""
         b = self.key_bias[layer].reshape(1, -1, len(self.rope_inv_freq) * 2)

@@ -240,10 +240,7 @@ def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int
     recent_blocks: its full-precision tail slots per layer, see OakenKVStore)."""
     geometry = (num_layers, num_kv_heads, head_dim, block_size, num_blocks)
     if kv_format == "oaken":
-        if oaken_cal is None:
-            raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
-        return OakenKVStore(*geometry, oaken_cal.values, sparse_fraction, oaken_cal.key_scales, recent_blocks,
-                            oaken_cal.key_bias, oaken_cal.value_scales, oaken_cal.rope_inv_freq, oaken_cal.rotation)
+        return _oaken_store(geometry, oaken_cal, sparse_fraction, recent_blocks)
     if kv_format in (*_INT_BITS, "kivi"):
         return SimQuantKVStore(*geometry, kv_format)
     if kv_format in ("fp16", "fp32"):
@@ -262,14 +259,18 @@ def layered_stores(kv_format: str, slots: int, num_groups: int, num_kv_heads: in
         return [PagedKVStore(*geometry, "float16" if kv_format == "fp16" else "float32")] * num_groups
     if kv_format != "oaken":
         raise ValueError(f"a layered cache needs kv_format fp16, fp32 or oaken, not {kv_format!r}")
-    if oaken_cal is None:
-        raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
     stores: list[KVStore] = []
     for g in range(num_groups):
-        layers = slice(g * slots, (g + 1) * slots)
-        key_scales, key_bias, value_scales = (None if x is None else x[layers] for x in (
-            oaken_cal.key_scales, oaken_cal.key_bias, oaken_cal.value_scales))
-        stores.append(OakenKVStore(*geometry, oaken_cal.values[layers], sparse_fraction, key_scales, recent_blocks,
-                                   key_bias, value_scales, oaken_cal.rope_inv_freq, oaken_cal.rotation,
+        cal = None if oaken_cal is None else oaken_cal.for_layers(slice(g * slots, (g + 1) * slots))
+        stores.append(_oaken_store(geometry, cal, sparse_fraction, recent_blocks,
                                    codes_of=stores[0] if stores else None, row_positions=True))
     return stores
+
+
+def _oaken_store(geometry: tuple, cal: OakenThresholds | None, sparse_fraction: float, recent_blocks: int,
+                 **kw) -> OakenKVStore:
+    """An OakenKVStore of `geometry` with the calibration `cal` (kw: OakenKVStore's codes_of, row_positions)."""
+    if cal is None:
+        raise ValueError("the oaken KV format needs calibrated thresholds (hetserve calibrate)")
+    return OakenKVStore(*geometry, cal.values, sparse_fraction, cal.key_scales, recent_blocks, cal.key_bias,
+                        cal.value_scales, cal.rope_inv_freq, cal.rotation, **kw)

@@ -425,26 +425,26 @@ class OakenKVStore:
                          scale: float, splits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """q: [B, Hq, D] float32 -> out [B, Hq, D], lse [B, Hq] (float32). splits: into how many parts each
         context is cut (default: kernels.split_parts of this batch; the parts' sums are joined in that order)."""
-        return self._decode(layer, q, block_tables, seq_lens, scale, splits, False)
+        return self._decode(layer, q, block_tables, seq_lens, scale, splits)
 
     def scored_decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                                 scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """decode_attention that also returns every row's logit: raw [B, Hq, max(seq_lens)] float32, row t of
         sequence b scale * q[b, h] . k_t (t < seq_lens[b]), from the kernel's own scores."""
-        return self._decode(layer, q, block_tables, seq_lens, scale, None, True)
+        return self._decode(layer, q, block_tables, seq_lens, scale, None, int(seq_lens.max()))
 
     def _decode(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray, scale: float,
-                splits: int | None, scored: bool) -> tuple[np.ndarray, ...]:
+                splits: int | None, raw_width: int = 0) -> tuple[np.ndarray, ...]:
+        """decode_attention, with raw_width also the rows' logits (_decode_rows)."""
         # the kernel's tasks are parts of sequences (all kv-heads of a block in turn): split as many
         if splits is None:
             splits = split_parts(len(q), seq_lens, self.block_size)
-        width = int(seq_lens.max()) if scored else 0
         if not self.held[layer].any():
-            return self._decode_rows(layer, q, block_tables, seq_lens, scale, splits, width)
+            return self._decode_rows(layer, q, block_tables, seq_lens, scale, splits, raw_width)
         outputs = (np.empty(q.shape, np.float32), np.empty(q.shape[:2], np.float32),
-                   *((np.empty((*q.shape[:2], width), np.float32),) if scored else ()))
+                   *((np.empty((*q.shape[:2], raw_width), np.float32),) if raw_width else ()))
         self._in_passes(layer, block_tables, seq_lens, lambda rows: self._decode_rows(
-            layer, q[rows], block_tables[rows], seq_lens[rows], scale, splits, width), outputs)
+            layer, q[rows], block_tables[rows], seq_lens[rows], scale, splits, raw_width), outputs)
         return outputs
 
     def _decode_rows(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray, scale: float,
