@@ -1,15 +1,15 @@
 """Layered KV sparsity against the full cache under one fixed KV capacity, through HTTP.
 
     PYTHONPATH=. python -m benchmarks.bench_kv_policy [--prompt-tokens 1024] [--output-tokens 64] \
-        [--full-seqs 2] [--num-requests 8] [--rate 0.5] [--layered-args "--kv-budget-tokens 128"]
+        [--kv-format oaken] [--full-seqs 2] [--num-requests 8] [--rate 0.5] [--layered-args "--kv-budget-tokens 128"]
 
 PPIO's shape (long prompts, long outputs, arrivals at a fixed rate) scaled to this model and machine:
 `--num-requests` requests of exactly `--prompt-tokens` + `--output-tokens` tokens are sent by
 `hetserve loadgen synth` (Poisson arrivals at `--rate` requests/s, streamed, greedy, ignore_eos) to
 a `hetserve serve` whose --kv-cache-bytes holds `--full-seqs` such sequences with every layer's KV
-(fp16). The same run is made with --kv-policy full and with --kv-policy layered (`--layered-args`
-give its budget). Chunked prefill is on (--max-num-batched-tokens); prefix caching is on, though
-prompts share no blocks. Reports the peak of concurrently running sequences (/metrics, polled),
+in `--kv-format` (fp16, or oaken with its full-precision tails). The same run is made with
+--kv-policy full and with --kv-policy layered (`--layered-args` give its budget). Chunked prefill is
+on (--max-num-batched-tokens); prefix caching is on, though prompts share no blocks. Reports the peak of concurrently running sequences (/metrics, polled),
 output tok/s, TTFT p50/p99 and TPOT. Prints a table, writes JSON and a PNG.
 
     PYTHONPATH=. python -m benchmarks.bench_kv_policy --attention-only [--shapes 8x4000x272,8x8000x1360]
@@ -35,7 +35,17 @@ import httpx
 from benchmarks.bench_loadgen import free_port
 from benchmarks.common import RESULTS, machine, print_table, start_hetserve, write_json
 
-BYTES_PER_TOKEN_FP16 = 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 kv-heads, head_dim 64: SmolLM2-135M
+GEOMETRY = (30, 3, 64, 16)  # SmolLM2-135M: layers, kv-heads, head_dim; blocks of 16 tokens
+
+
+def capacity_bytes(kv_format: str, tokens: int, full_seqs: int, max_num_seqs: int) -> int:
+    """KV bytes that hold `full_seqs` sequences of `tokens` tokens with every layer's KV in `kv_format` (for oaken,
+    beside the server's default tails: one block per layer for each of max_num_seqs sequences)."""
+    from cpu_attn.kv_store import OakenKVStore, bytes_per_block
+
+    blocks = -(-tokens // GEOMETRY[3])
+    tails = OakenKVStore.tail_bytes(*GEOMETRY, max_num_seqs) if kv_format == "oaken" else 0
+    return full_seqs * blocks * bytes_per_block(kv_format, *GEOMETRY) + tails
 
 
 def watch_running(url: str, stop: threading.Event, peaks: dict) -> None:
@@ -60,9 +70,9 @@ def watch_running(url: str, stop: threading.Event, peaks: dict) -> None:
 def run_policy(policy: str, args, capacity: int) -> dict:
     port = free_port()
     extra = args.layered_args.split() if policy == "layered" else []
-    proc, ready_s = start_hetserve(port, "--kv-format", "fp16", "--kv-cache-bytes", str(capacity), "--max-num-seqs",
-                                   str(args.max_num_seqs), "--max-num-batched-tokens", str(args.batch_tokens),
-                                   "--kv-policy", policy, *extra)
+    proc, ready_s = start_hetserve(port, "--kv-format", args.kv_format, "--kv-cache-bytes", str(capacity),
+                                   "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+                                   str(args.batch_tokens), "--kv-policy", policy, *extra)
     url = f"http://127.0.0.1:{port}"
     stop, peaks = threading.Event(), {}
     watcher = threading.Thread(target=watch_running, args=(url, stop, peaks), daemon=True)
@@ -81,8 +91,9 @@ def run_policy(policy: str, args, capacity: int) -> dict:
         watcher.join()
         proc.terminate()
         proc.wait(timeout=60)
-    return {"kv_policy": policy, "server_ready_s": ready_s, "peak_running": peaks.get("running", 0),
-            "preemptions": peaks.get("preemptions", 0), "group_bytes_at_peak": peaks.get("group_bytes", {}),
+    return {"kv_policy": policy, "kv_format": args.kv_format, "server_ready_s": ready_s,
+            "peak_running": peaks.get("running", 0), "preemptions": peaks.get("preemptions", 0),
+            "group_bytes_at_peak": peaks.get("group_bytes", {}),
             "completed": summary["completed"], "failed": summary["failed"], "duration_s": summary["duration"],
             "output_tok_s": summary["output_throughput"], "ttft_p50_ms": summary["median_ttft_ms"],
             "ttft_p99_ms": summary["p99_ttft_ms"], "tpot_mean_ms": summary["mean_tpot_ms"],
@@ -161,6 +172,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=4000)
     p.add_argument("--output-tokens", type=int, default=500)
     p.add_argument("--full-seqs", type=int, default=2, help="sequences the KV capacity holds with every layer's KV")
+    p.add_argument("--kv-format", choices=("fp16", "oaken"), default="fp16")
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--rate", type=float, default=0.25, help="mean requests/s (Poisson)")
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -183,9 +195,8 @@ def main() -> None:
         print(f"wrote {path}")
         return
 
-    block = 16
-    per_seq = -(-(args.prompt_tokens + args.output_tokens) // block) * block * BYTES_PER_TOKEN_FP16
-    capacity = args.full_seqs * per_seq
+    capacity = capacity_bytes(args.kv_format, args.prompt_tokens + args.output_tokens, args.full_seqs,
+                              args.max_num_seqs)
     rows = []
     for policy in ("full", "layered"):
         print(f"kv-policy {policy}: {args.num_requests} requests of {args.prompt_tokens} + {args.output_tokens} "

@@ -191,9 +191,10 @@ class LayeredAttentionWorker(AttentionWorker):
                pool: int, focus: np.ndarray | None) -> None:
         """Keep `kept` of the `held` rows, each ranked by the larger of its score and the mean of the `pool` rows
         around it; the kept rows carry that on (each kv-head its own rows, or where the store keeps whole tokens,
-        rows_per_head False, the tokens of the most summed score). With `focus` (the prompt's last queries' scores,
-        KVPolicy.focus), a row ranks by the larger of its own score and its pooled focus score, scaled to the same
-        total."""
+        rows_per_head False, the tokens of the most summed rank, each kv-head carrying its own rank on: carrying the
+        sum instead cost +10.6 % against +7.7 % perplexity at 2k, docs/kv-policy.md). With `focus` (the prompt's
+        last queries' scores, KVPolicy.focus), a row ranks by the larger of its own score and its pooled focus
+        score, scaled to the same total."""
         p = self.layout.policy
         scores = self._scores[seq_id][layer]  # [Hkv, capacity]
         own = scores[:, :held]
@@ -203,9 +204,10 @@ class LayeredAttentionWorker(AttentionWorker):
             ranked = np.maximum(own, ranked_focus * scale)
         else:
             ranked = own if pool == 1 else np.maximum(own, pooled(own, pool))
-        if not store.rows_per_head:  # the same tokens for every kv-head, ranked by their summed scores
-            ranked = np.broadcast_to(ranked.sum(axis=0, keepdims=True), ranked.shape)
-        keep = select_keep(ranked, kept, p.sinks, p.window_rows(kept))
+        choose = ranked
+        if not store.rows_per_head:  # the same tokens for every kv-head
+            choose = np.broadcast_to(ranked.sum(axis=0, keepdims=True), ranked.shape)
+        keep = select_keep(choose, kept, p.sinks, p.window_rows(kept))
         store.compact(slot, table, held, keep)
         scores[:, :kept] = np.take_along_axis(ranked, keep, axis=1)
         scores[:, kept:] = 0.0

@@ -50,7 +50,7 @@ class BackendConfig:
     max_num_seqs: int = 1
     """Most sequences running at once: MagicPIG sets aside room for that many sequences' key centers."""
     kv_policy: KVPolicy = KVPolicy()
-    """How many tokens each layer's KV keeps (hetcore/kv_policy.py; layered needs kv_format fp16 or fp32)."""
+    """How many tokens each layer's KV keeps (hetcore/kv_policy.py; layered needs exact attention)."""
     draft_weight_format: str | None = None
     """Speculative self-mx: the weight format of a second copy of the model that drafts (None: none)."""
     draft_model: str | None = None
@@ -65,9 +65,8 @@ class BackendConfig:
     def __post_init__(self) -> None:
         if self.kv_capacity_bytes <= 0 or self.block_size <= 0 or self.max_num_seqs <= 0:
             raise ValueError("kv_capacity_bytes, block_size and max_num_seqs must be positive")
-        if self.kv_policy.is_layered and (self.kv_format not in ("fp16", "fp32") or self.lsh is not None):
-            raise ValueError(f"kv_policy layered needs kv_format fp16 or fp32 and exact attention, not "
-                             f"{self.kv_format} with {'magicpig' if self.lsh else 'exact'} attention")
+        if self.kv_policy.is_layered and self.lsh is not None:
+            raise ValueError("kv_policy layered needs exact attention, not magicpig")
 
     def offloads(self, cuda: bool) -> bool:
         """Whether a backend built from this record runs partial offload, `cuda`: whether its process has a CUDA

@@ -130,7 +130,7 @@ class ServeConfig:
     kv_policy: str = _opt("full", "full (every layer keeps every token) or layered: the first kv_full_layers keep "
                                   "every token, the others a budget of sinks, a recent window and the tokens with "
                                   "the most attention (scored at the prompt's end, accumulated while decoding); "
-                                  "needs kv_format fp16 or fp32, attention exact; see docs/kv-policy.md")
+                                  "needs attention exact; see docs/kv-policy.md")
     kv_full_layers: int | None = _opt(None, "kv_policy layered: the first layers that keep every token (default: the "
                                             "leading layers of broad attention in the model's attention profile, "
                                             "`hetserve calibrate --attention-profile`, measured on first use)")
@@ -298,11 +298,8 @@ class ServeConfig:
             raise ValueError(f"speculative_method {self.speculative_method} needs executor local, or ray with "
                              "ray_cpu_actors 0 (its draft steps run where the model and the KV are)")
         layered = self.kv_policy_config().is_layered
-        if layered and (self.kv_format not in ("fp16", "fp32") or self.attention != "exact"
-                        or self.speculative_method != "off"):
-            raise ValueError("kv_policy layered needs kv_format fp16 or fp32, attention exact and speculative_method "
-                             "off (over oaken each eviction quantizes the kept rows again: +45 % perplexity at 2k, "
-                             "docs/kv-policy.md)")
+        if layered and (self.attention != "exact" or self.speculative_method != "off"):
+            raise ValueError("kv_policy layered needs attention exact and speculative_method off")
         if layered and self.executor == "ray" and self.ray_microbatches == 2:
             raise ValueError("kv_policy layered takes one micro-batch a step on the ray executor (a sequence's scores "
                              "live in one attention worker): ray_microbatches 0 or 1")

@@ -290,7 +290,7 @@ class HeteroBackend(Backend):
             log.info("speculative drafts: %s (%d layers), its KV beside the model's in each block", c.draft_model,
                      draft.cfg.num_layers)
         if c.kv_policy.is_layered:
-            self.attn_worker = layered_attention_worker(c, cfg, num_blocks)
+            self.attn_worker = layered_attention_worker(c, cfg, num_blocks, cal)
         else:
             self.attn_worker = attention_worker(cfg, c.kv_format, num_blocks, c.block_size, cal,
                                                 c.oaken_sparse_fraction, c.oaken_recent_blocks, c.lsh)

@@ -3,7 +3,8 @@ block manager and its attention worker. A block id holds `layout.slots` layers' 
 group's), so a cache of the same bytes has num_layers / slots times the block ids of a full one."""
 from __future__ import annotations
 
-from cpu_attn.kv_store import bytes_per_block, layered_stores
+from cpu_attn.calibrate import OakenThresholds
+from cpu_attn.kv_store import OakenKVStore, bytes_per_block, layered_stores
 from cpu_attn.layered_worker import LayeredAttentionWorker, LayeredChunkLayout
 from cpu_attn.worker import ChunkLayout
 from hetcore.backend import KVCapacityError, KVSpec, SeqChunk
@@ -21,18 +22,26 @@ def layered_kv_spec(config: BackendConfig, cfg, capacity_bytes: int | None = Non
     """The blocks of a layered cache of `capacity_bytes` (default: config.kv_capacity_bytes)."""
     layout = kv_layout(config, cfg)
     capacity = config.kv_capacity_bytes if capacity_bytes is None else capacity_bytes
-    per_block = bytes_per_block(config.kv_format, layout.slots, cfg.num_kv_heads, cfg.head_dim, config.block_size)
-    spec = KVSpec(config.block_size, capacity // per_block, per_block, kv_layout=layout)
+    per_block = bytes_per_block(config.kv_format, layout.slots, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                                config.oaken_sparse_fraction)
+    # Oaken's full-precision tails: recent_blocks a layer, in every group's store
+    tails = OakenKVStore.tail_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                                    config.oaken_recent_blocks) if config.kv_format == "oaken" else 0
+    spec = KVSpec(config.block_size, max(0, capacity - tails) // per_block, per_block, kv_layout=layout)
     if spec.num_blocks < layout.num_groups:
         raise KVCapacityError(f"KV capacity {capacity / 2**20:.1f} MiB has room for {spec.num_blocks} blocks of "
-                              f"{per_block} B, fewer than the {layout.num_groups} layer groups: raise --kv-cache-bytes")
+                              f"{per_block} B beside {tails / 2**20:.1f} MiB of tails, fewer than the "
+                              f"{layout.num_groups} layer groups: raise --kv-cache-bytes")
     return spec
 
 
-def layered_attention_worker(config: BackendConfig, cfg, num_blocks: int) -> LayeredAttentionWorker:
+def layered_attention_worker(config: BackendConfig, cfg, num_blocks: int, cal: OakenThresholds | None = None
+                             ) -> LayeredAttentionWorker:
+    """The attention worker of a layered cache of `num_blocks` blocks (cal: the Oaken calibration, for oaken)."""
     layout = kv_layout(config, cfg)
     stores = layered_stores(config.kv_format, layout.slots, layout.num_groups, cfg.num_kv_heads, cfg.head_dim,
-                            config.block_size, num_blocks)
+                            config.block_size, num_blocks, cal, config.oaken_sparse_fraction,
+                            config.oaken_recent_blocks)
     return LayeredAttentionWorker(stores, cfg.head_dim, layout)
 
 

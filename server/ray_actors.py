@@ -48,7 +48,7 @@ class AttentionActor:
 
         self.threads = threads  # set by the channel thread, which runs the kernels (_serve)
         if config.kv_policy.is_layered:  # one micro-batch a step: a sequence's scores stay in this worker
-            self.worker = layered_attention_worker(config, cfg, num_blocks)
+            self.worker = layered_attention_worker(config, cfg, num_blocks, cal)
             self.workers = [self.worker]
         else:
             self.worker = attention_worker(cfg, config.kv_format, num_blocks, config.block_size, cal,

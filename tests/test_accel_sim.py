@@ -388,13 +388,12 @@ def test_sim_step_reads_only_the_rows_layered_kv_kept():
     assert read == pytest.approx((2 * 1000 + 28 * 256) / 30)
 
 
-def test_sim_backend_serves_layered_kv():
+@pytest.mark.parametrize("device,kv_format", [("a100-vllm", "fp16"), ("oaken-lpddr", "oaken")])
+def test_sim_backend_serves_layered_kv(device, kv_format):
     from server.config import ServeConfig
     from tests.conftest import RunningServer
 
-    with pytest.raises(ValueError, match="kv_format fp16 or fp32"):
-        ServeConfig(backend="sim", sim_device="oaken-lpddr", kv_format="oaken", kv_policy="layered")
-    srv = RunningServer(ServeConfig(backend="sim", sim_device="a100-vllm", kv_format="fp16", kv_policy="layered",
+    srv = RunningServer(ServeConfig(backend="sim", sim_device=device, kv_format=kv_format, kv_policy="layered",
                                     kv_budget_tokens=64, kv_window=16, kv_cache_bytes=64 * 2**20, max_num_seqs=4))
     try:
         body = {"prompt": "one two three four " * 60, "max_tokens": 8, "temperature": 0, "ignore_eos": True}

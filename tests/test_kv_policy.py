@@ -195,13 +195,14 @@ def test_compact_rows_matches_numpy_gather(dtype):
 
 # ---- Oaken stores: the scored kernel and compaction
 
-def _oaken_sequence(transforms, int_dots, recent_blocks, n=45, seed=8):
+def _oaken_sequence(transforms, int_dots, recent_blocks, n=45, seed=8, sparse_fraction=0.5):
     """An Oaken store (2 layers, 3 kv-heads, head_dim 64, blocks of 16) holding one sequence of n rows written
     as write_sequences does (a prompt, then one row at a time), and its table."""
     from tests.test_kv_formats import channel_transforms, oaken_store, write_sequences
 
     tf = channel_transforms(np.random.default_rng(2), 3, 64, transforms)
-    store = oaken_store(num_blocks=12, sparse_fraction=0.5, recent_blocks=recent_blocks, row_positions=True, **tf)
+    store = oaken_store(num_blocks=12, sparse_fraction=sparse_fraction, recent_blocks=recent_blocks,
+                        row_positions=True, **tf)
     offset = tf["key_bias"][0].reshape(3, 64) if "bias" in transforms else 0.0
     tables, kv = write_sequences(store, np.random.default_rng(seed), [n], offset=offset,
                                  rope_inv_freq=tf.get("rope_inv_freq"))
@@ -235,42 +236,76 @@ def test_oaken_scored_decode_is_its_decode_with_the_logits(transforms, int_dots,
     np.testing.assert_allclose(probs[0].sum(-1), 3, rtol=1e-3)  # each query head's probabilities sum to 1
 
 
-@pytest.mark.parametrize("transforms", [(), ("smooth", "bias", "rotate")])
-@pytest.mark.parametrize("recent_blocks", [0, 2])
-def test_oaken_compact_keeps_the_chosen_rows_and_goes_on(transforms, recent_blocks):
-    """compact: row i of kv-head h holds its old row keep[h, i] (rows before the first that moves: as they were;
-    the others quantized a second time, keys centered at their own positions: on average within 1.5x a row's
-    error quantized once, of the values written), and the sequence goes on from there: rows written after it,
-    one at a time at the next positions, are attended by the kernel as over the rows gather returns."""
-    store, tables, written = _oaken_sequence(transforms, False, recent_blocks)
+def _whole_tokens(rng, held, kept, sinks, window, num_kv_heads=3):
+    """A keep [Hkv, kept] of whole tokens (the same rows in every kv-head), rows 0..3 among them."""
+    scores = rng.random((1, held))
+    scores[0, :4] = 2.0
+    return np.repeat(select_keep(scores, kept, sinks, window), num_kv_heads, axis=0)
+
+
+def _goes_on(store, tables, rng, kept, n=10, skip=20):
+    """Rows written after a compaction, one at a time at the next positions (`skip` past the rows' own), are
+    attended by the kernel as over the rows gather returns."""
     table = tables[0]
-    before_k, before_v = store.gather(0, table, 45)
-    rng = np.random.default_rng(10)
-    keep = np.stack([select_keep(rng.random((1, 45)), 25, 2, 6)[0] for _ in range(3)])
-    keep[:, :4] = np.arange(4)  # rows 0..3 stay in every head: the first to move is row 4 or later
-    first = int(np.flatnonzero((keep != np.arange(25)).any(axis=0))[0])
-    store.compact(0, table, 45, keep)
-    after_k, after_v = store.gather(0, table, 25)
-    heads = np.arange(3)
-    np.testing.assert_array_equal(after_k[:first], before_k[:first])
-    np.testing.assert_array_equal(store._row_positions(0, table, 25), keep.T)  # each row keeps its position
-    for after, before, x in ((after_k, before_k, written[0]), (after_v, before_v, written[1])):
-        once = np.abs(before - x).max(axis=-1) / np.abs(x).max(axis=-1)  # [45, Hkv]: a row's error, quantized once
-        once = once[once > 1e-4]  # rows quantized (not in a full-precision tail)
-        kept = x[keep.T, heads]  # [25, Hkv, D]: the values written of the rows kept
-        twice = np.abs(after - kept).max(axis=-1) / np.abs(kept).max(axis=-1)
-        assert twice.mean() < 1.5 * once.mean() and twice.max() < 2.5 * once.max(), (twice, once)
-    k_new, v_new = (rng.standard_normal((10, 3, 64)).astype(np.float32) for _ in range(2))
-    rows = np.arange(25, 35)
-    for t in range(10):
+    k_new, v_new = (rng.standard_normal((n, 3, 64)).astype(np.float32) for _ in range(2))
+    rows = np.arange(kept, kept + n)
+    for t in range(n):
         store.write(0, table[rows[t:t + 1] // 16] * 16 + rows[t:t + 1] % 16, k_new[t:t + 1], v_new[t:t + 1],
-                    rows[t:t + 1] + 20)
+                    rows[t:t + 1] + skip)
     q = rng.standard_normal((1, 9, 64)).astype(np.float32)
-    out, lse = store.decode_attention(0, q, tables, np.asarray([35], np.int32), 64**-0.5)
-    k, v = store.gather(0, table, 35)
+    out, lse = store.decode_attention(0, q, tables, np.asarray([kept + n], np.int32), 64**-0.5)
+    k, v = store.gather(0, table, kept + n)
     ref_out, ref_lse = naive_attention(q[0], k, v, 64**-0.5)
     np.testing.assert_allclose(out[0], ref_out, atol=1e-4 * np.abs(ref_out).max())
     np.testing.assert_allclose(lse[0], ref_lse, atol=1e-4)
+
+
+@pytest.mark.parametrize("transforms", [(), ("smooth", "bias", "rotate")])
+@pytest.mark.parametrize("recent_blocks", [0, 2])
+def test_oaken_compact_moves_codes_and_goes_on(transforms, recent_blocks):
+    """compact: row i holds its old row keep[i], as a store that quantized every row when it was written holds
+    it, to the bit: a quantized row's codes move (its key centered at its own position), a row still in a
+    full-precision tail is quantized once, or stays a float while its block stays a tail. The tails past the rows
+    kept go free, and the sequence goes on from there."""
+    store, tables, _ = _oaken_sequence(transforms, False, recent_blocks)
+    quantized, _, _ = _oaken_sequence(transforms, False, 0)  # the same rows, every one quantized at its write
+    table = tables[0]
+    ref_k, ref_v = quantized.gather(0, table, 45)
+    rng = np.random.default_rng(10)
+    for held, kept in ((45, 40), (40, 25)):  # the first keeps the tail block, the second empties it
+        keep = _whole_tokens(rng, held, kept, 2, 6)
+        order = keep[0] if held == 45 else order[keep[0]]  # the rows written, of the rows kept
+        store.compact(0, table, held, keep)
+        if held == 45 and recent_blocks:
+            assert store.tail_of[0, table[2]] >= 0 and store.tail_len[0, store.tail_of[0, table[2]]] == 40 - 32
+    k, v = store.gather(0, table, 25)
+    np.testing.assert_array_equal(store._row_positions(0, table, 25), np.repeat(order[:, None], 3, axis=1))
+    np.testing.assert_array_equal(k, ref_k[order])
+    np.testing.assert_array_equal(v, ref_v[order])
+    assert (store.tail_of[0, table] < 0).all()  # the tail past the rows kept went free
+    _goes_on(store, tables, rng, 25)
+
+
+def test_oaken_compact_requantizes_rows_past_a_blocks_sparse_room():
+    """Rows whose sparse entries overflow the room left in their new block are quantized again within it: every
+    block keeps its budget, the other rows move to the bit, and those rows stay within twice a row's error."""
+    store, tables, written = _oaken_sequence((), False, 0, n=64, sparse_fraction=0.135)  # ~26 entries a row
+    table = tables[0]
+    before_k, _ = store.gather(0, table, 64)
+    per_row = store.counts[0, 0, table[np.arange(64) // 16], np.arange(64) % 16].sum(-1)  # [64] entries of K rows
+    heavy = np.argsort(per_row[4:56], kind="stable")[::-1][:20] + 4  # the rows of the most entries, kept
+    keep = np.repeat(np.unique(np.concatenate([np.arange(4), heavy, np.arange(56, 64)]))[None], 3, 0)
+    assert per_row[keep[0, :16]].sum() > store.budget  # the first block cannot hold them all
+    store.compact(0, table, 64, keep)
+    kept = keep.shape[1]
+    assert all(int(store.counts[0, kv, b].sum()) <= store.budget for kv in (0, 1) for b in table[:-(-kept // 16)])
+    k, _ = store.gather(0, table, kept)
+    same = (k == before_k[keep[0]]).all(axis=(1, 2))
+    assert 0 < (~same).sum() < kept // 2
+    once = np.abs(before_k - written[0]).max(axis=-1) / np.abs(written[0]).max(axis=-1)
+    again = np.abs(k - written[0][keep[0]]).max(axis=-1) / np.abs(written[0][keep[0]]).max(axis=-1)
+    assert again.max() <= 2 * once.max(), (again, once)
+    _goes_on(store, tables, np.random.default_rng(3), kept)
 
 
 # ---- the layered worker against a plain implementation

@@ -57,11 +57,26 @@ def test_layered_serving_equals_full_without_eviction_and_frees_every_group():
         tight.close()
 
 
+def test_layered_over_oaken_evicts_serves_and_frees_every_group():
+    """Oaken KV (calibrated, full-precision tails) under a budget the prompts outgrow: every request completes with
+    rows evicted at prompts' ends and while decoding (kept rows move as their codes), four at once, and every block
+    of every group comes back."""
+    srv = RunningServer(ServeConfig(kv_format="oaken", max_num_batched_tokens=64, kv_cache_bytes=32 * 2**20,
+                                    max_num_seqs=4, kv_policy="layered", kv_budget_tokens=48, kv_window=16))
+    try:
+        assert srv.engine.blocks.spec.kv_layout.num_groups > 1
+        texts = run_all(srv)
+        assert all(len(t) > 0 for t in texts) and srv.engine.blocks.num_evictions > 0
+        assert srv.engine.blocks.num_free_blocks == srv.engine.blocks.spec.num_blocks
+    finally:
+        srv.close()
+
+
 def test_layered_refuses_what_it_cannot_run_in_one_line():
     from hetcore.kv_policy import KVPolicyError
 
-    with pytest.raises(ValueError, match="kv_policy layered needs kv_format fp16 or fp32, attention exact"):
-        ServeConfig(kv_format="oaken", kv_policy="layered")
+    with pytest.raises(ValueError, match="kv_policy layered needs attention exact"):
+        ServeConfig(kv_format="oaken", attention="magicpig", kv_policy="layered")
     with pytest.raises(ValueError, match="one micro-batch a step on the ray executor"):
         ServeConfig(executor="ray", ray_cpu_actors=2, ray_microbatches=2, kv_policy="layered")
     with pytest.raises(KVPolicyError, match="give kv_budget_tokens or kv_budget_ratio, not both"):

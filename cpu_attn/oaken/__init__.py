@@ -17,7 +17,7 @@ from cpu_attn.oaken.attention import int16_add_weighted_rows, int16_block_scores
 from cpu_attn.oaken.avx2 import avx2_add_weighted_rows, avx2_block_scores
 from cpu_attn.oaken.center import (add_center_scores, add_key_center, center_codes, center_terms, decode_outputs,
                                    decode_queries, vnni_center_scores)
-from cpu_attn.oaken.codec import (INNER, MIDDLE, OUTER, SEGMENT, dequantize, effective_bits, quantize,
+from cpu_attn.oaken.codec import (INNER, MIDDLE, OUTER, SEGMENT, dequantize, effective_bits, move_tokens, quantize,
                                   write_tokens)
 from cpu_attn.oaken.codes import AVX2, CODE_MAX, INT16, ROWS, VNNI, query_codes
 from cpu_attn.oaken.decode import dequantize_blocks, load_block, load_row, prefetch_block, row_entries
@@ -31,6 +31,6 @@ __all__ = ["AVX2", "CODE_MAX", "INNER", "INT16", "MAX_HEADS", "MIDDLE", "OUTER",
            "TailSlots", "TokenScratch", "add_center_scores", "add_key_center", "avx2_add_weighted_rows",
            "avx2_block_scores", "center_codes", "center_terms", "decode_outputs", "decode_queries", "dequantize",
            "dequantize_blocks", "effective_bits", "int16_add_weighted_rows", "int16_block_scores", "load_block",
-           "load_row", "oaken_decode_attention", "oaken_scratch", "prefetch_block", "quantize", "query_codes",
-           "row_entries", "turn_heads", "vnni_add_weighted_rows", "vnni_block_scores", "vnni_center_scores",
-           "write_tail_rows", "write_tokens"]
+           "load_row", "move_tokens", "oaken_decode_attention", "oaken_scratch", "prefetch_block", "quantize",
+           "query_codes", "row_entries", "turn_heads", "vnni_add_weighted_rows", "vnni_block_scores",
+           "vnni_center_scores", "write_tail_rows", "write_tokens"]

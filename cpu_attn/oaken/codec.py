@@ -30,6 +30,7 @@ import numba
 import numpy as np
 from numba import get_thread_id, njit, prange
 
+from cpu_attn.fp16 import fp16_to_f32
 from cpu_attn.llvm_ir import _as_f32, _as_u32
 
 SEGMENT = 64
@@ -263,3 +264,82 @@ def write_tokens(x, slot_mapping, runs, parts, scratch):
             for k in range(3):
                 scales[block, offset, k] = _fp16_bits(scale32[me, k])
     return bad
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def move_tokens(parts, src, dst, runs, scratch):
+    """Move rows of one layer's K or V (parts: records.OakenParts) within the store: row dst[i] becomes what row
+    src[i] holds (slots; dst ascending, runs [R + 1] splitting it into runs that share a block, as write_tokens
+    takes them; the sources are read before anything is written). A quantized row moves as its codes, unchanged,
+    its sparse entries laid after those of the rows before it in its new block; a row in a full-precision tail is
+    quantized there (its first quantization), or copied when its new block is still filling too (a quantized row
+    going into a tail is decoded). Only a row whose entries do not fit the room left in its new block is
+    quantized again, from its decoded values, within that room. scratch: records.TokenScratch."""
+    dense = parts[0]  # written: by index, one statement each (records.py)
+    scales = parts[1]
+    counts = parts[2]
+    sparse = parts[3]
+    tail = parts[4]
+    tail_of = parts[5]
+    thr = parts[6]
+    shifted = scratch[0]
+    group = scratch[1]
+    peak = scratch[2]
+    scale32 = scratch[3]
+    n, block_size, budget = src.shape[0], dense.shape[1], sparse.shape[1]
+    width, num_seg = dense.shape[2], counts.shape[2]
+    src_dense = np.empty((n, width), np.uint8)
+    src_scales = np.empty((n, 3), np.uint16)
+    src_counts = np.empty((n, num_seg), np.uint8)
+    src_sparse = np.empty((n, 2 * width), np.uint8)
+    src_float = np.empty((n, 2 * width), np.float32)
+    in_tail = np.empty(n, np.bool_)
+    for i in prange(n):
+        block, offset = src[i] // block_size, src[i] % block_size
+        slot = tail_of[block]
+        in_tail[i] = slot >= 0
+        if slot >= 0:
+            src_float[i] = tail[slot, offset]
+            continue
+        src_dense[i] = dense[block, offset]
+        src_scales[i] = scales[block, offset]
+        src_counts[i] = counts[block, offset]
+        e = 0
+        for t in range(offset):
+            for seg in range(num_seg):
+                e += counts[block, t, seg]
+        k = 0
+        for seg in range(num_seg):
+            k += counts[block, offset, seg]
+        src_sparse[i, :k] = sparse[block, e:e + k]
+    for r in prange(runs.shape[0] - 1):
+        me = get_thread_id()
+        block = dst[runs[r]] // block_size
+        slot = tail_of[block]
+        used = 0
+        for t in range(dst[runs[r]] % block_size):
+            for seg in range(num_seg):
+                used += counts[block, t, seg]
+        for i in range(runs[r], runs[r + 1]):
+            offset = dst[i] % block_size
+            if not in_tail[i]:
+                k = 0
+                for seg in range(num_seg):
+                    k += src_counts[i, seg]
+                if slot < 0 and used + k <= budget:
+                    dense[block, offset] = src_dense[i]
+                    scales[block, offset] = src_scales[i]
+                    counts[block, offset] = src_counts[i]
+                    sparse[block, used:used + k] = src_sparse[i, :k]
+                    used += k
+                    continue
+                for j in range(3):
+                    scale32[me, j] = fp16_to_f32(src_scales[i, j])
+                dequantize_token(thr, src_dense[i], src_sparse[i], src_counts[i], scale32[me], src_float[i])
+            if slot >= 0:
+                tail[slot, offset] = src_float[i]
+                continue
+            used += quantize_token(src_float[i], thr, dense[block, offset], sparse[block, used:], counts[block, offset],
+                                   scale32[me], shifted[me], group[me], peak[me], budget - used)
+            for j in range(3):
+                scales[block, offset, j] = _fp16_bits(scale32[me, j])

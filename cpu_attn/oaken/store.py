@@ -60,8 +60,8 @@ class OakenKVStore:
     dtype = "oaken"
     rows_per_head = False
     """compact keeps whole tokens: a token's scales span all its kv-heads, so a row made of several tokens' heads
-    would be quantized anew at the scale of its largest (on SmolLM2's values 6-9 % mean error a row, up to 2x on
-    small ones). Kept tokens are still quantized again at every eviction that moves them (docs/kv-policy.md)."""
+    would have to be quantized anew at the scale of its largest (on SmolLM2's values 6-9 % mean error a row, up to
+    2x on small ones); whole tokens move as their codes."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  thresholds: np.ndarray, sparse_fraction: float = SPARSE_FRACTION, key_scales: np.ndarray | None = None,
@@ -400,26 +400,34 @@ class OakenKVStore:
         return out[0], out[1]
 
     def compact(self, layer: int, block_table, held: int, keep: np.ndarray) -> None:
-        """Keep keep.shape[1] of a sequence's first `held` rows, compacted to the front: row i of kv-head h becomes
-        its old row keep[h, i] (keep [Hkv, K] ascending; layered KV sparsity, cpu_attn/layered_worker.py). From the
-        first row that changes on, the kept rows are decoded and written again at their new rows with their own
-        positions (row_pos: keys stay centered where they belong), so each block's sparse entries stay in row
-        order; rows past K are left for the sequence's next writes to replace. Needs row_positions where keys
-        are centered."""
-        kept = keep.shape[1]
-        moved = np.flatnonzero((keep != np.arange(kept)).any(axis=0))
-        if not len(moved):
-            return
-        assert self.row_pos.size or self.key_bias is None, "a store that centers keys compacts with row_positions"
-        first = int(moved[0])
-        k, v = self.gather(layer, block_table, held)
-        picks, heads = keep[:, first:].T, np.arange(self.num_kv_heads)  # [n, Hkv]: row of each (new row, head)
-        rows = np.arange(first, kept)
-        at = self._row_positions(layer, block_table, held)  # before the write
-        positions = at[picks, heads].astype(np.int64) if at.ndim == 2 else rows
+        """Keep keep.shape[1] of a sequence's first `held` rows, compacted to the front: row i becomes its old row
+        keep[:, i] (keep [Hkv, K] ascending, the same rows for every kv-head: whole tokens, see rows_per_head;
+        layered KV sparsity, cpu_attn/layered_worker.py). Rows move as their codes, with their positions (row_pos,
+        so keys stay centered where they belong): a quantized row is not quantized again (oaken.move_tokens says
+        when it is). Rows past K are left for the sequence's next writes to replace; the tails of blocks past them
+        go free. Needs row_positions where keys are centered."""
+        kept, bs = keep.shape[1], self.block_size
+        rows = keep[0]
+        assert (keep == rows).all(), "an Oaken store keeps whole tokens"
         blocks = np.asarray(block_table, np.int64)
-        self.write(layer, blocks[rows // self.block_size] * self.block_size + rows % self.block_size,
-                   k[picks, heads], v[picks, heads], positions)
+        moved = np.flatnonzero(rows != np.arange(kept))
+        if len(moved):
+            assert self.row_pos.size or self.key_bias is None, "a store that centers keys compacts with row_positions"
+            self._release_held(layer, blocks[:0])  # held tails' rows move: let them go
+            new = np.arange(moved[0], kept)
+            src = blocks[rows[new] // bs] * bs + rows[new] % bs
+            dst = blocks[new // bs] * bs + new % bs
+            if self.row_pos.size:
+                self.row_pos[layer, dst // bs, :, dst % bs] = self.row_pos[layer, src // bs, :, src % bs]
+            runs = _block_runs(dst, bs)
+            for kv in (0, 1):
+                oaken.move_tokens(self._parts(layer, kv), src, dst, runs, self._scratch)
+        for b in blocks[-(-kept // bs):-(-held // bs)]:
+            slot = self.tail_of[layer, b]
+            if slot >= 0:
+                self.tail_of[layer, b], self.tail_block[layer, slot] = -1, -1
+        if kept % bs and self.tail_of[layer, blocks[kept // bs]] >= 0:
+            self.tail_len[layer, self.tail_of[layer, blocks[kept // bs]]] = kept % bs
 
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          scale: float, splits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
