@@ -245,7 +245,8 @@ def _whole_tokens(rng, held, kept, sinks, window, num_kv_heads=3):
 
 def _goes_on(store, tables, rng, kept, n=10, skip=20):
     """Rows written after a compaction, one at a time at the next positions (`skip` past the rows' own), are
-    attended by the kernel as over the rows gather returns."""
+    attended by the kernel as over the rows gather returns (its full blocks' keys centered at each row's position,
+    or, where a block's rows are in order, from its first one's)."""
     table = tables[0]
     k_new, v_new = (rng.standard_normal((n, 3, 64)).astype(np.float32) for _ in range(2))
     rows = np.arange(kept, kept + n)
@@ -253,11 +254,16 @@ def _goes_on(store, tables, rng, kept, n=10, skip=20):
         store.write(0, table[rows[t:t + 1] // 16] * 16 + rows[t:t + 1] % 16, k_new[t:t + 1], v_new[t:t + 1],
                     rows[t:t + 1] + skip)
     q = rng.standard_normal((1, 9, 64)).astype(np.float32)
-    out, lse = store.decode_attention(0, q, tables, np.asarray([kept + n], np.int32), 64**-0.5)
     k, v = store.gather(0, table, kept + n)
     ref_out, ref_lse = naive_attention(q[0], k, v, 64**-0.5)
-    np.testing.assert_allclose(out[0], ref_out, atol=1e-4 * np.abs(ref_out).max())
-    np.testing.assert_allclose(lse[0], ref_lse, atol=1e-4)
+    from cpu_attn import oaken
+
+    for int_dots in {False, oaken.INT16}:  # rows decoded; full blocks in int16 dot products (looser: their rounding)
+        store.int_dots = int_dots
+        out, lse = store.decode_attention(0, q, tables, np.asarray([kept + n], np.int32), 64**-0.5)
+        bound = 2e-3 if int_dots else 1e-4
+        np.testing.assert_allclose(out[0], ref_out, atol=bound * np.abs(ref_out).max())
+        np.testing.assert_allclose(lse[0], ref_lse, atol=bound)
 
 
 @pytest.mark.parametrize("transforms", [(), ("smooth", "bias", "rotate")])

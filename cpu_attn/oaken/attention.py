@@ -9,8 +9,8 @@ from cpu_attn.kernels import AttentionScratch, attend_scores, block_scores, fini
 from cpu_attn.llvm_ir import _FAST
 from cpu_attn.softmax import attend_begin, softmax_rows16
 from cpu_attn.oaken.avx2 import avx2_add_weighted_rows, avx2_block_scores
-from cpu_attn.oaken.center import (add_center_scores, add_row_center_scores, center_codes, center_scales,
-                                   vnni_center_scores)
+from cpu_attn.oaken.center import (add_center_scores, add_row_center_scores, center_codes, center_codes_at,
+                                   center_scales, consecutive_from, vnni_center_scores)
 from cpu_attn.oaken.codec import SEGMENT
 from cpu_attn.oaken.codes import ROWS, VNNI
 from cpu_attn.oaken.decode import load_block, prefetch_block
@@ -95,7 +95,11 @@ def oaken_decode_attention(queries, k_parts, v_parts, center, block_tables, seq_
                 # the block's lines, loaded once, serve every kv-head; each step one call for all query heads
                 int16_block_scores(task_scores, qi[b], qscale[b], k_dense[block], k_scales[block], k_counts[block],
                                    k_sparse[block], thr_k, scale, task_kacc)
-                if centered and positioned:
+                start = consecutive_from(row_pos[block], block_size) if centered and positioned else -1
+                if start >= 0:  # rows in order (a window, new rows): one center turn for the block
+                    center_codes_at(q_center[b], pos_cos, pos_sin, start, inv, abq)
+                    vnni_center_scores(task_scores, abq, factor, offset_pairs)
+                elif centered and positioned:
                     for kvh in range(num_kv_heads):
                         heads = slice(kvh * group, (kvh + 1) * group)
                         add_row_center_scores(task_scores[heads], q_center[b, heads], pos_cos, pos_sin,

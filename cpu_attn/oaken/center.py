@@ -193,6 +193,26 @@ def center_codes(qc, center, j, inv, abq):
     _center_codes(abq, qc, center[0], center[1], j, inv)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def center_codes_at(qc, pos_cos, pos_sin, p, inv, abq):
+    """center_codes for a block whose rows sit at consecutive positions p, p + 1, ... (a layered cache's rows
+    that kept their order, ScoreCenter.row_pos): the terms turned to position p by the tables pos_cos, pos_sin
+    [> p, D / 2], for vnni_center_scores, whose offsets then count from p."""
+    _center_codes(abq, qc, pos_cos, pos_sin, p, inv)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def consecutive_from(row_pos, width):
+    """row_pos [Hkv, bs] of one block: the position of its row 0 when every kv-head's rows 0..width-1 sit at
+    consecutive positions from the same one, else -1."""
+    p = row_pos[0, 0]
+    for h in range(row_pos.shape[0]):
+        for t in range(width):
+            if row_pos[h, t] != p + t:
+                return -1
+    return p
+
+
 @intrinsic
 def _center_codes(typingctx, abq, qc, cos_b, sin_b, j, inv):
     """center_codes in LLVM IR, sixteen channels at a time: A c + B s and B c - A s, rounded to the
