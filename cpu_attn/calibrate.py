@@ -154,6 +154,13 @@ class OakenThresholds:
                if getattr(self, name) is not None}
         return replace(self, **cut)
 
+    def per_head(self, num_kv_heads: int) -> OakenThresholds:
+        """The same calibration with every layer split into `num_kv_heads` layers of one kv-head each (layer l's
+        kv-head h becomes layer l * num_kv_heads + h: cpu_attn/kv_store.HeadRowsStore)."""
+        split = {name: getattr(self, name).reshape(-1, getattr(self, name).shape[1] // num_kv_heads)
+                 for name in ("key_scales", "key_bias", "value_scales") if getattr(self, name) is not None}
+        return replace(self, values=np.repeat(self.values, num_kv_heads, axis=0), **split)
+
     def key_centers(self, layer: int, positions: np.ndarray) -> np.ndarray:
         """[T] positions -> [T, Hkv * D]: key_bias of `layer` turned to each position (R(p) b)."""
         b = self.key_bias[layer].reshape(1, -1, len(self.rope_inv_freq) * 2)

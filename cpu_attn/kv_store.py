@@ -248,23 +248,83 @@ def make_store(kv_format: str, num_layers: int, num_kv_heads: int, head_dim: int
     raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}, not {kv_format!r}")
 
 
+def layered_bytes_per_block(kv_format: str, slots: int, num_kv_heads: int, head_dim: int, block_size: int,
+                            sparse_fraction: float = SPARSE_FRACTION) -> int:
+    """Bytes of one block id of a layered cache (a group's `slots` layers): as bytes_per_block, but Oaken's
+    stores there keep one kv-head a layer (HeadRowsStore: scales, counts and sparse room per kv-head)."""
+    if kv_format == "oaken":
+        return OakenKVStore.bytes_per_block(slots * num_kv_heads, 1, head_dim, block_size, sparse_fraction)
+    return bytes_per_block(kv_format, slots, num_kv_heads, head_dim, block_size, sparse_fraction)
+
+
 def layered_stores(kv_format: str, slots: int, num_groups: int, num_kv_heads: int, head_dim: int, block_size: int,
                    num_blocks: int, oaken_cal: OakenThresholds | None = None, sparse_fraction: float = SPARSE_FRACTION,
                    recent_blocks: int = 0) -> list[KVStore]:
     """The stores of a layered cache's `num_groups` layer groups of `slots` layers each over one pool of blocks
-    (cpu_attn/layered_worker.py): one fp16 / fp32 store for every group, or for Oaken one store per group with its
-    layers' calibration (oaken_cal sliced) and its own tails, all over the first one's codes and row positions."""
+    (cpu_attn/layered_worker.py): one fp16 / fp32 store for every group, or for Oaken one store per group
+    (HeadRowsStore: each kv-head its own rows) with its layers' calibration (oaken_cal sliced, split per kv-head) and
+    its own tails, all over the first one's codes and row positions."""
     geometry = (slots, num_kv_heads, head_dim, block_size, num_blocks)
     if kv_format in ("fp16", "fp32"):
         return [PagedKVStore(*geometry, "float16" if kv_format == "fp16" else "float32")] * num_groups
     if kv_format != "oaken":
         raise ValueError(f"a layered cache needs kv_format fp16, fp32 or oaken, not {kv_format!r}")
-    stores: list[KVStore] = []
+    inner: list[OakenKVStore] = []
+    per_head = (slots * num_kv_heads, 1, head_dim, block_size, num_blocks)
     for g in range(num_groups):
-        cal = None if oaken_cal is None else oaken_cal.for_layers(slice(g * slots, (g + 1) * slots))
-        stores.append(_oaken_store(geometry, cal, sparse_fraction, recent_blocks,
-                                   codes_of=stores[0] if stores else None, row_positions=True))
-    return stores
+        cal = None if oaken_cal is None else oaken_cal.for_layers(slice(g * slots, (g + 1) * slots)).per_head(
+            num_kv_heads)
+        inner.append(_oaken_store(per_head, cal, sparse_fraction, recent_blocks,
+                                  codes_of=inner[0] if inner else None, row_positions=True))
+    return [HeadRowsStore(x, num_kv_heads) for x in inner]
+
+
+class HeadRowsStore:
+    """An Oaken store of `num_layers` layers whose kv-heads keep rows of their own (rows_per_head): layer l's
+    kv-head h is layer l * Hkv + h of `inner`, an OakenKVStore of one kv-head a layer, so a row's scales span one
+    kv-head and compact moves each kv-head's own rows as their codes. The layered cache over Oaken
+    (layered_stores); each call runs the inner store once a kv-head."""
+
+    dtype = "oaken"
+    rows_per_head = True
+
+    def __init__(self, inner: OakenKVStore, num_kv_heads: int):
+        assert inner.num_kv_heads == 1 and inner.num_layers % num_kv_heads == 0
+        self.inner, self.num_kv_heads = inner, num_kv_heads
+        self.num_layers = inner.num_layers // num_kv_heads
+        self.head_dim, self.block_size, self.num_blocks = inner.head_dim, inner.block_size, inner.num_blocks
+
+    def write(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray,
+              positions: np.ndarray | None = None, provisional: np.ndarray | None = None) -> None:
+        for h in range(self.num_kv_heads):
+            self.inner.write(layer * self.num_kv_heads + h, slot_mapping, k[:, h:h + 1], v[:, h:h + 1], positions,
+                             provisional)
+
+    def _heads(self, layer: int, q: np.ndarray, attend) -> tuple[np.ndarray, ...]:
+        """attend(inner layer, q of its query heads) for each kv-head, joined along the query heads."""
+        group = q.shape[1] // self.num_kv_heads
+        parts = [attend(layer * self.num_kv_heads + h, np.ascontiguousarray(q[:, h * group:(h + 1) * group]))
+                 for h in range(self.num_kv_heads)]
+        return tuple(np.concatenate(x, axis=1) for x in zip(*parts))
+
+    def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                         scale: float, splits: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return self._heads(layer, q, lambda i, x: self.inner.decode_attention(i, x, block_tables, seq_lens, scale,
+                                                                               splits))
+
+    def scored_decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                                scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._heads(layer, q, lambda i, x: self.inner.scored_decode_attention(i, x, block_tables, seq_lens,
+                                                                                      scale))
+
+    def gather(self, layer: int, block_table, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        heads = [self.inner.gather(layer * self.num_kv_heads + h, block_table, seq_len)
+                 for h in range(self.num_kv_heads)]
+        return tuple(np.concatenate(x, axis=1) for x in zip(*heads))
+
+    def compact(self, layer: int, block_table, held: int, keep: np.ndarray) -> None:
+        for h in range(self.num_kv_heads):
+            self.inner.compact(layer * self.num_kv_heads + h, block_table, held, keep[h:h + 1])
 
 
 def _oaken_store(geometry: tuple, cal: OakenThresholds | None, sparse_fraction: float, recent_blocks: int,

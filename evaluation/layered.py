@@ -41,7 +41,7 @@ class LayeredRun:
         groups = layout.num_groups
         stores = layered_stores(kv_format, layout.slots, groups, cfg.num_kv_heads, cfg.head_dim, block_size,
                                 groups * num * blocks_per_window, oaken_cal, sparse_fraction, recent_blocks)
-        self.store = stores[0]
+        self.store = stores[0].inner if kv_format == "oaken" else stores[0]
         """Group 0's store (the full layers): what the realized bits of an Oaken store are read from."""
         self.worker = LayeredAttentionWorker(stores, cfg.head_dim, layout)
         self.tables = [[tuple(range((g * num + i) * blocks_per_window, (g * num + i + 1) * blocks_per_window))

@@ -4,7 +4,7 @@ group's), so a cache of the same bytes has num_layers / slots times the block id
 from __future__ import annotations
 
 from cpu_attn.calibrate import OakenThresholds
-from cpu_attn.kv_store import OakenKVStore, bytes_per_block, layered_stores
+from cpu_attn.kv_store import OakenKVStore, layered_bytes_per_block, layered_stores
 from cpu_attn.layered_worker import LayeredAttentionWorker, LayeredChunkLayout
 from cpu_attn.worker import ChunkLayout
 from hetcore.backend import KVCapacityError, KVSpec, SeqChunk
@@ -22,8 +22,8 @@ def layered_kv_spec(config: BackendConfig, cfg, capacity_bytes: int | None = Non
     """The blocks of a layered cache of `capacity_bytes` (default: config.kv_capacity_bytes)."""
     layout = kv_layout(config, cfg)
     capacity = config.kv_capacity_bytes if capacity_bytes is None else capacity_bytes
-    per_block = bytes_per_block(config.kv_format, layout.slots, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                                config.oaken_sparse_fraction)
+    per_block = layered_bytes_per_block(config.kv_format, layout.slots, cfg.num_kv_heads, cfg.head_dim,
+                                        config.block_size, config.oaken_sparse_fraction)
     # Oaken's full-precision tails: recent_blocks a layer, in every group's store
     tails = OakenKVStore.tail_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                                     config.oaken_recent_blocks) if config.kv_format == "oaken" else 0
