@@ -264,9 +264,6 @@ class HeteroBackend(Backend):
             c = self.config = replace(c, kv_policy=c.kv_policy.with_full_layers(kv_full_layers(self.model, model_dir)))
         if c.kv_policy.is_layered:
             self.kv_spec = layered_kv_spec(c, cfg)
-            if c.kv_format == "oaken":
-                log.warning("kv_policy layered over oaken KV: every kv-head keeps the same tokens, which holds "
-                            "perplexity but loses needle retrieval (docs/kv-policy.md, Over Oaken KV)")
         else:
             self.kv_spec = kv_spec(cfg, c.kv_format, c.kv_capacity_bytes, c.block_size, c.oaken_sparse_fraction,
                                    c.oaken_recent_blocks, c.lsh, c.max_num_seqs)
