@@ -51,7 +51,7 @@ class KVStore(Protocol):
 
     # layered KV sparsity's worker (cpu_attn/layered_worker.py) also needs:
     rows_per_head: bool
-    """Whether compact may keep other rows in each kv-head (else every kv-head keeps the same tokens)."""
+    """Whether compact may keep other rows in each kv-head (the layered worker needs it)."""
 
     def scored_decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                                 scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...

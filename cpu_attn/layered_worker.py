@@ -83,6 +83,7 @@ class LayeredAttentionWorker(AttentionWorker):
     def __init__(self, stores: Sequence[KVStore], head_dim: int, layout: KVLayout):
         assert len(stores) == layout.num_groups and all(s.num_layers == layout.slots for s in stores), \
             "a store of `slots` layers for each group"
+        assert all(s.rows_per_head for s in stores), "stores whose kv-heads keep rows of their own (compact)"
         super().__init__(stores[0], head_dim, None)
         self.stores = list(stores)
         self.layout = layout
@@ -189,12 +190,10 @@ class LayeredAttentionWorker(AttentionWorker):
 
     def _evict(self, store: KVStore, layer: int, slot: int, seq_id: int, held: int, kept: int, table: tuple[int, ...],
                pool: int, focus: np.ndarray | None) -> None:
-        """Keep `kept` of the `held` rows, each ranked by the larger of its score and the mean of the `pool` rows
-        around it; the kept rows carry that on (each kv-head its own rows, or where the store keeps whole tokens,
-        rows_per_head False, the tokens of the most summed rank, each kv-head carrying its own rank on: carrying the
-        sum instead cost +10.6 % against +7.7 % perplexity at 2k, docs/kv-policy.md). With `focus` (the prompt's
-        last queries' scores, KVPolicy.focus), a row ranks by the larger of its own score and its pooled focus
-        score, scaled to the same total."""
+        """Keep `kept` of the `held` rows of each kv-head, each ranked by the larger of its score and the mean of the
+        `pool` rows around it; the kept rows carry that on. With `focus` (the prompt's last queries' scores,
+        KVPolicy.focus), a row ranks by the larger of its own score and its pooled focus score, scaled to the same
+        total."""
         p = self.layout.policy
         scores = self._scores[seq_id][layer]  # [Hkv, capacity]
         own = scores[:, :held]
@@ -204,10 +203,7 @@ class LayeredAttentionWorker(AttentionWorker):
             ranked = np.maximum(own, ranked_focus * scale)
         else:
             ranked = own if pool == 1 else np.maximum(own, pooled(own, pool))
-        choose = ranked
-        if not store.rows_per_head:  # the same tokens for every kv-head
-            choose = np.broadcast_to(ranked.sum(axis=0, keepdims=True), ranked.shape)
-        keep = select_keep(choose, kept, p.sinks, p.window_rows(kept))
+        keep = select_keep(ranked, kept, p.sinks, p.window_rows(kept))
         store.compact(slot, table, held, keep)
         scores[:, :kept] = np.take_along_axis(ranked, keep, axis=1)
         scores[:, kept:] = 0.0

@@ -18,9 +18,9 @@ from cpu_attn.oaken.avx2 import avx2_add_weighted_rows, avx2_block_scores
 from cpu_attn.oaken.center import (add_center_scores, add_key_center, center_codes, center_terms, decode_outputs,
                                    decode_queries, vnni_center_scores)
 from cpu_attn.oaken.codec import (INNER, MIDDLE, OUTER, SEGMENT, dequantize, effective_bits, move_tokens, quantize,
-                                  write_tokens)
+                                  row_entries, write_tokens)
 from cpu_attn.oaken.codes import AVX2, CODE_MAX, INT16, ROWS, VNNI, query_codes
-from cpu_attn.oaken.decode import dequantize_blocks, load_block, load_row, prefetch_block, row_entries
+from cpu_attn.oaken.decode import dequantize_blocks, load_block, load_row, prefetch_block
 from cpu_attn.oaken.records import (DecodeQueries, KeyCenter, OakenParts, OakenScratch, RowTransform,
                                     ScoreCenter, TailSlots, TokenScratch)
 from cpu_attn.oaken.turn import turn_heads, write_tail_rows

@@ -226,6 +226,17 @@ def _fp16_bits(x):
 
 
 
+@njit(cache=True, nogil=True, inline="always")
+def row_entries(counts, offset):
+    """Where row `offset`'s sparse entries start in its block's budget: the entries of the rows
+    before it (counts [bs, C/64] of the block), summed as one run of bytes: as rows of segments
+    (a loop of C/64 inside), ~16 ns a row (half of decoding the row) against ~4."""
+    e = 0
+    for x in counts[:offset].flat:
+        e += x
+    return e
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def write_tokens(x, slot_mapping, runs, parts, scratch):
     """Quantize rows x [T, C] by its thresholds into their slots of one layer's K or V (parts:
@@ -247,10 +258,7 @@ def write_tokens(x, slot_mapping, runs, parts, scratch):
     for r in prange(runs.shape[0] - 1):
         me = get_thread_id()
         block = slot_mapping[runs[r]] // block_size
-        used = 0
-        for t in range(slot_mapping[runs[r]] % block_size):
-            for seg in range(counts.shape[2]):
-                used += counts[block, t, seg]
+        used = row_entries(counts[block], slot_mapping[runs[r]] % block_size)
         for row in range(runs[r], runs[r + 1]):
             offset = slot_mapping[row] % block_size
             finite = True
@@ -304,28 +312,18 @@ def move_tokens(parts, src, dst, runs, scratch):
         src_dense[i] = dense[block, offset]
         src_scales[i] = scales[block, offset]
         src_counts[i] = counts[block, offset]
-        e = 0
-        for t in range(offset):
-            for seg in range(num_seg):
-                e += counts[block, t, seg]
-        k = 0
-        for seg in range(num_seg):
-            k += counts[block, offset, seg]
+        e = row_entries(counts[block], offset)
+        k = row_entries(counts[block], offset + 1) - e
         src_sparse[i, :k] = sparse[block, e:e + k]
     for r in prange(runs.shape[0] - 1):
         me = get_thread_id()
         block = dst[runs[r]] // block_size
         slot = tail_of[block]
-        used = 0
-        for t in range(dst[runs[r]] % block_size):
-            for seg in range(num_seg):
-                used += counts[block, t, seg]
+        used = row_entries(counts[block], dst[runs[r]] % block_size)
         for i in range(runs[r], runs[r + 1]):
             offset = dst[i] % block_size
             if not in_tail[i]:
-                k = 0
-                for seg in range(num_seg):
-                    k += src_counts[i, seg]
+                k = row_entries(src_counts[i:i + 1], 1)
                 if slot < 0 and used + k <= budget:
                     dense[block, offset] = src_dense[i]
                     scales[block, offset] = src_scales[i]

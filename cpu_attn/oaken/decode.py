@@ -10,7 +10,7 @@ from numba.extending import intrinsic
 
 from cpu_attn.fp16 import fp16_to_f32
 from cpu_attn.llvm_ir import _F32, _I1, _I32, _I64, _I8, c_array, host_has, prefetch, splat
-from cpu_attn.oaken.codec import MIDDLE_OFFSET, SEGMENT
+from cpu_attn.oaken.codec import MIDDLE_OFFSET, SEGMENT, row_entries
 
 _LANES = 16  # sparse entries _scatter_entries decodes at once
 _MASKED_ENTRIES = host_has("avx512f")
@@ -206,17 +206,6 @@ def dequantize_block(dense, scales, counts, sparse, thr, first_seg, width, out):
     e = 0
     for t in range(width):
         e = decode_token(dense[t], scales[t], counts[t], sparse, e, thr, first_seg, out[t])
-
-
-@njit(cache=True, nogil=True, inline="always")
-def row_entries(counts, offset):
-    """Where row `offset`'s sparse entries start in its block's budget: the entries of the rows
-    before it (counts [bs, C/64] of the block), summed as one run of bytes: as rows of segments
-    (a loop of C/64 inside), ~16 ns a row (half of decoding the row) against ~4."""
-    e = 0
-    for x in counts[:offset].flat:
-        e += x
-    return e
 
 
 @njit(cache=True, nogil=True, inline="always")
