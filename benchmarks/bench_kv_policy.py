@@ -115,47 +115,80 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def attention_steps(shapes: str, repeats: int = 10) -> list[dict]:
+def attention_steps(shapes: str, kv_format: str = "fp16", repeats: int = 34) -> list[dict]:
     """ms per decode step of the attention worker (30 layers), full cache against layered, for each
-    BxCxK of `shapes` (B sequences, context C, K rows kept in the sparse layers)."""
+    BxCxK of `shapes` (B sequences, context C, K rows kept in the sparse layers; the server's defaults: one full
+    layer, the default window and evict slack, so each sequence evicts once every slack + 1 steps, in turn).
+    K and V are random, written once through the stores (Oaken: the bundled calibration, tails for B blocks a
+    layer); each step writes one row a sequence and attends."""
     import numpy as np
     import torch
 
-    from cpu_attn.kv_store import PagedKVStore
+    from cpu_attn.calibrate import BUNDLED_DIR, OakenThresholds
+    from cpu_attn.kv_store import layered_stores, make_store
     from cpu_attn.layered_worker import LayeredAttentionWorker, LayeredChunkLayout
     from cpu_attn.worker import AttentionWorker, ChunkLayout
     from hetcore.kv_policy import KVPolicy, KVView
 
     layers, heads, kv_heads, dim, bs = 30, 9, 3, 64, 16
+    cal = OakenThresholds.load(next(BUNDLED_DIR.glob("*.json"))) if kv_format == "oaken" else None
+    rng = np.random.default_rng(0)
     rows = []
     for shape in shapes.split(","):
         num_seqs, ctx, kept = (int(x) for x in shape.split("x"))
-        layout = KVPolicy("layered", full_layers=3, budget_tokens=kept, window=64).layout(layers, 8192)
-        groups, per_seq = layout.num_groups, -(-(ctx + 1) // bs)
-        tables = [[tuple(range((g * num_seqs + i) * per_seq, (g * num_seqs + i + 1) * per_seq))
-                   for g in range(groups)] for i in range(num_seqs)]
-        store = PagedKVStore(layout.slots, kv_heads, dim, bs, groups * num_seqs * per_seq, "float16")
-        layered = LayeredAttentionWorker([store] * groups, dim, layout)
-        full = AttentionWorker(PagedKVStore(layers, kv_heads, dim, bs, num_seqs * per_seq, "float16"), dim)
+        policy = KVPolicy("layered", full_layers=1, budget_tokens=kept)
+        layout = policy.layout(layers, 8192)
+        groups, slack = layout.num_groups, policy.evict_slack
+        full_blocks, sparse_blocks = -(-(ctx + 1) // bs), -(-(kept + slack + 1) // bs)
+        per_seq = full_blocks + (groups - 1) * sparse_blocks
+        tables = []
         for i in range(num_seqs):
-            layered._scores[i] = np.zeros((layers, kv_heads, ctx + 1), np.float32)
+            ids = iter(range(i * per_seq, (i + 1) * per_seq))
+            tables.append([tuple(next(ids) for _ in range(full_blocks if g == 0 else sparse_blocks))
+                           for g in range(groups)])
+        stores = layered_stores(kv_format, layout.slots, groups, kv_heads, dim, bs, num_seqs * per_seq, cal,
+                                recent_blocks=num_seqs)
+        layered = LayeredAttentionWorker(stores, dim, layout)
+        full_store = make_store(kv_format, layers, kv_heads, dim, bs, num_seqs * full_blocks, cal,
+                                recent_blocks=num_seqs)
+        full_tables = [tuple(range(i * full_blocks, (i + 1) * full_blocks)) for i in range(num_seqs)]
+        full = AttentionWorker(full_store, dim)
+        # each sequence's rows before its first step: staggered, so that one evicts every few steps
+        held = [kept + (i * (slack + 1)) // num_seqs for i in range(num_seqs)]
+
+        def fill(store, layer, lengths, table_of):
+            slots = np.concatenate([np.asarray(table_of(i), np.int64)[np.arange(n) // bs] * bs + np.arange(n) % bs
+                                    for i, n in enumerate(lengths)])
+            pos = np.concatenate([np.arange(n) for n in lengths])
+            k, v = (rng.standard_normal((len(slots), kv_heads, dim)).astype(np.float32) for _ in range(2))
+            store.write(layer, slots, k, v, pos)
+
+        for layer in range(layers):
+            fill(full_store, layer, [ctx] * num_seqs, lambda i: full_tables[i])
+            group, slot = layout.group_of(layer)
+            fill(stores[group], slot, [ctx] * num_seqs if group == 0 else held, lambda i: tables[i][group])
+        for i in range(num_seqs):
+            layered._scores[i] = rng.random((layers, kv_heads, ctx + 1)).astype(np.float32)
         q = torch.randn(num_seqs, heads, dim)
         k, v = torch.randn(num_seqs, kv_heads, dim), torch.randn(num_seqs, kv_heads, dim)
-        before, after = (kept - 1,) * (groups - 1), (kept,) * (groups - 1)  # one row more, none evicted
 
         def layered_step():
+            views = []
+            for i in range(num_seqs):
+                after = held[i] + 1 if held[i] + 1 <= kept + slack else kept
+                views.append(KVView(tuple(tables[i][1:]), (held[i],) * (groups - 1), (after,) * (groups - 1)))
+                held[i] = after
             layered.begin_step([LayeredChunkLayout(num_tokens=1, start_pos=ctx, block_table=tables[i][0], seq_id=i,
-                                                   kv_view=KVView(tuple(tables[i][1:]), before, after))
-                                for i in range(num_seqs)])
+                                                   kv_view=views[i]) for i in range(num_seqs)])
             for layer in range(layers):
                 layered.attend(layer, q, k, v)
 
         def full_step():
-            full.begin_step([ChunkLayout(1, ctx, tables[i][0], i) for i in range(num_seqs)])
+            full.begin_step([ChunkLayout(1, ctx, full_tables[i], i) for i in range(num_seqs)])
             for layer in range(layers):
                 full.attend(layer, q, k, v)
 
-        row = {"num_seqs": num_seqs, "context_tokens": ctx, "kept_rows": kept}
+        row = {"kv_format": kv_format, "num_seqs": num_seqs, "context_tokens": ctx, "kept_rows": kept}
         for name, step in (("full", full_step), ("layered", layered_step)):
             step()
             t0 = time.perf_counter()
@@ -186,9 +219,9 @@ def main() -> None:
                    help="--attention-only: BxCxK, comma-separated (sequences x context x rows kept)")
     args = p.parse_args()
     if args.attention_only:
-        rows = attention_steps(args.shapes)
+        rows = attention_steps(args.shapes, args.kv_format)
         print_table(rows, list(rows[0]))
-        path = write_json("kv_policy_attention.json", {
+        path = write_json(f"kv_policy_attention_{args.kv_format}.json", {
             "benchmark": "kv_policy_attention", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                      text=True).stdout.strip(), "settings": vars(args), "results": rows})

@@ -23,7 +23,7 @@ from cpu_attn.oaken.codes import AVX2, CODE_MAX, INT16, ROWS, VNNI, query_codes
 from cpu_attn.oaken.decode import dequantize_blocks, load_block, load_row, prefetch_block
 from cpu_attn.oaken.records import (DecodeQueries, KeyCenter, OakenParts, OakenScratch, RowTransform,
                                     ScoreCenter, TailSlots, TokenScratch)
-from cpu_attn.oaken.turn import turn_heads, write_tail_rows
+from cpu_attn.oaken.turn import turn_heads, write_decode_rows
 from cpu_attn.oaken.vnni import MAX_HEADS, vnni_add_weighted_rows, vnni_block_scores
 
 __all__ = ["AVX2", "CODE_MAX", "INNER", "INT16", "MAX_HEADS", "MIDDLE", "OUTER", "ROWS", "SEGMENT", "VNNI",
@@ -33,4 +33,4 @@ __all__ = ["AVX2", "CODE_MAX", "INNER", "INT16", "MAX_HEADS", "MIDDLE", "OUTER",
            "dequantize_blocks", "effective_bits", "int16_add_weighted_rows", "int16_block_scores", "load_block",
            "load_row", "move_tokens", "oaken_decode_attention", "oaken_scratch", "prefetch_block", "quantize",
            "query_codes", "row_entries", "turn_heads", "vnni_add_weighted_rows", "vnni_block_scores",
-           "vnni_center_scores", "write_tail_rows", "write_tokens"]
+           "vnni_center_scores", "write_decode_rows", "write_tokens"]

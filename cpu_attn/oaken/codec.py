@@ -237,6 +237,23 @@ def row_entries(counts, offset):
     return e
 
 
+@njit(cache=True, nogil=True)
+def quantize_into_block(x, parts, block, first, scratch):
+    """Quantize rows x [n, C] (finite) into rows first .. first + n - 1 of one block of one layer's K or V
+    (parts: records.OakenParts), as write_tokens quantizes a run of them, in scratch's first row (outside a
+    parallel loop: get_thread_id needs one)."""
+    dense, scales, counts, sparse, thr = parts[0], parts[1], parts[2], parts[3], parts[6]
+    shifted, group, peak, scale32 = scratch[0][0], scratch[1][0], scratch[2][0], scratch[3][0]
+    budget = sparse.shape[1]
+    used = row_entries(counts[block], first)
+    for r in range(x.shape[0]):
+        offset = first + r
+        used += quantize_token(x[r], thr, dense[block, offset], sparse[block, used:], counts[block, offset], scale32,
+                               shifted, group, peak, budget - used)
+        for k in range(3):
+            scales[block, offset, k] = _fp16_bits(scale32[k])
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def write_tokens(x, slot_mapping, runs, parts, scratch):
     """Quantize rows x [T, C] by its thresholds into their slots of one layer's K or V (parts:

@@ -82,7 +82,7 @@ class TokenScratch(NamedTuple):
 
 
 class RowTransform(NamedTuple):
-    """One layer's per-channel transforms, as write_tail_rows applies them to new rows."""
+    """One layer's per-channel transforms, as write_decode_rows applies them to new rows."""
     key_scales: np.ndarray  # [1, C] float32: keys are divided by them
     value_scales: np.ndarray  # [1, C] float32: values are divided by them
     key_bias: np.ndarray  # [1, C] float32: the keys' pre-RoPE center; [0, C]: keys not centered
@@ -97,3 +97,4 @@ class TailSlots(NamedTuple):
     tail_of: np.ndarray  # [num_blocks] int32: each block's slot, or -1
     tail_len: np.ndarray  # [slots] int64: rows written into each slot
     tail_stamp: np.ndarray  # [slots] int64: when each slot was last written (the oldest is flushed first)
+    tail_block: np.ndarray  # [slots] int64: each slot's block, or -1 (free)

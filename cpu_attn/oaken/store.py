@@ -141,8 +141,8 @@ class OakenKVStore:
                                                      self.sparse[i, kv], self.tail[i, kv], self.tail_of[i],
                                                      self.thresholds[i, kv]))
                               for kv in (0, 1)] for i in range(num_layers)]
-        self._tail_slots = [tuple(oaken.TailSlots(self.tail[i], self.tail_of[i], self.tail_len[i], self.tail_stamp[i]))
-                            for i in range(num_layers)]
+        self._tail_slots = [tuple(oaken.TailSlots(self.tail[i], self.tail_of[i], self.tail_len[i], self.tail_stamp[i],
+                                                  self.tail_block[i])) for i in range(num_layers)]
         # get_thread_id() in a kernel is below the pool's size, whatever thread count the calling thread
         # set (Numba's count is per calling thread: the store may be built in one thread, used in another)
         threads = numba.config.NUMBA_NUM_THREADS
@@ -251,7 +251,8 @@ class OakenKVStore:
             self.row_pos[layer, slot_mapping // self.block_size, :, slot_mapping % self.block_size] = \
                 positions if positions.ndim == 2 else positions[:, None]
         rows = tuple(np.ascontiguousarray(x, np.float32).reshape(len(slot_mapping), -1) for x in (k, v))
-        fast = self.tail.shape[2] and (positions is None or positions.ndim == 1)
+        fast = self.tail.shape[2] and (positions is None or positions.ndim == 1) and (
+            provisional is None or not provisional.any())
         if fast and self._write_decode_rows(layer, slot_mapping, rows, positions):
             return
         for kv, x in enumerate(rows):
@@ -269,23 +270,24 @@ class OakenKVStore:
 
     def _write_decode_rows(self, layer: int, slot_mapping: np.ndarray, rows: tuple[np.ndarray, np.ndarray],
                            positions: np.ndarray | None) -> bool:
-        """A decode step's common case in one kernel call: every row (k, v [T, C]) goes on filling
-        its block's tail (oaken.write_tail_rows, which also applies the per-channel transforms and the
-        rotation). False, with nothing written, when a row does not."""
+        """A decode step's rows (k, v [T, C], each in a block of its own) in one kernel call (oaken.write_decode_rows:
+        the per-channel transforms, the rotation, the tails and the blocks they fill, as the NumPy path). False,
+        with nothing written, when two rows share a block."""
         c = self.num_kv_heads * self.head_dim
         centered = self.key_bias is not None
         transform = oaken.RowTransform(
             self.key_scales[layer].reshape(1, c), self.value_scales[layer].reshape(1, c),
             self.key_bias[layer].reshape(1, c) if centered else np.zeros((0, c), np.float32), self.rotation,
             self._cos, self._sin)
-        result = oaken.write_tail_rows(
+        result, writes = oaken.write_decode_rows(
             *rows, positions if centered else np.zeros(len(slot_mapping), np.int64), np.asarray(slot_mapping, np.int64),
-            self.block_size, tuple(transform), self._tail_slots[layer], self._writes)
+            self.block_size, tuple(transform), self._tail_slots[layer], self._writes, self._parts(layer, 0),
+            self._parts(layer, 1), self._scratch)
         if result > 0:
             raise _not_finite("K or V", layer, result)
         if result < 0:
             return False
-        self._writes += len(slot_mapping)
+        self._writes = writes
         return True
 
     def _release_held(self, layer: int, slot_mapping: np.ndarray) -> None:

@@ -1,5 +1,5 @@
 """Rows turned by the store's Hadamard rotation (turn_rows, turn_heads), and a decode step's
-rows written into their blocks' full-precision tails in store space (write_tail_rows)."""
+rows written into their blocks' full-precision tails, or their blocks, in store space (write_decode_rows)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +9,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_attn.llvm_ir import _F32, _I64, c_array, splat
+from cpu_attn.oaken.codec import quantize_into_block
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -99,7 +100,7 @@ def _turn_rows(typingctx, rows, matrix, out):
 
 def turn_heads(x, matrix):
     """x [T, Hkv * D] float32: each head's D values times matrix [D, D], in place, with the same
-    operations as write_tail_rows turns its rows (so every write path stores the same bits): a
+    operations as write_decode_rows turns its rows (so every write path stores the same bits): a
     decode step's few rows on one thread (_turn_few; below ~130 rows of 64 waking the threads took
     longer than turning them), more in parallel (_turn_all, in chunks of _TURN_CHUNK rows: a 64k-token
     prompt of a 32-layer model turns 33 M rows of 128)."""
@@ -134,23 +135,26 @@ def _turn_few(x, matrix):  # _turn_all's loop on one thread (a parallel njit's p
 
 
 @njit(cache=True, nogil=True)
-def write_tail_rows(k, v, positions, slot_mapping, block_size, transform, tails, stamp):
-    """A decode step's rows, one per sequence, each going on filling its block's tail slot without
-    filling it up, written into one layer's tails in store space: (k - R(p) key_bias) / key_scales
-    (key_bias [0, C]: no centering) and v / value_scales, with the same float32 operations, in the
-    same order, as OakenKVStore.write's NumPy path, then each head times `rotation` ([0, 0]:
-    none). k, v [T, Hkv * D]; positions, slot_mapping [T] int64; transform: records.RowTransform;
-    tails: records.TailSlots (stamps stamp + 1 ..).
-    Returns 0 when written; -1 when a row is not such a row, or the number of rows with NaN or
-    inf; then nothing is written."""
+def write_decode_rows(k, v, positions, slot_mapping, block_size, transform, tails, stamp, k_parts, v_parts, scratch):
+    """A decode step's rows, one per sequence (no two in one block), written into one layer in store space:
+    (k - R(p) key_bias) / key_scales (key_bias [0, C]: no centering) and v / value_scales, with the same float32
+    operations, in the same order, as OakenKVStore.write's NumPy path, then each head times `rotation` ([0, 0]:
+    none). As that path routes them (OakenKVStore._route_to_tails), in its order: rows that go on filling their
+    block's tail first (stamps stamp + 1 ..), then the others one by one: a row that fills its tail quantizes the
+    tail into its block and frees the slot; a row that starts a block takes a free slot, or the least recently
+    written one, quantized first; a row in a block already quantized in part (a compacted one) is quantized
+    into it, after the others. k, v [T, Hkv * D]; positions, slot_mapping [T] int64; transform:
+    records.RowTransform; tails: records.TailSlots (none held); k_parts, v_parts: the layer's records.OakenParts;
+    scratch: records.TokenScratch. Returns (0, the store's new write count) when written; (-1, _) when two rows
+    share a block, or (the number of rows with NaN or inf, _); then nothing is written."""
     key_scales, value_scales, key_bias, rotation, cos, sin = transform
-    tail, tail_of, tail_len, tail_stamp = tails
+    tail, tail_of, tail_len, tail_stamp, tail_block = tails
     n, c = k.shape
     half = cos.shape[1]
     for i in range(n):
-        block, offset = slot_mapping[i] // block_size, slot_mapping[i] % block_size
-        if tail_of[block] < 0 or offset == block_size - 1 or (i > 0 and slot_mapping[i - 1] // block_size == block):
-            return -1
+        for j in range(i):
+            if slot_mapping[j] // block_size == slot_mapping[i] // block_size:
+                return -1, stamp
     bad = 0
     for i in range(n):
         finite = True
@@ -158,24 +162,79 @@ def write_tail_rows(k, v, positions, slot_mapping, block_size, transform, tails,
             finite &= np.isfinite(k[i, j]) and np.isfinite(v[i, j])
         bad += not finite
     if bad:
-        return bad
+        return bad, stamp
     dim = rotation.shape[0]
     tmp = np.empty((_TURN_ROWS, dim), np.float32)
-    for i in range(n):
-        slot, offset = tail_of[slot_mapping[i] // block_size], slot_mapping[i] % block_size
-        p = positions[i]
-        for j in range(c):
-            key = k[i, j] / key_scales[0, j]
-            if key_bias.shape[0]:
-                d = j % (2 * half)
-                t = d % half
-                turned = -key_bias[0, j + half] if d < half else key_bias[0, j - half]
-                key -= (key_bias[0, j] * cos[p, t] + turned * sin[p, t]) / key_scales[0, j]
-            tail[0, slot, offset, j] = key
-            tail[1, slot, offset, j] = v[i, j] / value_scales[0, j]
+    row = np.empty((2, c), np.float32)  # a row quantized where it lands
+    direct = np.zeros(n, np.bool_)
+    writes = stamp
+    for going_on in (True, False):
+        for i in range(n):
+            block, offset = slot_mapping[i] // block_size, slot_mapping[i] % block_size
+            slot = tail_of[block]
+            if going_on != (slot >= 0 and offset < block_size - 1):
+                continue
+            if slot < 0:
+                if offset != 0 or block_size == 1:
+                    direct[i] = True  # into its block, below
+                    continue
+                slot = _take_tail(block, tails, k_parts, v_parts, scratch)
+            _store_row(k, v, i, positions[i], key_scales, value_scales, key_bias, cos, sin, half,
+                       tail[:, slot, offset])
+            if dim:
+                for kv in range(2):
+                    turn_rows(tail[kv, slot, offset].reshape(c // dim, dim), c // dim, rotation, tmp)
+            writes += 1
+            tail_len[slot], tail_stamp[slot] = offset + 1, writes
+            if offset == block_size - 1:
+                _flush_tail(slot, tails, k_parts, v_parts, scratch)
+    for i in np.flatnonzero(direct):
+        block, offset = slot_mapping[i] // block_size, slot_mapping[i] % block_size
+        _store_row(k, v, i, positions[i], key_scales, value_scales, key_bias, cos, sin, half, row)
         if dim:
             for kv in range(2):
-                turn_rows(tail[kv, slot, offset].reshape(c // dim, dim), c // dim, rotation, tmp)
-        tail_len[slot] = offset + 1
-        tail_stamp[slot] = stamp + 1 + i
-    return 0
+                turn_rows(row[kv].reshape(c // dim, dim), c // dim, rotation, tmp)
+        quantize_into_block(row[0:1], k_parts, block, offset, scratch)
+        quantize_into_block(row[1:2], v_parts, block, offset, scratch)
+    return 0, writes
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _store_row(k, v, i, p, key_scales, value_scales, key_bias, cos, sin, half, into):
+    """Row i of k, v in store space (before any rotation) into `into` [2, C]."""
+    for j in range(k.shape[1]):
+        key = k[i, j] / key_scales[0, j]
+        if key_bias.shape[0]:
+            d = j % (2 * half)
+            t = d % half
+            turned = -key_bias[0, j + half] if d < half else key_bias[0, j - half]
+            key -= (key_bias[0, j] * cos[p, t] + turned * sin[p, t]) / key_scales[0, j]
+        into[0, j] = key
+        into[1, j] = v[i, j] / value_scales[0, j]
+
+
+@njit(cache=True, nogil=True)
+def _take_tail(block, tails, k_parts, v_parts, scratch):
+    """OakenKVStore._take_tail: the first free slot, else the least recently written one, flushed; now `block`'s."""
+    tail_of, tail_stamp, tail_block = tails[1], tails[3], tails[4]
+    slot = -1
+    for s in range(tail_block.shape[0]):
+        if tail_block[s] < 0:
+            slot = s
+            break
+    if slot < 0:
+        slot = np.argmin(tail_stamp)
+        _flush_tail(slot, tails, k_parts, v_parts, scratch)
+    tail_block[slot], tail_of[block] = block, slot
+    return slot
+
+
+@njit(cache=True, nogil=True)
+def _flush_tail(slot, tails, k_parts, v_parts, scratch):
+    """OakenKVStore._flush_tail of a slot not held: its rows quantized into its block, the slot free."""
+    tail, tail_of, tail_len, tail_block = tails[0], tails[1], tails[2], tails[4]
+    block = tail_block[slot]
+    tail_of[block] = -1
+    quantize_into_block(tail[0, slot, :tail_len[slot]], k_parts, block, 0, scratch)
+    quantize_into_block(tail[1, slot, :tail_len[slot]], v_parts, block, 0, scratch)
+    tail_block[slot] = -1
