@@ -12,11 +12,11 @@ in `--kv-format` (fp16, or oaken with its full-precision tails). The same run is
 on (--max-num-batched-tokens); prefix caching is on, though prompts share no blocks. Reports the peak of concurrently running sequences (/metrics, polled),
 output tok/s, TTFT p50/p99 and TPOT. Prints a table, writes JSON and a PNG.
 
-    PYTHONPATH=. python -m benchmarks.bench_kv_policy --attention-only [--shapes 8x4000x272,8x8000x1360]
+    PYTHONPATH=. python -m benchmarks.bench_kv_policy --attention-only [--kv-format oaken] [--shapes 8x4000x750]
 
 times instead one decode step of the attention worker alone, all 30 layers, B sequences at a context of
-C tokens, a full cache against a layered one whose 27 sparse layers hold K rows (random K/V; no model):
-what a step reads less.
+C tokens, a full cache against a layered one whose 29 sparse layers hold about K rows, each sequence
+evicting in turn (random K/V; no model): what a step reads less, and what its bookkeeping costs.
 """
 from __future__ import annotations
 
