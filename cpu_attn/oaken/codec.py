@@ -237,21 +237,29 @@ def row_entries(counts, offset):
     return e
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_row(x, thr, dense, scales, counts, sparse, block, offset, used, scale32, shifted, group, peak, me):
+    """Quantize one row x [C] (finite) into row `offset` of `block` of a layer's K or V, its sparse entries from
+    entry `used` of the block's budget on, with scratch rows `me` (arrays of records.OakenParts and TokenScratch,
+    taken by the caller) -> the entries it took."""
+    taken = quantize_token(x, thr, dense[block, offset], sparse[block, used:], counts[block, offset], scale32[me],
+                           shifted[me], group[me], peak[me], sparse.shape[1] - used)
+    for k in range(3):
+        scales[block, offset, k] = _fp16_bits(scale32[me, k])
+    return taken
+
+
 @njit(cache=True, nogil=True)
 def quantize_into_block(x, parts, block, first, scratch):
     """Quantize rows x [n, C] (finite) into rows first .. first + n - 1 of one block of one layer's K or V
     (parts: records.OakenParts), as write_tokens quantizes a run of them, in scratch's first row (outside a
     parallel loop: get_thread_id needs one)."""
     dense, scales, counts, sparse, thr = parts[0], parts[1], parts[2], parts[3], parts[6]
-    shifted, group, peak, scale32 = scratch[0][0], scratch[1][0], scratch[2][0], scratch[3][0]
-    budget = sparse.shape[1]
+    shifted, group, peak, scale32 = scratch[0], scratch[1], scratch[2], scratch[3]
     used = row_entries(counts[block], first)
     for r in range(x.shape[0]):
-        offset = first + r
-        used += quantize_token(x[r], thr, dense[block, offset], sparse[block, used:], counts[block, offset], scale32,
-                               shifted, group, peak, budget - used)
-        for k in range(3):
-            scales[block, offset, k] = _fp16_bits(scale32[k])
+        used += _quantize_row(x[r], thr, dense, scales, counts, sparse, block, first + r, used, scale32, shifted,
+                              group, peak, 0)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -270,24 +278,21 @@ def write_tokens(x, slot_mapping, runs, parts, scratch):
     group = scratch[1]
     peak = scratch[2]
     scale32 = scratch[3]
-    block_size, budget = dense.shape[1], sparse.shape[1]
+    block_size = dense.shape[1]
     bad = 0
     for r in prange(runs.shape[0] - 1):
         me = get_thread_id()
         block = slot_mapping[runs[r]] // block_size
         used = row_entries(counts[block], slot_mapping[runs[r]] % block_size)
         for row in range(runs[r], runs[r + 1]):
-            offset = slot_mapping[row] % block_size
             finite = True
             for i in range(x.shape[1]):
                 finite &= np.isfinite(x[row, i])
             if not finite:
                 bad += 1
                 continue
-            used += quantize_token(x[row], thr, dense[block, offset], sparse[block, used:], counts[block, offset],
-                                   scale32[me], shifted[me], group[me], peak[me], budget - used)
-            for k in range(3):
-                scales[block, offset, k] = _fp16_bits(scale32[me, k])
+            used += _quantize_row(x[row], thr, dense, scales, counts, sparse, block, slot_mapping[row] % block_size,
+                                  used, scale32, shifted, group, peak, me)
     return bad
 
 
@@ -354,7 +359,5 @@ def move_tokens(parts, src, dst, runs, scratch):
             if slot >= 0:
                 tail[slot, offset] = src_float[i]
                 continue
-            used += quantize_token(src_float[i], thr, dense[block, offset], sparse[block, used:], counts[block, offset],
-                                   scale32[me], shifted[me], group[me], peak[me], budget - used)
-            for j in range(3):
-                scales[block, offset, j] = _fp16_bits(scale32[me, j])
+            used += _quantize_row(src_float[i], thr, dense, scales, counts, sparse, block, offset, used, scale32,
+                                  shifted, group, peak, me)
