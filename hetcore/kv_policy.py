@@ -65,9 +65,9 @@ class KVPolicy:
     observe: int = 1024
     """layered: the prompt's last queries whose attention scores the tokens (SnapKV's observation window), over as
     many prompt chunks as they span; with prefill_evict, each chunk's last ones (its eviction needs scores)."""
-    evict_slack: int = 16
+    evict_slack: int = 64
     """layered: rows over the budget a sparse layer may hold before it evicts (eviction runs once per this many
-    decode steps, not every step)."""
+    decode steps, not every step: each one moves most of a sequence's rows, docs/kv-policy.md)."""
     prefill_evict: bool = False
     """layered, with budget_tokens: evict after every prompt chunk too, so a long prompt's sparse layers never
     hold more than budget + slack + a chunk's rows; later chunks then attend only to the rows kept (an
@@ -311,6 +311,9 @@ def add_kv_policy_arguments(p) -> None:
                    help="layered: the prompt's last queries that rank its tokens a second time (pooled; a token ranks "
                         "by the larger of both, the --kv-observe window's then by own scores) (0: off) "
                         f"(default: {d.focus})")
+    p.add_argument("--kv-evict-slack", type=int, default=d.evict_slack,
+                   help="layered: tokens over the budget a sparse layer may hold before it evicts (evictions run once "
+                        f"per this many decode steps) (default: {d.evict_slack})")
     p.add_argument("--kv-prefill-evict", choices=("on", "off"), default="off",
                    help="layered with --kv-budget-tokens: evict after every prompt chunk too (a long prompt holds "
                         "budget + a chunk in the sparse layers; later chunks attend to the kept rows) (default: off)")
@@ -320,4 +323,4 @@ def kv_policy_from_args(args) -> KVPolicy:
     return KVPolicy(args.kv_policy, args.kv_full_layers, args.kv_budget_tokens, args.kv_budget_ratio,
                     args.kv_budget_schedule, args.kv_window, args.kv_sinks, prefill_evict=args.kv_prefill_evict == "on",
                     observe=args.kv_observe, score_pool=args.kv_score_pool, focus=args.kv_focus,
-                    window_ratio=args.kv_window_ratio)
+                    window_ratio=args.kv_window_ratio, evict_slack=args.kv_evict_slack)

@@ -152,6 +152,8 @@ class ServeConfig:
                                                f"layer's budget, instead of kv_window (default: {WINDOW_RATIO} "
                                                "unless kv_window)")
     kv_sinks: int = _opt(_KV.sinks, "kv_policy layered: first tokens always kept")
+    kv_evict_slack: int = _opt(_KV.evict_slack, "kv_policy layered: tokens over the budget a sparse layer may hold "
+                                                "before it evicts (evictions run once per this many decode steps)")
     kv_prefill_evict: bool = _opt(_KV.prefill_evict, "kv_policy layered with kv_budget_tokens, on or off: evict after every "
                                          "prompt chunk too, so a long prompt holds budget + a chunk's rows in the "
                                          "sparse layers, not the whole prompt (later chunks attend to the kept rows "
@@ -355,7 +357,7 @@ class ServeConfig:
         return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
                         self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict,
                         observe=self.kv_observe, score_pool=self.kv_score_pool, focus=self.kv_focus,
-                        window_ratio=self.kv_window_ratio)
+                        window_ratio=self.kv_window_ratio, evict_slack=self.kv_evict_slack)
 
     def lsh_config(self):
         """The MagicPIG settings, or None for exact attention."""
