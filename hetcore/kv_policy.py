@@ -136,6 +136,14 @@ class KVPolicy:
             return self.sinks + self.window
         return max(self.sinks + 1, math.ceil(self.sinks / (1 - (self.window_ratio or WINDOW_RATIO))))
 
+    def evicting_prompt(self) -> int:
+        """A prompt length whose end evicts in every sparse layer under a budget in tokens (a server's warm-up
+        request of it meets the eviction kernels); 0 for a full policy or a budget ratio (a short prompt evicts)."""
+        if not self.is_layered or self.budget_tokens is None:
+            return 0
+        top = 1 + PYRAMID_SPREAD if self.schedule == "pyramid" else 1
+        return math.ceil(top * self.budget_tokens) + self.evict_slack + 1
+
     def with_full_layers(self, count: int) -> KVPolicy:
         return replace(self, full_layers=count)
 
