@@ -6,9 +6,9 @@ query heads of its kv-head's GQA group (one score per kv-head, as SnapKV pools).
   - decode (H2O): paged_decode_attention_scored is the exact decode kernel that also writes each
     row's raw score q.k * scale; with the kernel's own log-sum-exp, p = exp(s - lse) needs no
     second pass over K (accumulate_probs).
-  - prompt (SnapKV): a prompt chunk attends by flash attention, which also gives each query's
-    log-sum-exp; its last `observe` queries' probabilities exp(s - lse) are the scores
-    (observed_attention: one more pass over K).
+  - prompt (SnapKV): a prompt chunk's last `observe` queries are attended here, explicitly, over
+    the whole context (observed_attention): their output is the chunk's output for those rows,
+    and their probabilities are the scores.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from numba import njit, prange
 from cpu_attn.fp16 import kernel_rows
 from cpu_attn.kernels import attend_scores, block_scores, finish_unit, merge_parts, part_blocks, prefetch_rows
 from cpu_attn.llvm_ir import _FAST
-from cpu_attn.prefill import prefill_attention_lse
 from cpu_attn.softmax import attend_begin
 
 
@@ -80,27 +79,27 @@ def accumulate_probs(raw, lse, seq_lens, num_kv_heads, into):
                 into[b, kvh, t] += np.exp(raw[b, h, t] - top)
 
 
-def observed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float,
-                       observed: int, last: int = 0) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
-    """A prompt chunk's exact causal attention, its last `observed` queries' probabilities summed per kv-head.
+def observed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: np.ndarray,
+                       scale: float, last: int = 0) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+    """Exact causal attention of a few queries, with their probabilities summed per kv-head.
 
-    q: [T, Hq, D] at positions start_pos.. ; k, v: [start_pos + T, Hkv, D] -> out [T, Hq, D], scores [Hkv, S]
-    float32 (the sum over the observing queries and each kv-head's group), and the same sum over the last `last`
-    queries only [Hkv, S] (None when last is 0). The output and each query's log-sum-exp come from flash attention
-    (prefill_attention_lse); the probabilities are exp(q.k scale - lse), one more pass over K, not over V."""
+    q: [A, Hq, D] at rows q_pos [A] (row p attends rows 0..p); k, v: [N, Hkv, D]
+    -> out [A, Hq, D], scores [Hkv, N] float32 (sum over the A queries and each kv-head's group), and the
+    same sum over the last `last` queries only [Hkv, N] (None when last is 0)."""
     num_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    out, lse = prefill_attention_lse(q, k, v, start_pos, scale)
-    first = start_pos + num_q - observed  # the first observing query's row
-    qg = (q[num_q - observed:] * scale).view(observed, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    s = torch.matmul(qg.reshape(num_kv_heads, group * observed, head_dim), k[:first + observed].permute(1, 2, 0))
-    s = s.view(num_kv_heads, group, observed, -1)  # [Hkv, G, A, S]
-    s.sub_(lse[:, num_q - observed:].reshape(num_kv_heads, group, observed, 1)).exp_()
-    mask = torch.arange(first + 1, k.shape[0])[None, :] > torch.arange(first, k.shape[0])[:, None]  # [A, S - first - 1]
-    s[..., first + 1:].masked_fill_(mask, 0.0)
-    tail = s[:, :, observed - last:].sum(dim=(1, 2)).numpy().astype(np.float32) if last else None
-    return out, s.sum(dim=(1, 2)).numpy().astype(np.float32), tail
+    qg = (q * scale).reshape(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, A, D]
+    kt = k.permute(1, 2, 0)  # [Hkv, D, N]
+    s = torch.matmul(qg, kt[:, None])  # [Hkv, G, A, N]
+    first = int(np.min(q_pos)) + 1  # rows before it are seen by every query: only the later ones need the mask
+    mask = torch.arange(first, k.shape[0])[None, :] > torch.as_tensor(q_pos)[:, None]  # [A, N - first]
+    s[..., first:].masked_fill_(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.matmul(p, v.permute(1, 0, 2)[:, None])  # [Hkv, G, A, D]
+    out = out.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
+    tail = p[:, :, num_q - last:].sum(dim=(1, 2)).numpy().astype(np.float32) if last else None
+    return out, p.sum(dim=(1, 2)).numpy().astype(np.float32), tail
 
 
 def pooled(scores: np.ndarray, width: int) -> np.ndarray:

@@ -179,7 +179,12 @@ class LayeredAttentionWorker(AttentionWorker):
             k_ctx, v_ctx = k, v
         if observed == 0:
             return prefill_attention(q, k_ctx, v_ctx, before, self.scale), None
-        out, scores, tail = observed_attention(q, k_ctx, v_ctx, before, self.scale, observed, last)
+        m = n - observed  # rows that only attend
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if m:
+            out[:m] = prefill_attention(q[:m], k_ctx[:before + m], v_ctx[:before + m], before, self.scale)
+        o, scores, tail = observed_attention(q[m:], k_ctx, v_ctx, np.arange(before + m, before + n), self.scale, last)
+        out[m:] = o
         self._scores[seq_id][layer, :, :before + n] += scores
         return out, tail
 
