@@ -136,14 +136,6 @@ class KVPolicy:
             return self.sinks + self.window
         return max(self.sinks + 1, math.ceil(self.sinks / (1 - (self.window_ratio or WINDOW_RATIO))))
 
-    def evicting_prompt(self) -> int:
-        """A prompt length whose end evicts in every sparse layer under a budget in tokens (a server's warm-up
-        request of it meets the eviction kernels); 0 for a full policy or a budget ratio (a short prompt evicts)."""
-        if not self.is_layered or self.budget_tokens is None:
-            return 0
-        top = 1 + PYRAMID_SPREAD if self.schedule == "pyramid" else 1
-        return math.ceil(top * self.budget_tokens) + self.evict_slack + 1
-
     def with_full_layers(self, count: int) -> KVPolicy:
         return replace(self, full_layers=count)
 
@@ -201,6 +193,15 @@ class KVLayout:
 
     def is_sparse(self, group: int) -> bool:
         return self.factors[group] is not None
+
+    def evicting_prompt(self) -> int:
+        """A prompt length whose end evicts in every sparse group under a budget in tokens (a server's warm-up
+        request of it meets the eviction kernels); 0 without sparse groups or with a budget ratio (a short prompt
+        evicts)."""
+        p = self.policy
+        if not self.is_layered or p.budget_tokens is None:
+            return 0
+        return max(self.budget(g, 0) for g in range(self.num_groups) if self.is_sparse(g)) + p.evict_slack + 1
 
     def budget(self, group: int, prompt_tokens: int) -> int:
         """Rows a sparse group keeps for a sequence whose prompt (its first prefill) had `prompt_tokens`."""

@@ -67,20 +67,21 @@ BATCH_WARM_UP = 5
 """Requests the warm-up runs at once (decode steps of up to this many rows)."""
 
 
-def warm_up(engine, lsh=None, kv_policy=None) -> None:
+def warm_up(engine, lsh=None) -> None:
     """Run one small request per KV shard so kernels are compiled (or loaded from Numba's cache) before
     /health is ok. With MagicPIG (`lsh`, an LshConfig) the prompt is long enough for its hash tables,
     so that its sampled kernel is compiled too: otherwise the first long request after an install
-    waited ~60-75 s for it (2 Zen 3 cores). Under layered KV (`kv_policy`, a KVPolicy) with a budget in
-    tokens, it is long enough that the sparse layers evict (their compaction kernels)."""
+    waited ~60-75 s for it (2 Zen 3 cores). Under layered KV with a budget in tokens it is long enough
+    that every sparse layer evicts (KVLayout.evicting_prompt), so the compaction kernels are compiled too."""
     from hetcore.backend import SamplingParams
     from server.request import EngineRequest
 
     tokens = 128  # long enough to take the prefill path's larger kernels
     if lsh is not None:  # past min_context, with a first merge's worth of keys before the window
         tokens = max(tokens, lsh.min_context, lsh.window + lsh.merge_every) + 16
-    if kv_policy is not None:
-        tokens = max(tokens, kv_policy.evicting_prompt())
+    layout = engine.blocks.spec.kv_layout
+    if layout is not None:
+        tokens = max(tokens, layout.evicting_prompt())
     tokens = min(tokens, engine.backend.max_model_len - 5, engine.blocks.max_seq_tokens - 5)
     greedy = SamplingParams(temperature=0.0)
 
@@ -117,7 +118,7 @@ def serve(cfg: ServeConfig) -> None:
 
     logs.configure(cfg.log_level, cfg.log_format)
     engine, name, max_model_len = start_engine(cfg)
-    warm_up(engine, cfg.lsh_config(), cfg.kv_policy_config())
+    warm_up(engine, cfg.lsh_config())
     state = ServerState(engine, name, max_model_len, cfg=cfg)
     app = create_app(state)
     key = "from $" + cfg.api_key_env if cfg.api_key() else "none"

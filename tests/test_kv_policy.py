@@ -88,16 +88,16 @@ def test_rows_grow_through_the_prompt_then_evict_at_its_end_and_every_slack():
     assert chunked.advance(64, end=192) == ((100, 100), (100, 100), 32) and chunked.prompt_tokens == 192
 
 
-
 @pytest.mark.parametrize("schedule", ["flat", "pyramid"])
 def test_a_prompt_of_evicting_prompt_tokens_evicts_in_every_sparse_group(schedule):
     """What the server's warm-up sends, so that the eviction kernels are compiled before it is ready."""
-    policy = KVPolicy("layered", full_layers=2, budget_tokens=100, schedule=schedule)
-    rows = SeqRows(policy.layout(30, 4096))
-    n = policy.evicting_prompt()
+    layout = KVPolicy("layered", full_layers=2, budget_tokens=100, schedule=schedule).layout(30, 4096)
+    rows = SeqRows(layout)
+    n = layout.evicting_prompt()
     before, after, _ = rows.advance(n, end=n)
     assert before == (0,) * 14 and max(after) < n
-    assert KVPolicy("layered", budget_ratio=0.25).evicting_prompt() == 0 == KVPolicy().evicting_prompt()
+    assert (KVPolicy("layered", budget_ratio=0.25).layout(30, 4096).evicting_prompt() == 0
+            == KVPolicy().layout(30, 4096).evicting_prompt())
 
 
 # ---- kernels against plain NumPy
