@@ -144,6 +144,8 @@ class ServeConfig:
                                   "queries' scores) (odd; SnapKV's pooling; 1: its own score)")
     kv_observe: int = _opt(_KV.observe, "kv_policy layered: the prompt's last queries whose attention scores its tokens "
                                "(SnapKV's observation window)")
+    kv_chunk_observe: int = _opt(_KV.chunk_observe, "kv_policy layered with kv_prefill_evict: each prompt chunk's last "
+                                                    "queries whose attention scores the rows before its eviction")
     kv_focus: int = _opt(_KV.focus, "kv_policy layered: the prompt's last queries that rank its tokens a second time "
                             "(pooled by kv_score_pool; a token ranks by the larger of both, the kv_observe "
                             "window's then by own scores) (0: off)")
@@ -356,7 +358,7 @@ class ServeConfig:
         """The KV policy; raises KVPolicyError (a ValueError) on bad settings."""
         return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
                         self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict,
-                        observe=self.kv_observe, score_pool=self.kv_score_pool, focus=self.kv_focus,
+                        observe=self.kv_observe, chunk_observe=self.kv_chunk_observe, score_pool=self.kv_score_pool, focus=self.kv_focus,
                         window_ratio=self.kv_window_ratio, evict_slack=self.kv_evict_slack)
 
     def lsh_config(self):

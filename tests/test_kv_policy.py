@@ -82,7 +82,7 @@ def test_rows_grow_through_the_prompt_then_evict_at_its_end_and_every_slack():
         assert rows.advance(1, end=301 + i)[:2] == ((100 + i,) * 2, (101 + i,) * 2)
     assert rows.advance(1, end=317)[:2] == ((116, 116), (100, 100))  # 117 > 100 + 16
     chunked = SeqRows(KVPolicy("layered", full_layers=1, budget_tokens=100, window=8, sinks=2, evict_slack=16,
-                               prefill_evict=True, observe=32).layout(3, 4096))
+                               prefill_evict=True, observe=1024, chunk_observe=32).layout(3, 4096))
     assert chunked.advance(64, end=192) == ((0, 0), (64, 64), 32)  # each chunk's last 32 score
     assert chunked.advance(64, end=192) == ((64, 64), (100, 100), 32)  # 128 > 116: within the prompt
     assert chunked.advance(64, end=192) == ((100, 100), (100, 100), 32) and chunked.prompt_tokens == 192
@@ -378,8 +378,8 @@ class PlainLayered:
 
     def chunk(self, q, k, v, start, keep_after, end):
         """A chunk of the prefill (or decode) that runs to position `end`: the prompt's last `observe` queries
-        score (with prefill_evict, each chunk's last `observe`); at an eviction after it, the chunk's last `focus`
-        queries rank the rows a second time."""
+        score (with prefill_evict, each chunk's last `observe`, KVPolicy.chunk_observe); at an eviction after it,
+        the chunk's last `focus` queries rank the rows a second time."""
         n, num_heads, _ = q.shape
         num_kv_heads = len(self.kept)
         group = num_heads // num_kv_heads
@@ -432,7 +432,7 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool, focus, 
     full layer's as AttentionWorker's over a plain store."""
     rng = np.random.default_rng(6)
     num_heads, num_kv_heads, d, bs = 4, 2, 64, 4
-    policy = KVPolicy("layered", full_layers=1, budget_tokens=12, sinks=2, observe=10, evict_slack=3,
+    policy = KVPolicy("layered", full_layers=1, budget_tokens=12, sinks=2, observe=10, chunk_observe=6, evict_slack=3,
                       score_decay=decay, prefill_evict=prefill_evict, score_pool=pool, focus=focus,
                       window=None if window_ratio else 4, window_ratio=window_ratio)
     layout = policy.layout(2, 1024)
@@ -442,7 +442,8 @@ def test_layered_worker_matches_plain_policy(decay, prefill_evict, pool, focus, 
     scale = d**-0.5
     prompts = {0: [9, 8, 7], 1: [23]}  # chunk sizes of each sequence's prompt (17 > 12 + 3 rows after two)
     rows = {s: SeqRows(layout) for s in prompts}
-    plain = {s: PlainLayered(num_kv_heads, scale, policy.observe, policy.sinks, policy.window_rows(12), decay, pool,
+    observe = policy.chunk_observe if prefill_evict else policy.observe
+    plain = {s: PlainLayered(num_kv_heads, scale, observe, policy.sinks, policy.window_rows(12), decay, pool,
                              prefill_evict, focus) for s in prompts}
     tables = {0: (list(range(0, 10)), list(range(10, 20))), 1: (list(range(20, 32)), list(range(32, 44)))}
     pos = {s: 0 for s in prompts}
