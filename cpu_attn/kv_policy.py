@@ -19,7 +19,7 @@ from numba import njit, prange
 from cpu_attn.fp16 import kernel_rows
 from cpu_attn.kernels import attend_scores, block_scores, finish_unit, merge_parts, part_blocks, prefetch_rows
 from cpu_attn.llvm_ir import _FAST
-from cpu_attn.softmax import attend_begin
+from cpu_attn.softmax import attend_begin, fast_exp
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
@@ -65,18 +65,20 @@ def paged_decode_attention_scored(q, k_cache, v_cache, block_tables, seq_lens, s
     merge_parts(parts, m, l, out, lse, num_kv_heads)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def accumulate_probs(raw, lse, seq_lens, num_kv_heads, into):
     """into[b, kvh, t] += sum over the group's heads h of exp(raw[b, h, t] - lse[b, h]), t < seq_lens[b].
-    raw: [B, Hq, >= max(seq_lens)], lse: [B, Hq], into: [B, Hkv, >= max(seq_lens)] float32."""
+    raw: [B, Hq, >= max(seq_lens)], lse: [B, Hq], into: [B, Hkv, >= max(seq_lens)] float32.
+    One (sequence, kv-head) item per thread at a time, exponentials that vectorize (softmax.fast_exp): 29 sparse
+    layers of 8 sequences at ~800 rows took ~4.8 ms a decode step with np.exp on one thread."""
     num_seqs, num_heads = lse.shape
     group = num_heads // num_kv_heads
-    for b in range(num_seqs):
-        for h in range(num_heads):
-            kvh = h // group
+    for item in prange(num_seqs * num_kv_heads):
+        b, kvh = item // num_kv_heads, item % num_kv_heads
+        for h in range(kvh * group, (kvh + 1) * group):
             top = lse[b, h]
             for t in range(seq_lens[b]):
-                into[b, kvh, t] += np.exp(raw[b, h, t] - top)
+                into[b, kvh, t] += fast_exp(raw[b, h, t] - top)
 
 
 def observed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: np.ndarray,

@@ -24,7 +24,7 @@ import torch
 from cpu_attn.kv_policy import accumulate_probs, observed_attention, pooled, select_keep
 from cpu_attn.kv_store import KVStore
 from cpu_attn.prefill import prefill_attention
-from cpu_attn.worker import AttentionWorker, ChunkLayout, padded_tables
+from cpu_attn.worker import AttentionWorker, ChunkLayout, _StepPlan, padded_tables
 from hetcore.kv_policy import KVLayout, KVView
 
 
@@ -49,30 +49,29 @@ class _GroupPlan:
     """(seq_id, rows held, rows kept, table, after a prompt chunk)"""
 
 
-def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: int) -> _GroupPlan:
-    """The plan of group index + 1 (view entry `index`)."""
-    slots, positions, decode_rows, decode_ids, tables, seq_lens, prefills, evictions = [], [], [], [], [], [], [], []
+def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: int, step: _StepPlan) -> _GroupPlan:
+    """The plan of group index + 1 (view entry `index`). Positions and decode rows are the step's (`step`, group
+    0's plan); a one-token chunk's slot is plain integer arithmetic (a step plans every group: 29 with one full
+    layer of SmolLM2-135M)."""
+    slots = np.empty(len(step.positions), np.int64)
+    tables, seq_lens, prefills, evictions = [], [], [], []
     row = 0
     for c in chunks:
         v = c.kv_view
         table, before, after = v.tables[index], v.rows_before[index], v.keep_after[index]
-        rows = np.arange(before, before + c.num_tokens)
-        ids = np.asarray(table, dtype=np.int64)
-        slots.append(ids[rows // block_size] * block_size + rows % block_size)
-        positions.append(np.arange(c.start_pos, c.start_pos + c.num_tokens))
         if c.num_tokens == 1:
-            decode_rows.append(row)
-            decode_ids.append(c.seq_id)
+            slots[row] = table[before // block_size] * block_size + before % block_size
             tables.append(table)
             seq_lens.append(before + 1)
         else:
+            rows = np.arange(before, before + c.num_tokens)
+            slots[row:row + c.num_tokens] = (np.asarray(table, dtype=np.int64)[rows // block_size] * block_size
+                                             + rows % block_size)
             prefills.append((row, c.num_tokens, before, table, c.seq_id, v.observed))
         if after < before + c.num_tokens:
             evictions.append((c.seq_id, before + c.num_tokens, after, table, c.num_tokens > 1))
         row += c.num_tokens
-    none = np.zeros(0, np.int64)
-    return _GroupPlan(np.concatenate(slots) if slots else none, np.concatenate(positions) if positions else none,
-                      torch.tensor(decode_rows, dtype=torch.long), decode_ids, padded_tables(tables),
+    return _GroupPlan(slots, step.positions, step.decode_rows, step.decode_seq_ids, padded_tables(tables),
                       np.asarray(seq_lens, dtype=np.int32), prefills, evictions)
 
 
@@ -94,7 +93,7 @@ class LayeredAttentionWorker(AttentionWorker):
     def begin_step(self, chunks: Sequence[LayeredChunkLayout]) -> None:
         super().begin_step(chunks)
         bs = self.store.block_size
-        self._groups = [_group_plan(chunks, i, bs) for i in range(self.layout.num_groups - 1)]
+        self._groups = [_group_plan(chunks, i, bs, self._plan) for i in range(self.layout.num_groups - 1)]
         for c in chunks:
             need = max((b + c.num_tokens for b in c.kv_view.rows_before), default=0)
             have = self._scores.get(c.seq_id)
