@@ -8,9 +8,11 @@ PPIO's shape (long prompts, long outputs, arrivals at a fixed rate) scaled to th
 `hetserve loadgen synth` (Poisson arrivals at `--rate` requests/s, streamed, greedy, ignore_eos) to
 a `hetserve serve` whose --kv-cache-bytes holds `--full-seqs` such sequences with every layer's KV
 in `--kv-format` (fp16, or oaken with its full-precision tails). The same run is made with
---kv-policy full and with --kv-policy layered (`--layered-args` give its budget). Chunked prefill is
-on (--max-num-batched-tokens); prefix caching is on, though prompts share no blocks. Reports the peak of concurrently running sequences (/metrics, polled),
-output tok/s, TTFT p50/p99 and TPOT. Prints a table, writes JSON and a PNG.
+--kv-policy full and with --kv-policy layered (`--layered-args` give its budget), `--repeats` times
+each, alternated (on 2 cores one policy's runs vary by up to ~25 %). Chunked prefill is on
+(--max-num-batched-tokens); prefix caching is on, though prompts share no blocks. Reports, of each
+policy's median run, the peak of concurrently running sequences (/metrics, polled), output tok/s,
+TTFT p50/p99 and TPOT, and every run's tok/s. Prints a table, writes JSON and a PNG.
 
     PYTHONPATH=. python -m benchmarks.bench_kv_policy --attention-only [--kv-format oaken] [--shapes 8x4000x750]
 
@@ -103,6 +105,13 @@ def run_policy(policy: str, args, capacity: int) -> dict:
             "output_tok_s": summary["output_throughput"], "ttft_p50_ms": summary["median_ttft_ms"],
             "ttft_p99_ms": summary["p99_ttft_ms"], "tpot_mean_ms": summary["mean_tpot_ms"],
             "tpot_p50_ms": summary["median_tpot_ms"]}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median output tok/s (the lower middle of an even count), with every run's tok/s beside it."""
+    ranked = sorted(runs, key=lambda r: r["output_tok_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "runs_output_tok_s": [r["output_tok_s"] for r in runs],
+            "runs_duration_s": [r["duration_s"] for r in runs]}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -222,6 +231,8 @@ def main() -> None:
     p.add_argument("--layered-args", default="--kv-budget-tokens 750 --kv-prefill-evict on",
                    help="the layered server's --kv-* options")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each policy, alternated; the table shows each policy's median run")
     p.add_argument("--out", default="kv_policy.json")
     p.add_argument("--attention-only", action="store_true", help="time the attention worker's decode step alone")
     p.add_argument("--shapes", default="8x1024x272,8x4000x272,8x8000x1360",
@@ -239,11 +250,16 @@ def main() -> None:
 
     capacity = capacity_bytes(args.kv_format, args.prompt_tokens + args.output_tokens, args.full_seqs,
                               args.max_num_seqs)
-    rows = []
-    for policy in ("full", "layered"):
-        print(f"kv-policy {policy}: {args.num_requests} requests of {args.prompt_tokens} + {args.output_tokens} "
-              f"tokens at {args.rate}/s, KV capacity {capacity / 2**20:.1f} MiB ...", flush=True)
-        rows.append(run_policy(policy, args, capacity))
+    runs = {"full": [], "layered": []}
+    for r in range(args.repeats):  # alternated, so that a slow spell of the host falls on both
+        for policy in runs:
+            print(f"[{r + 1}/{args.repeats}] kv-policy {policy}: {args.num_requests} requests of {args.prompt_tokens} "
+                  f"+ {args.output_tokens} tokens at {args.rate}/s, KV capacity {capacity / 2**20:.1f} MiB ...",
+                  flush=True)
+            runs[policy].append(run_policy(policy, args, capacity))
+            print(f"  {runs[policy][-1]['output_tok_s']:.1f} tok/s in {runs[policy][-1]['duration_s']:.1f} s",
+                  flush=True)
+    rows = [median_run(runs[policy]) for policy in runs]
     full, layered = rows
     ratios = {"peak_running": layered["peak_running"] / max(full["peak_running"], 1),
               "output_tok_s": layered["output_tok_s"] / full["output_tok_s"],
