@@ -67,8 +67,9 @@ class KVPolicy:
     many prompt chunks as they span (without prefill_evict)."""
     chunk_observe: int = 64
     """layered, with prefill_evict: each prompt chunk's last queries whose attention scores the rows (each chunk's
-    eviction needs scores of its own). These are attended explicitly, about 1.7x a flash kernel's time per query:
-    64 of a 256-token chunk measured +1.05 % perplexity at 8k against +0.96 % with all of them (docs/kv-policy.md)."""
+    eviction needs scores of its own). These are attended explicitly, about 1.7x a flash kernel's time per
+    query: 64 of each 512-token chunk measured +1.05 % perplexity at 8k against +0.96 % with all of them
+    (docs/kv-policy.md)."""
     evict_slack: int = 64
     """layered: rows over the budget a sparse layer may hold before it evicts (eviction runs once per this many
     decode steps, not every step: each one moves most of a sequence's rows, docs/kv-policy.md)."""
