@@ -358,8 +358,8 @@ class ServeConfig:
         """The KV policy; raises KVPolicyError (a ValueError) on bad settings."""
         return KVPolicy(self.kv_policy, self.kv_full_layers, self.kv_budget_tokens, self.kv_budget_ratio,
                         self.kv_budget_schedule, self.kv_window, self.kv_sinks, prefill_evict=self.kv_prefill_evict,
-                        observe=self.kv_observe, chunk_observe=self.kv_chunk_observe, score_pool=self.kv_score_pool, focus=self.kv_focus,
-                        window_ratio=self.kv_window_ratio, evict_slack=self.kv_evict_slack)
+                        observe=self.kv_observe, chunk_observe=self.kv_chunk_observe, score_pool=self.kv_score_pool,
+                        focus=self.kv_focus, window_ratio=self.kv_window_ratio, evict_slack=self.kv_evict_slack)
 
     def lsh_config(self):
         """The MagicPIG settings, or None for exact attention."""
