@@ -9,7 +9,7 @@ PPIO's shape (long prompts, long outputs, arrivals at a fixed rate) scaled to th
 a `hetserve serve` whose --kv-cache-bytes holds `--full-seqs` such sequences with every layer's KV
 in `--kv-format` (fp16, or oaken with its full-precision tails). The same run is made with
 --kv-policy full and with --kv-policy layered (`--layered-args` give its budget), `--repeats` times
-each, alternated (on 2 cores one policy's runs vary by up to ~25 %). Chunked prefill is on
+each, alternated (on 2 cores one policy's runs vary by up to a third). Chunked prefill is on
 (--max-num-batched-tokens); prefix caching is on, though prompts share no blocks. Reports, of each
 policy's median run, the peak of concurrently running sequences (/metrics, polled), output tok/s,
 TTFT p50/p99 and TPOT, and every run's tok/s. Prints a table, writes JSON and a PNG.
