@@ -238,6 +238,8 @@ def main() -> None:
     p.add_argument("--shapes", default="8x1024x272,8x4000x272,8x8000x1360",
                    help="--attention-only: BxCxK, comma-separated (sequences x context x rows kept)")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if args.attention_only:
         rows = attention_steps(args.shapes, args.kv_format)
         print_table(rows, list(rows[0]))
