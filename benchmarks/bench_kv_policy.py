@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.bench_loadgen import free_port
-from benchmarks.common import RESULTS, machine, print_table, start_hetserve, write_json
+from benchmarks.common import machine, print_table, start_hetserve, write_json
 
 GEOMETRY = (30, 3, 64, 16)  # SmolLM2-135M: layers, kv-heads, head_dim; blocks of 16 tokens
 
@@ -274,7 +274,7 @@ def main() -> None:
                                      text=True).stdout.strip(),
             "settings": vars(args), "kv_cache_bytes": capacity, "results": rows, "layered_over_full": ratios}
     path = write_json(args.out, data)
-    plot(rows, RESULTS / Path(args.out).with_suffix(".png").name)
+    plot(rows, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
