@@ -258,9 +258,9 @@ def main() -> None:
             print(f"[{r + 1}/{args.repeats}] kv-policy {policy}: {args.num_requests} requests of {args.prompt_tokens} "
                   f"+ {args.output_tokens} tokens at {args.rate}/s, KV capacity {capacity / 2**20:.1f} MiB ...",
                   flush=True)
-            runs[policy].append(run_policy(policy, args, capacity))
-            print(f"  {runs[policy][-1]['output_tok_s']:.1f} tok/s in {runs[policy][-1]['duration_s']:.1f} s",
-                  flush=True)
+            run = run_policy(policy, args, capacity)
+            runs[policy].append(run)
+            print(f"  {run['output_tok_s']:.1f} tok/s in {run['duration_s']:.1f} s", flush=True)
     rows = [median_run(runs[policy]) for policy in runs]
     full, layered = rows
     ratios = {"peak_running": layered["peak_running"] / max(full["peak_running"], 1),
