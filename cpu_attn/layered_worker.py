@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from cpu_attn.kv_policy import accumulate_probs, observed_attention, pooled, select_keep
-from cpu_attn.kv_store import KVStore
+from cpu_attn.kv_store import KVStore, PagedKVStore
 from cpu_attn.prefill import prefill_attention
-from cpu_attn.worker import AttentionWorker, ChunkLayout, _StepPlan, padded_tables
+from cpu_attn.worker import AttentionWorker, ChunkLayout, DecodeKV, _StepPlan, padded_tables
 from hetcore.kv_policy import KVLayout, KVView
 
 
@@ -75,6 +75,30 @@ def _group_plan(chunks: Sequence[LayeredChunkLayout], index: int, block_size: in
                       np.asarray(seq_lens, dtype=np.int32), prefills, evictions)
 
 
+class LayeredDecodeKV(NamedTuple):
+    """A step of one-token decodes over a layered cache whose groups share one fp16 / fp32 store, for the kernel that
+    runs every layer in one call (gpu_model/cpu_decode.decode_layers): DecodeKV with each layer on its group's
+    rows, and the sparse layers' row probabilities for their scores."""
+
+    k: np.ndarray
+    """[slots, num_blocks, Hkv, block_size, D] (PagedKVStore.rows_as_written)."""
+    v: np.ndarray
+    layer_group: np.ndarray  # [L] int64
+    layer_slot: np.ndarray  # [L] int64
+    group_sparse: np.ndarray  # [G] bool
+    slot_mapping: np.ndarray  # [G, B] int64: each row's slot in each group's blocks
+    block_tables: np.ndarray  # [G, B, max_blocks] int32
+    seq_lens: np.ndarray  # [G, B] int32: rows each sequence attends in each group, the new one included
+    scale: float
+    full_scratch: tuple
+    """kernels.attention_scratch for the rows of the full groups, as a plain tuple."""
+    sparse_scratch: tuple
+    """The same for the sparse groups' rows (the longest of them, where budgets differ)."""
+    raw: np.ndarray  # [B, Hq, longest sparse row count] float32: the scored kernel's scratch
+    probs: np.ndarray
+    """[L, B, Hkv, longest sparse row count] float32 zeros; a sparse layer's row probabilities are added to its own."""
+
+
 class LayeredAttentionWorker(AttentionWorker):
     """AttentionWorker over stores of `layout.slots` layers, one per layer group, with per-group rows and eviction.
     A store needs, beside KVStore's methods, scored_decode_attention and compact (PagedKVStore, OakenKVStore)."""
@@ -105,8 +129,45 @@ class LayeredAttentionWorker(AttentionWorker):
                     grown[:, :, :have.shape[2]] = have
                 self._scores[c.seq_id] = grown
 
-    def decode_kv(self, num_heads: int) -> None:
-        return None  # rows per layer group, scores and eviction: a layer at a time, through attend
+    def decode_kv(self, num_heads: int) -> LayeredDecodeKV | None:
+        """The step's KV for the whole-step decode kernel where every row is a one-token decode and every group
+        lives in one store that keeps rows as written (fp16, fp32); else None (Oaken, prefill chunks: `attend`, a
+        layer at a time). After the kernel, `decoded` adds the probabilities to the scores and evicts."""
+        plan, layout = self._plan, self.layout
+        rows = self.store.rows_as_written() if isinstance(self.store, PagedKVStore) else None
+        if rows is None or plan.prefills or plan.verify is not None or any(s is not self.store for s in self.stores):
+            return None
+        groups: list[_StepPlan | _GroupPlan] = [plan, *self._groups]
+        num_seqs = len(plan.seq_lens)
+        tables = np.zeros((len(groups), num_seqs, max(g.block_tables.shape[1] for g in groups)), np.int32)
+        for i, g in enumerate(groups):
+            tables[i, :, :g.block_tables.shape[1]] = g.block_tables
+        seq_lens = np.stack([g.seq_lens for g in groups])
+        sparse = np.array([layout.is_sparse(g) for g in range(layout.num_groups)])
+        layer_group, layer_slot = (np.array(x, np.int64) for x in zip(*map(layout.group_of, range(layout.num_layers))))
+        sparse_lens = seq_lens[sparse].max(axis=0) if sparse.any() else plan.seq_lens
+        longest = int(sparse_lens.max())
+        return LayeredDecodeKV(*rows, layer_group, layer_slot, sparse,
+                               np.stack([g.slot_mapping for g in groups]), tables, seq_lens, self.scale,
+                               self.store.decode_scratch(num_heads, plan.seq_lens),
+                               self.store.decode_scratch(num_heads, sparse_lens),
+                               np.empty((num_seqs, num_heads, longest), np.float32),
+                               np.zeros((layout.num_layers, num_seqs, self.store.num_kv_heads, longest), np.float32))
+
+    def decoded(self, kv: DecodeKV | LayeredDecodeKV, seconds: float) -> None:
+        """After the whole-step kernel ran `kv` (decode_kv): each sparse layer's row probabilities join the rows'
+        scores, then each group's evictions run, as `attend` does them a layer at a time."""
+        t0 = time.perf_counter()
+        for layer in range(self.layout.num_layers):
+            group, slot = self.layout.group_of(layer)
+            if group == 0:
+                continue
+            plan = self._groups[group - 1]
+            if self.layout.is_sparse(group):
+                self._add_probs(layer, plan, kv.probs[layer])
+            for seq_id, held, kept, table, _ in plan.evictions:
+                self._evict(self.stores[group], layer, slot, seq_id, held, kept, table, 1, None)
+        self.busy_s += seconds + time.perf_counter() - t0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:
         """As AttentionWorker.attend; layers past group 0 on their group's rows."""
@@ -154,6 +215,12 @@ class LayeredAttentionWorker(AttentionWorker):
         num_seqs, longest = len(q), raw.shape[2]
         probs = np.zeros((num_seqs, store.num_kv_heads, longest), np.float32)
         accumulate_probs(raw, lse, plan.seq_lens, store.num_kv_heads, probs)
+        self._add_probs(layer, plan, probs)
+        return out
+
+    def _add_probs(self, layer: int, plan: _GroupPlan, probs: np.ndarray) -> None:
+        """probs [B, Hkv, >= rows] of the plan's decode rows added to their sequences' scores at `layer` (after
+        the scores decay, KVPolicy.score_decay)."""
         decay = self.layout.policy.score_decay
         for b, seq_id in enumerate(plan.decode_seq_ids):
             n = int(plan.seq_lens[b])
@@ -161,7 +228,6 @@ class LayeredAttentionWorker(AttentionWorker):
             if decay != 1.0:
                 scores *= decay
             scores += probs[b, :, :n]
-        return out
 
     def _prefill(self, store: KVStore, layer: int, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  before: int, table: tuple[int, ...], seq_id: int, observed: int,

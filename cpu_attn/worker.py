@@ -139,8 +139,7 @@ class AttentionWorker:
     def decode_kv(self, num_heads: int) -> DecodeKV | None:
         """The step's KV for a whole-step decode kernel where every row is a decode row (one-token decodes, or
         decodes with draft tokens) attended exactly over a store that keeps rows as written (fp16, fp32), with no
-        sparse part; else None (then `attend`, a layer at a time). After such a kernel, `count` its attention's
-        seconds."""
+        sparse part; else None (then `attend`, a layer at a time). After such a kernel, call `decoded`."""
         plan = self._plan
         rows = self.store.rows_as_written() if isinstance(self.store, PagedKVStore) else None
         if rows is None or self.sparse is not None or plan.prefills:
@@ -153,8 +152,9 @@ class AttentionWorker:
         return DecodeKV(*rows, plan.slot_mapping, tables, seq_lens, row_first, row_count, self.scale,
                         self.store.verify_rows_scratch(num_heads, seq_lens, row_count))
 
-    def count(self, seconds: float) -> None:
-        """Add `seconds` of attention and KV writes done outside `attend` (decode_kv) to the step's timings."""
+    def decoded(self, kv: DecodeKV, seconds: float) -> None:
+        """After a whole-step kernel ran this step's `kv` (decode_kv): add its `seconds` of attention and KV writes
+        to the step's timings."""
         self.busy_s += seconds
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:

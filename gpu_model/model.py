@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from cpu_attn.layered_worker import LayeredDecodeKV
 from cpu_attn.worker import DecodeKV
 from gpu_model.config import ModelConfig
 from gpu_model.quant import BlockWeight, QuantWeight
@@ -200,7 +201,7 @@ class LlamaModel(nn.Module):
         return h + self._linear(f"layers.{i}.down", layer.down.weight, nn.functional.silu(gate) * up)
 
     def decode_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      kv: DecodeKV) -> tuple[torch.Tensor, float]:
+                      kv: DecodeKV | LayeredDecodeKV) -> tuple[torch.Tensor, float]:
         """Every layer of a step of decode rows in one call (cpu_decode.decode_layers; kv: the attention
         worker's DecodeKV; needs decode_stack and at most quant_max_tokens tokens) -> the last layer's output
         [T, hidden] and the share of the time spent writing and attending KV."""

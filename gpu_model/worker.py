@@ -7,6 +7,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from cpu_attn.layered_worker import LayeredDecodeKV
 from cpu_attn.simhash import LshCoder
 from cpu_attn.worker import AttentionWorker, DecodeKV
 from gpu_model.model import LlamaModel
@@ -66,12 +67,12 @@ class ModelWorker:
     def run(self, attn: AttentionWorker, token_ids: Sequence[int], positions: Sequence[int],
             logit_rows: Sequence[int], chunks: Chunks = ()) -> tuple[torch.Tensor, float]:
         """`forward` with `attn` (after its begin_step) attending: every layer in one call where the step allows it
-        (forward_decode, its attention's seconds counted on `attn`), else a layer at a time."""
+        (forward_decode, then `attn.decoded`), else a layer at a time."""
         kv = attn.decode_kv(self.model.cfg.num_heads) if self.fuses_decode(len(token_ids)) else None
         if kv is None:
             return self.forward(token_ids, positions, logit_rows, attn.attend, chunks)
         logits, accel_s, attn_s = self.forward_decode(token_ids, positions, logit_rows, kv, _drafts(chunks))
-        attn.count(attn_s)
+        attn.decoded(kv, attn_s)
         return logits, accel_s
 
     def fuses_decode(self, num_tokens: int) -> bool:
@@ -80,7 +81,7 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward_decode(self, token_ids: Sequence[int], positions: Sequence[int], logit_rows: Sequence[int],
-                       kv: DecodeKV, drafts: int = 0) -> tuple[torch.Tensor, float, float]:
+                       kv: DecodeKV | LayeredDecodeKV, drafts: int = 0) -> tuple[torch.Tensor, float, float]:
         """`forward` of a step of decode rows (fuses_decode) with every layer in one call that also writes and
         attends their KV as `kv` (the attention worker's DecodeKV) says -> the logits at `logit_rows`, the seconds
         outside attention and the seconds of attention and KV writes. `drafts`: how many rows are draft tokens."""

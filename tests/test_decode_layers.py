@@ -88,3 +88,41 @@ def test_layers_stack_only_when_each_linear_has_one_kind():
                 or np.shares_memory(a.qs, stack.o.qs) or np.shares_memory(a.qs, stack.gate_up.qs)
     assert stack_layers([layer(0), layer(10, qkv_kind="q8_0")], norms, norms) is None
     assert stack_layers([layer(0), None], norms, norms) is None
+
+
+@pytest.mark.parametrize("kv_format,full_layers", [("fp16", 1), ("fp32", 3)])
+def test_layered_decode_in_one_call_gives_the_layer_by_layer_bits(kv_format, full_layers, monkeypatch):
+    """Layered KV sparsity (one group a layer; groups of three): decode steps in one call against the same steps a
+    layer at a time, with evictions during decode: the same tokens and log-probabilities, scores and KV, bit for bit."""
+    from gpu_model.loader import resolve_model_dir
+    from hetcore.kv_policy import KVPolicy
+    from server.backend_config import BackendConfig
+    from server.hetero import HeteroBackend
+    from server.scheduler import Scheduler, SchedulerConfig, Sequence
+
+    policy = KVPolicy("layered", full_layers=full_layers, budget_tokens=24, window=8, evict_slack=4)
+    config = BackendConfig(kv_format=kv_format, kv_capacity_bytes=16 * 2**20, kv_policy=policy)
+    fused, layered = (HeteroBackend(resolve_model_dir(None), config) for _ in range(2))
+    if not fused.model_worker.fuses_decode(1):
+        pytest.skip("the default linears are not in the integer-dot layout on this CPU (no AVX512-VNNI)")
+    monkeypatch.setattr(layered.model_worker, "fuses_decode", lambda num_tokens: False)
+    one_call = []
+    forward_decode = fused.model_worker.forward_decode
+    monkeypatch.setattr(fused.model_worker, "forward_decode", lambda *args: one_call.append(1) or forward_decode(*args))
+    schedulers = [Scheduler(SchedulerConfig(4, 32), BlockManager(b.kv_spec)) for b in (fused, layered)]
+    for s in schedulers:
+        for i, prompt in enumerate([list(range(100, 150)), list(range(300, 340)), [5, 6, 7, 8, 9] * 6]):
+            s.add(Sequence(i, prompt, GREEDY))
+    for _ in range(24):
+        inputs = [s.schedule() for s in schedulers]
+        assert inputs[0] == inputs[1]
+        a, b = fused.step(inputs[0]), layered.step(inputs[1])
+        assert (a.sampled, a.logprobs) == (b.sampled, b.logprobs)
+        for s, out in zip(schedulers, (a, b)):
+            s.update(out)
+    assert len(one_call) >= 10 and schedulers[0].blocks.num_evictions > 0
+    for x, y in ((fused.attn_worker, layered.attn_worker),):
+        assert x.stores[0] is x.stores[-1]  # one store over every group's blocks
+        assert np.array_equal(x.stores[0].k, y.stores[0].k) and np.array_equal(x.stores[0].v, y.stores[0].v)
+        assert x._scores.keys() == y._scores.keys()
+        assert all(np.array_equal(x._scores[i], y._scores[i]) for i in x._scores)
