@@ -25,13 +25,12 @@ def test_narrowing_to_fp16_rounds_as_numpy():
         assert np.array_equal(out, x.astype(np.float16).view(np.uint16))
 
 
-@pytest.mark.parametrize("kv_format", ["fp16", "fp32"])
-def test_decode_in_one_call_gives_the_layer_by_layer_bits(kv_format, monkeypatch):
+def backends(config, monkeypatch) -> tuple:
+    """Two backends of `config`: one that runs decode steps in one call (each call noted in the list returned third),
+    one that runs them a layer at a time."""
     from gpu_model.loader import resolve_model_dir
-    from server.backend_config import BackendConfig
     from server.hetero import HeteroBackend
 
-    config = BackendConfig(kv_format=kv_format, kv_capacity_bytes=16 * 2**20)
     fused, layered = (HeteroBackend(resolve_model_dir(None), config) for _ in range(2))
     if not fused.model_worker.fuses_decode(1):
         pytest.skip("the default linears are not in the integer-dot layout on this CPU (no AVX512-VNNI)")
@@ -39,6 +38,14 @@ def test_decode_in_one_call_gives_the_layer_by_layer_bits(kv_format, monkeypatch
     one_call = []
     forward_decode = fused.model_worker.forward_decode
     monkeypatch.setattr(fused.model_worker, "forward_decode", lambda *args: one_call.append(1) or forward_decode(*args))
+    return fused, layered, one_call
+
+
+@pytest.mark.parametrize("kv_format", ["fp16", "fp32"])
+def test_decode_in_one_call_gives_the_layer_by_layer_bits(kv_format, monkeypatch):
+    from server.backend_config import BackendConfig
+
+    fused, layered, one_call = backends(BackendConfig(kv_format=kv_format, kv_capacity_bytes=16 * 2**20), monkeypatch)
     prompts = [list(range(100, 137)), [5, 6, 7, 8, 9], list(range(300, 360))]
     blocks = BlockManager(fused.kv_spec)
     tokens = [list(p) for p in prompts]
@@ -94,21 +101,13 @@ def test_layers_stack_only_when_each_linear_has_one_kind():
 def test_layered_decode_in_one_call_gives_the_layer_by_layer_bits(kv_format, full_layers, monkeypatch):
     """Layered KV sparsity (one group a layer; groups of three): decode steps in one call against the same steps a
     layer at a time, with evictions during decode: the same tokens and log-probabilities, scores and KV, bit for bit."""
-    from gpu_model.loader import resolve_model_dir
     from hetcore.kv_policy import KVPolicy
     from server.backend_config import BackendConfig
-    from server.hetero import HeteroBackend
     from server.scheduler import Scheduler, SchedulerConfig, Sequence
 
     policy = KVPolicy("layered", full_layers=full_layers, budget_tokens=24, window=8, evict_slack=4)
     config = BackendConfig(kv_format=kv_format, kv_capacity_bytes=16 * 2**20, kv_policy=policy)
-    fused, layered = (HeteroBackend(resolve_model_dir(None), config) for _ in range(2))
-    if not fused.model_worker.fuses_decode(1):
-        pytest.skip("the default linears are not in the integer-dot layout on this CPU (no AVX512-VNNI)")
-    monkeypatch.setattr(layered.model_worker, "fuses_decode", lambda num_tokens: False)
-    one_call = []
-    forward_decode = fused.model_worker.forward_decode
-    monkeypatch.setattr(fused.model_worker, "forward_decode", lambda *args: one_call.append(1) or forward_decode(*args))
+    fused, layered, one_call = backends(config, monkeypatch)
     schedulers = [Scheduler(SchedulerConfig(4, 32), BlockManager(b.kv_spec)) for b in (fused, layered)]
     for s in schedulers:
         for i, prompt in enumerate([list(range(100, 150)), list(range(300, 340)), [5, 6, 7, 8, 9] * 6]):
@@ -121,8 +120,8 @@ def test_layered_decode_in_one_call_gives_the_layer_by_layer_bits(kv_format, ful
         for s, out in zip(schedulers, (a, b)):
             s.update(out)
     assert len(one_call) >= 10 and schedulers[0].blocks.num_evictions > 0
-    for x, y in ((fused.attn_worker, layered.attn_worker),):
-        assert x.stores[0] is x.stores[-1]  # one store over every group's blocks
-        assert np.array_equal(x.stores[0].k, y.stores[0].k) and np.array_equal(x.stores[0].v, y.stores[0].v)
-        assert x._scores.keys() == y._scores.keys()
-        assert all(np.array_equal(x._scores[i], y._scores[i]) for i in x._scores)
+    x, y = fused.attn_worker, layered.attn_worker
+    assert x.stores[0] is x.stores[-1]  # one store over every group's blocks
+    assert np.array_equal(x.stores[0].k, y.stores[0].k) and np.array_equal(x.stores[0].v, y.stores[0].v)
+    assert x._scores.keys() == y._scores.keys()
+    assert all(np.array_equal(x._scores[i], y._scores[i]) for i in x._scores)
