@@ -113,6 +113,11 @@ class LayeredAttentionWorker(AttentionWorker):
         self._scores: dict[int, np.ndarray] = {}
         """seq_id -> [num_layers, Hkv, capacity] float32: each row's accumulated attention (sparse layers')."""
         self._groups: list[_GroupPlan] = []
+        self._layer_group, self._layer_slot = (np.array(x, np.int64) for x in zip(*map(layout.group_of,
+                                                                                   range(layout.num_layers))))
+        """Each layer's group and its slot in the group's store (decode_kv)."""
+        self._sparse = np.array([layout.is_sparse(g) for g in range(layout.num_groups)])
+        """Which groups evict by score (decode_kv)."""
 
     def begin_step(self, chunks: Sequence[LayeredChunkLayout]) -> None:
         super().begin_step(chunks)
@@ -133,7 +138,7 @@ class LayeredAttentionWorker(AttentionWorker):
         """The step's KV for the whole-step decode kernel where every row is a one-token decode and every group
         lives in one store that keeps rows as written (fp16, fp32); else None (Oaken, prefill chunks: `attend`, a
         layer at a time). After the kernel, `decoded` adds the probabilities to the scores and evicts."""
-        plan, layout = self._plan, self.layout
+        plan = self._plan
         rows = self.store.rows_as_written() if isinstance(self.store, PagedKVStore) else None
         if rows is None or plan.prefills or plan.verify is not None or any(s is not self.store for s in self.stores):
             return None
@@ -143,16 +148,15 @@ class LayeredAttentionWorker(AttentionWorker):
         for i, g in enumerate(groups):
             tables[i, :, :g.block_tables.shape[1]] = g.block_tables
         seq_lens = np.stack([g.seq_lens for g in groups])
-        sparse = np.array([layout.is_sparse(g) for g in range(layout.num_groups)])
-        layer_group, layer_slot = (np.array(x, np.int64) for x in zip(*map(layout.group_of, range(layout.num_layers))))
+        sparse = self._sparse
         sparse_lens = seq_lens[sparse].max(axis=0) if sparse.any() else plan.seq_lens
-        longest = int(sparse_lens.max())
-        return LayeredDecodeKV(*rows, layer_group, layer_slot, sparse,
+        longest, num_layers = int(sparse_lens.max()), self.layout.num_layers
+        return LayeredDecodeKV(*rows, self._layer_group, self._layer_slot, sparse,
                                np.stack([g.slot_mapping for g in groups]), tables, seq_lens, self.scale,
                                self.store.decode_scratch(num_heads, plan.seq_lens),
                                self.store.decode_scratch(num_heads, sparse_lens),
                                np.empty((num_seqs, num_heads, longest), np.float32),
-                               np.zeros((layout.num_layers, num_seqs, self.store.num_kv_heads, longest), np.float32))
+                               np.zeros((num_layers, num_seqs, self.store.num_kv_heads, longest), np.float32))
 
     def decoded(self, kv: DecodeKV | LayeredDecodeKV, seconds: float) -> None:
         """After the whole-step kernel ran `kv` (decode_kv): each sparse layer's row probabilities join the rows'
@@ -163,10 +167,9 @@ class LayeredAttentionWorker(AttentionWorker):
             if group == 0:
                 continue
             plan = self._groups[group - 1]
-            if self.layout.is_sparse(group):
+            if self._sparse[group]:
                 self._add_probs(layer, plan, kv.probs[layer])
-            for seq_id, held, kept, table, _ in plan.evictions:
-                self._evict(self.stores[group], layer, slot, seq_id, held, kept, table, 1, None)
+            self._run_evictions(self.stores[group], layer, slot, plan, {})
         self.busy_s += seconds + time.perf_counter() - t0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes=None) -> torch.Tensor:
@@ -196,11 +199,17 @@ class LayeredAttentionWorker(AttentionWorker):
             out[first:first + n], focus[seq_id] = self._prefill(
                 store, layer, slot, q[first:first + n], k[first:first + n], v[first:first + n], before, table, seq_id,
                 observed if sparse else 0, last)
-        for seq_id, held, kept, table, prompt in plan.evictions:
-            self._evict(store, layer, slot, seq_id, held, kept, table, policy.score_pool if prompt else 1,
-                        focus.get(seq_id) if prompt else None)
+        self._run_evictions(store, layer, slot, plan, focus)
         self.busy_s += time.perf_counter() - t0
         return out.reshape(q.shape[0], -1)
+
+    def _run_evictions(self, store: KVStore, layer: int, slot: int, plan: _GroupPlan, focus: dict) -> None:
+        """The plan's evictions at one layer: at a prompt's end over the policy's score pool with the prefill's
+        `focus` (seq_id -> its observed queries' scores), during decode one row at a time."""
+        pool = self.layout.policy.score_pool
+        for seq_id, held, kept, table, prompt in plan.evictions:
+            self._evict(store, layer, slot, seq_id, held, kept, table, pool if prompt else 1,
+                        focus.get(seq_id) if prompt else None)
 
     def _decode_rows(self, store: KVStore, layer: int, slot: int, q: np.ndarray, plan: _GroupPlan,
                      sparse: bool) -> np.ndarray:
