@@ -5,8 +5,9 @@ on contiguous fp32 KV, with the machine's two limits measured in the same run.
                                            [--shape smollm2-135m | llama-3.1-8b]
 
 For every (context, batch): ms per layer for the Oaken, fp16 and fp32 paged kernels and for
-SDPA; bytes each kernel reads; achieved GB/s and GFLOP/s (4 * D flops per query head and
-context token: q.k and p.v); the bound each limit sets (bytes / bandwidth, flops / FMA rate)
+SDPA, and for a speculative verify step over the fp16 KV (5 rows a sequence; its time over the
+one-row decode's); bytes each kernel reads; achieved GB/s and GFLOP/s (4 * D flops per query head
+and context token: q.k and p.v); the bound each limit sets (bytes / bandwidth, flops / FMA rate)
 and which one binds. Oaken's K/V are real SmolLM2 statistics (Gaussian with a heavy channel,
 thresholds at the default group shares), so its sparse share is that of the defaults; `oaken` is the store as
 served: keys centered on a pre-RoPE mean turned to each key's position (added back in the score
@@ -30,6 +31,7 @@ from cpu_attn.calibrate import INNER_RATIO, OUTER_RATIO, hadamard
 from cpu_attn.kv_store import OakenKVStore, PagedKVStore
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M, one layer
+DRAFTS = 4  # a verify step's draft rows a sequence (speculative decoding's default)
 SHAPES = {"smollm2-135m": (HEADS, KV_HEADS, HEAD_DIM), "llama-3.1-8b": (32, 8, 128)}  # query, kv-heads, head_dim
 
 
@@ -183,6 +185,13 @@ def main() -> None:
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_gb_s"] = nbytes / t / 1e9
                 row[f"{name}_mb"] = nbytes / 1e6
+            # a verify step of speculative decoding: 1 + DRAFTS rows a sequence over the same fp16 KV
+            n = 1 + DRAFTS
+            qv = rng.standard_normal((batch * n, heads, head_dim)).astype(np.float32)
+            first, count = np.arange(0, batch * n, n, dtype=np.int32), np.full(batch, n, np.int32)
+            verify = lambda: fp16.verify_attention(0, qv, stores["fp16"][1], lens - DRAFTS, first, count, scale)  # noqa
+            row["fp16_verify_ms"] = 1e3 * best_of(verify)
+            row["verify_vs_decode"] = row["fp16_verify_ms"] / row["fp16_ms"]
             t = row["oaken_ms"] / 1e3
             row["oaken_gflop_s"] = flops / t / 1e9
             row["sdpa_fp32_ms"] = sdpa * 1e3
@@ -217,6 +226,7 @@ def main() -> None:
           f"Numba FMA {lim['fma_gflop_s']:.1f} GFLOP/s, "
           f"torch sgemm {lim['sgemm_gflop_s']:.1f} GFLOP/s ({lim['sgemm_threads']} threads)")
     cols = ["context", "batch", "oaken_ms", "oaken_nocenter_ms", "fp16_ms", "fp32_ms", "sdpa_fp32_ms", "oaken_vs_sdpa",
+            "fp16_verify_ms", "verify_vs_decode",
             "oaken_mb", "oaken_gb_s", "oaken_gflop_s", "binds", "oaken_vs_bound", "oaken_vs_peak", "append_share",
             "append_now_share"]
     print_table(rows, cols)

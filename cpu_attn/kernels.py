@@ -12,7 +12,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from cpu_attn.fp16 import F16C, kernel_rows, to_f32, widen_block
-from cpu_attn.llvm_ir import _FAST, c_array, f32_matrices, lane_sums, prefetch_l2, row_kernel_args, splat
+from cpu_attn.llvm_ir import (_FAST, c_array, f32_matrices, host_has, lane_sums, prefetch_l2, row_kernel_args,
+                              splat)
 from cpu_attn.softmax import attend_begin, attend_merge, softmax_rows16, softmax_weights
 
 _LINE = 64  # bytes of a cache line
@@ -77,6 +78,10 @@ def gather_rows(cache, blocks, seq_len, out):
 
 
 _ROW_VECTORS = 8  # vectors of 8 floats: the 64 values of a row chunk _add_weighted_rows keeps in registers
+_HEADS = 3 if host_has("avx512f") else 1
+"""Query heads the row kernels advance together, each K or V row loaded (and widened) once for all of them: their
+3 x 8 sums fit AVX-512's 32 vector registers beside the operands, not AVX2's 16. Each head's own arithmetic, and
+so its result, is the same either way."""
 
 
 @intrinsic
@@ -97,26 +102,38 @@ def _add_weighted_rows(typingctx, acc, s, rows, width):
         f32, i64 = ir.FloatType(), ir.IntType(64)
         vec, fmuladd, base, row_bytes, shapes, width = row_kernel_args(context, builder, signature, args)
         groups, dim = shapes[0]
-        regs = [cgutils.alloca_once(builder, vec) for _ in range(_ROW_VECTORS)]  # promoted to registers
 
         def at(kind, address):
             return builder.inttoptr(address, kind.as_pointer())
 
-        with cgutils.for_range(builder, groups) as g:
+        def heads(g0, count):  # heads g0 .. g0 + count - 1, each row loaded once for all of them
+            regs = [[cgutils.alloca_once(builder, vec) for _ in range(_ROW_VECTORS)] for _ in range(count)]
             with cgutils.for_range_slice(builder, i64(0), dim, i64(8 * _ROW_VECTORS)) as (d, _):
-                acc_at = builder.add(builder.add(base[0], builder.mul(g.index, row_bytes[0])), builder.shl(d, i64(2)))
-                for i, reg in enumerate(regs):
-                    builder.store(builder.load(at(vec, builder.add(acc_at, i64(32 * i))), align=4), reg)
+                acc_at = [builder.add(builder.add(base[0], builder.mul(builder.add(g0, i64(h)), row_bytes[0])),
+                                      builder.shl(d, i64(2))) for h in range(count)]
+                for h in range(count):
+                    for i, reg in enumerate(regs[h]):
+                        builder.store(builder.load(at(vec, builder.add(acc_at[h], i64(32 * i))), align=4), reg)
                 with cgutils.for_range(builder, width) as t:
-                    weight = builder.load(at(f32, builder.add(builder.add(base[1], builder.mul(g.index, row_bytes[1])),
-                                                              builder.shl(t.index, i64(2)))), align=4)
-                    weight = splat(builder, weight, 8)
+                    weights = []
+                    for h in range(count):
+                        s_at = builder.add(base[1], builder.mul(builder.add(g0, i64(h)), row_bytes[1]))
+                        weight = builder.load(at(f32, builder.add(s_at, builder.shl(t.index, i64(2)))), align=4)
+                        weights.append(splat(builder, weight, 8))
                     row_at = builder.add(base[2], builder.mul(t.index, row_bytes[2]))
-                    for i, reg in enumerate(regs):
+                    for i in range(_ROW_VECTORS):
                         x = _load8(builder, halves, row_at, builder.add(d, i64(8 * i)))
-                        builder.store(builder.call(fmuladd, [weight, x, builder.load(reg)]), reg)
-                for i, reg in enumerate(regs):
-                    builder.store(builder.load(reg), at(vec, builder.add(acc_at, i64(32 * i))), align=4)
+                        for h in range(count):
+                            builder.store(builder.call(fmuladd, [weights[h], x, builder.load(regs[h][i])]), regs[h][i])
+                for h in range(count):
+                    for i, reg in enumerate(regs[h]):
+                        builder.store(builder.load(reg), at(vec, builder.add(acc_at[h], i64(32 * i))), align=4)
+
+        blocked = builder.sub(groups, builder.srem(groups, i64(_HEADS)))
+        with cgutils.for_range_slice(builder, i64(0), blocked, i64(_HEADS)) as (g0, _):
+            heads(g0, _HEADS)
+        with cgutils.for_range_slice(builder, blocked, groups, i64(1)) as (g, _):
+            heads(g, 1)
         return context.get_dummy_value()
     return types.none(acc, s, rows, width), codegen
 
@@ -143,24 +160,33 @@ def _block_scores(typingctx, s, qs, kb, width, scale):
         vec, fmuladd, base, row_bytes, shapes, width = row_kernel_args(context, builder, signature, args)
         groups, dim = shapes[1]
         factor = splat(builder, context.cast(builder, args[4], signature.args[4], types.float32), 8)
-        sums = [cgutils.alloca_once(builder, vec) for _ in range(_SCORE_ROWS)]  # promoted to registers
 
         def at(array, row, column):
             row_at = builder.add(base[array], builder.mul(row, row_bytes[array]))
             return builder.inttoptr(builder.add(row_at, builder.shl(column, i64(2))), vec.as_pointer())
 
-        with cgutils.for_range_slice(builder, i64(0), width, i64(_SCORE_ROWS)) as (t0, _):
-            with cgutils.for_range(builder, groups) as g:
-                for acc in sums:
+        def heads(t0, g0, count):  # heads g0 .. g0 + count - 1, each K row loaded once for all of them
+            sums = [[cgutils.alloca_once(builder, vec) for _ in range(_SCORE_ROWS)] for _ in range(count)]
+            for head in sums:
+                for acc in head:
                     builder.store(ir.Constant(vec, [0.0] * 8), acc)
-                with cgutils.for_range_slice(builder, i64(0), dim, i64(8)) as (d, _):
-                    q = builder.load(at(1, g.index, d), align=4)
-                    for r, acc in enumerate(sums):
-                        k_at = builder.add(base[2], builder.mul(builder.add(t0, i64(r)), row_bytes[2]))
-                        k = _load8(builder, halves, k_at, d)
-                        builder.store(builder.call(fmuladd, [q, k, builder.load(acc)]), acc)
-                scores = lane_sums(builder, [builder.load(acc) for acc in sums])
-                builder.store(builder.fmul(scores, factor), at(0, g.index, t0), align=4)
+            with cgutils.for_range_slice(builder, i64(0), dim, i64(8)) as (d, _):
+                qs = [builder.load(at(1, builder.add(g0, i64(h)), d), align=4) for h in range(count)]
+                for r in range(_SCORE_ROWS):
+                    k_at = builder.add(base[2], builder.mul(builder.add(t0, i64(r)), row_bytes[2]))
+                    k = _load8(builder, halves, k_at, d)
+                    for h in range(count):
+                        builder.store(builder.call(fmuladd, [qs[h], k, builder.load(sums[h][r])]), sums[h][r])
+            for h in range(count):
+                scores = lane_sums(builder, [builder.load(acc) for acc in sums[h]])
+                builder.store(builder.fmul(scores, factor), at(0, builder.add(g0, i64(h)), t0), align=4)
+
+        blocked = builder.sub(groups, builder.srem(groups, i64(_HEADS)))
+        with cgutils.for_range_slice(builder, i64(0), width, i64(_SCORE_ROWS)) as (t0, _):
+            with cgutils.for_range_slice(builder, i64(0), blocked, i64(_HEADS)) as (g0, _):
+                heads(t0, g0, _HEADS)
+            with cgutils.for_range_slice(builder, blocked, groups, i64(1)) as (g, _):
+                heads(t0, g, 1)
         return context.get_dummy_value()
     return types.none(s, qs, kb, width, scale), codegen
 
