@@ -189,7 +189,10 @@ def main() -> None:
             n = 1 + DRAFTS
             qv = rng.standard_normal((batch * n, heads, head_dim)).astype(np.float32)
             first, count = np.arange(0, batch * n, n, dtype=np.int32), np.full(batch, n, np.int32)
-            verify = lambda: fp16.verify_attention(0, qv, stores["fp16"][1], lens - DRAFTS, first, count, scale)  # noqa
+
+            def verify():
+                return fp16.verify_attention(0, qv, stores["fp16"][1], lens - DRAFTS, first, count, scale)
+
             row["fp16_verify_ms"] = 1e3 * best_of(verify)
             row["verify_vs_decode"] = row["fp16_verify_ms"] / row["fp16_ms"]
             t = row["oaken_ms"] / 1e3
