@@ -84,6 +84,16 @@ _HEADS = 3 if host_has("avx512f") else 1
 so its result, is the same either way."""
 
 
+def _by_heads(builder, groups, emit) -> None:
+    """LLVM IR: emit(g0, count) over the `groups` query heads (an i64 value), _HEADS at a time, the rest one by one."""
+    i64 = ir.IntType(64)
+    blocked = builder.sub(groups, builder.srem(groups, i64(_HEADS)))
+    with cgutils.for_range_slice(builder, i64(0), blocked, i64(_HEADS)) as (g0, _):
+        emit(g0, _HEADS)
+    with cgutils.for_range_slice(builder, blocked, groups, i64(1)) as (g, _):
+        emit(g, 1)
+
+
 @intrinsic
 def _add_weighted_rows(typingctx, acc, s, rows, width):
     """acc[g, :] += sum over t < width of s[g, t] * rows[t, :]: acc [G, D], s [G, >= width],
@@ -129,11 +139,7 @@ def _add_weighted_rows(typingctx, acc, s, rows, width):
                     for i, reg in enumerate(regs[h]):
                         builder.store(builder.load(reg), at(vec, builder.add(acc_at[h], i64(32 * i))), align=4)
 
-        blocked = builder.sub(groups, builder.srem(groups, i64(_HEADS)))
-        with cgutils.for_range_slice(builder, i64(0), blocked, i64(_HEADS)) as (g0, _):
-            heads(g0, _HEADS)
-        with cgutils.for_range_slice(builder, blocked, groups, i64(1)) as (g, _):
-            heads(g, 1)
+        _by_heads(builder, groups, heads)
         return context.get_dummy_value()
     return types.none(acc, s, rows, width), codegen
 
@@ -181,12 +187,8 @@ def _block_scores(typingctx, s, qs, kb, width, scale):
                 scores = lane_sums(builder, [builder.load(acc) for acc in sums[h]])
                 builder.store(builder.fmul(scores, factor), at(0, builder.add(g0, i64(h)), t0), align=4)
 
-        blocked = builder.sub(groups, builder.srem(groups, i64(_HEADS)))
         with cgutils.for_range_slice(builder, i64(0), width, i64(_SCORE_ROWS)) as (t0, _):
-            with cgutils.for_range_slice(builder, i64(0), blocked, i64(_HEADS)) as (g0, _):
-                heads(t0, g0, _HEADS)
-            with cgutils.for_range_slice(builder, blocked, groups, i64(1)) as (g, _):
-                heads(t0, g, 1)
+            _by_heads(builder, groups, lambda g0, count: heads(t0, g0, count))
         return context.get_dummy_value()
     return types.none(s, qs, kb, width, scale), codegen
 
