@@ -140,6 +140,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="the linear layers' dtype, for every variant and the reference (default: float32)")
     add_cpu_linear_dtype(p)
     add_weight_format_arguments(p)
+    p.add_argument("--activation-bits", type=int, choices=(8, 16), default=16,
+                   help="what the integer-dot linears round activations to, as `hetserve serve --activation-bits`; 8 "
+                        "scores that rounding: the reference keeps 16 (default: 16)")
     p.add_argument("--reference-linears", choices=CPU_LINEAR_DTYPES,
                    help="the exact fp32-KV reference's --cpu-linear-dtype (default: the same as the variants'); "
                         "`--kv-format fp32 --reference-linears float32` scores bf16 linears themselves")
@@ -211,7 +214,7 @@ def _load_models(args, model_dir: Path, formats: list[str]):
     """(model, reference model or None): with --weight-format, the reference holds dense fp32 weights."""
     import torch
 
-    from gpu_model.loader import load_model
+    from gpu_model.loader import ModelLoadError, load_model
     from gpu_model.weight_format import WeightFormat, WeightFormatError
 
     try:
@@ -220,7 +223,16 @@ def _load_models(args, model_dir: Path, formats: list[str]):
         raise SystemExit(f"hetserve eval: {exc}")
     dtype = getattr(torch, args.dtype)
     if wf.name == "auto":
-        return load_model(model_dir, dtype=dtype, cpu_linear_dtype=args.cpu_linear_dtype), None
+        try:
+            model = load_model(model_dir, dtype=dtype, cpu_linear_dtype=args.cpu_linear_dtype,
+                               activation_bits=args.activation_bits)
+        except ModelLoadError as exc:
+            raise SystemExit(f"hetserve eval: {exc}")
+        if args.activation_bits == 16:
+            return model, None
+        return model, load_model(model_dir, dtype=dtype, cpu_linear_dtype=args.cpu_linear_dtype)
+    if args.activation_bits != 16:
+        raise SystemExit("hetserve eval: --activation-bits 8 takes --weight-format auto (the GGUF's Q4_1 blocks)")
     if len(formats) != 1 or args.attention != "exact" or args.task:
         raise SystemExit("hetserve eval: --weight-format scores perplexity with one --kv-format and exact attention")
     linear = "float32" if args.cpu_linear_dtype == "auto" else args.cpu_linear_dtype
@@ -311,7 +323,9 @@ def eval_command(args: argparse.Namespace) -> None:
     for r in results:
         r["weight_format"], r["weight_bits"] = args.weight_format, weight_bits(model)
         r["weight_rotation"], r["weight_format_head"] = args.weight_rotation, args.weight_format_head
-        r["reference"] = "fp32 KV" if weights_ref is None else f"dense fp32 weights, {formats[0]} KV"
+        r["activation_bits"] = args.activation_bits
+        r["reference"] = ("fp32 KV" if weights_ref is None else
+                          f"{'16-bit activations' if args.activation_bits == 8 else 'dense fp32 weights'}, {formats[0]} KV")
     print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt"
           f"{f' ({args.cached_prefix_tokens} from the cache)' if args.cached_prefix_tokens else ''}"
           f"{f' in chunks of {args.prefill_chunk_tokens}' if args.prefill_chunk_tokens else ''}; "

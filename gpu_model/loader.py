@@ -27,7 +27,7 @@ from gpu_model.model import LlamaModel, rope_inv_freq
 from gpu_model.quant import load_quant, read_gguf_quant, save_quant
 from gpu_model.quant_amx import is_available as has_tiles
 from gpu_model.quant_vnni import is_available as has_int_dots
-from gpu_model.quant_vnni import mx_available
+from gpu_model.quant_vnni import mx_available, x8_available
 from gpu_model.weight_format import (MX_FILE, WeightFormat, WeightFormatError, attach, attach_device, cache_path,
                                      dense_with_mx, tied_head_values)
 
@@ -173,7 +173,8 @@ def read_dense(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                gguf_blocks_max_tokens: int | None = None, cpu_linear_dtype: str = "auto",
-               weight_format: WeightFormat | None = None, cache_dir: str | Path | None = None) -> LlamaModel:
+               weight_format: WeightFormat | None = None, cache_dir: str | Path | None = None,
+               activation_bits: int = 16) -> LlamaModel:
     """Load weights. On the CPU in float32 the linear layers run in `cpu_linear_dtype`, and a
     GGUF's own blocks serve steps of at most `gguf_blocks_max_tokens` tokens (bandwidth-bound
     decode, gpu_model/quant.py; default GGUF_BLOCKS_MAX_TOKENS with float32 linears, whose exact
@@ -189,7 +190,12 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     `cache_dir`) and serves steps of at most `gguf_blocks_max_tokens` tokens (default: MX_MAX_TOKENS's
     rules) with the MX kernels, the dense copy holding the same values; on an accelerator the MX weights stay
     packed there for every step and the dense copies are dropped (weight_format.attach_device). A directory
-    written by `hetserve quantize` loads its own MX weights."""
+    written by `hetserve quantize` loads its own MX weights.
+
+    `activation_bits` 8 rounds x to int8 per block for the GGUF's Q4_1 blocks (vpdpbusd, as llama.cpp's Q8
+    activations; gpu_model/quant_vnni.py): it needs their integer dots on a CPU with AVX512-VNNI."""
+    if activation_bits not in (8, 16):
+        raise ModelLoadError(f"activation_bits must be 8 or 16, not {activation_bits}")
     wf = weight_format or WeightFormat()
     cfg = ModelConfig.from_dir(model_dir)
     sd = read_dense(model_dir)
@@ -224,6 +230,9 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     # integer dots (x rounded to int16 per block) where this CPU has them, beside bf16 linears and by default beside
     # float32 ones; an explicit float32 keeps the blocks' exact float products
     int_dots = has_int_dots() and (bf16 or cpu_linear_dtype == "auto")
+    if activation_bits == 8 and not (int_dots and x8_available() and mx_weights is None and wf.name in ("auto", "gguf")):
+        raise ModelLoadError("activation_bits 8 needs the GGUF's Q4_1 blocks multiplied by integer dots (weight_format "
+                             "auto or gguf, cpu_linear_dtype auto or bfloat16) on a CPU with AVX512-VNNI")
     if mx_weights is not None:
         if int_dots and mx_available(wf.name):
             default = integer_dot_max_tokens() if bf16 else MX_MAX_TOKENS
@@ -240,5 +249,6 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
         else:
             gguf_blocks_max_tokens = GGUF_BLOCKS_MAX_TOKENS
     if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:
-        model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens, vnni=int_dots)
+        model.attach_quant(load_quant(model_dir / QUANT_FILE), gguf_blocks_max_tokens, vnni=int_dots,
+                           x_bits=activation_bits)
     return model

@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 from cpu_attn.llvm_ir import _as_f32, c_array, host_has, prefetch_ir
 from gpu_model.quant import BLOCK, PREFETCH_BYTES
 from gpu_model.quant_vnni import (_BLOCK_BYTES, MX_KINDS, NO_NORM, ROWS, VnniWeight, _hadamard_blocks, _input_row,
-                                  _mx_table, _splat, _vload, block_arrays, gguf_scale_bytes, gguf_scale_vectors,
+                                  _mx_table, _splat, _vload, block_arrays, gguf_scale_bytes, gguf_scale_vectors, is_x8,
                                   kind_codegen, matvec)
 
 TILE_ROWS = 16  # rows of x a tile holds
@@ -304,8 +304,9 @@ def matvec_tiles(x, norm, eps, gated, hadamard, scales, qs, out):
 @njit(cache=True, nogil=True, inline="always")
 def block_matvec(x, norm, eps, gated, hadamard, scales, qs, out, tile_rows):
     """out = x @ W.T for integer-dot weights (quant_vnni.matvec's arguments): by AMX tiles when x has at least
-    `tile_rows` rows (tile_rows > 0; is_available() must be true), else by quant_vnni.matvec."""
-    if 0 < tile_rows <= x.shape[0]:
+    `tile_rows` rows (tile_rows > 0; is_available() must be true) and the weights are not in the x8 layout, else by
+    quant_vnni.matvec."""
+    if 0 < tile_rows <= x.shape[0] and not is_x8(qs):
         matvec_tiles(x, norm, eps, gated, hadamard, scales, qs, out)
     else:
         matvec(x, norm, eps, gated, hadamard, scales, qs, out)

@@ -38,6 +38,15 @@ bits per weight, scales included (4.25 / 6.25 / 8.25), in the same vector order:
            the 6-bit codes are looked up in a 64-byte table (vpermb, AVX512-VBMI)
     scales [G, NB, 1, 16] u8: E8M0 of the group's 16 rows
 
+With 8-bit activations (`x_bits` 8, Q4_1 and AVX512-VNNI only) x is rounded to max |x| / 127 per block, as
+llama.cpp's Q8 activations are, and a block's nibbles meet it in `vpdpbusd` (16 int32 lanes, each summing four
+products of an unsigned byte and a signed one): half the instructions of the int16 dots, where several rows of x
+a step make the kernel bound by them (verified draft tokens, many sequences a step). The nibbles are laid out so
+that lane l of a 64-byte vector holds four consecutive weights of row l:
+
+    Q4_1 x8 qs [G, NB, 4, 64] u8: [g, b, s, 4l + j] = GGUF byte 4s + j of row 16 g + l's block b: weight 4s + j
+         (low nibble, U_s) and 16 + 4s + j (high nibble, U_s+4); U_t meets x's values 4t .. 4t + 3
+
 A group's weights are one sequential stream, read once per pass; the rows of x go X_ROWS at a time,
 sharing the widened weights (a second pass over a group finds them in L1).
 """
@@ -76,6 +85,11 @@ def is_available() -> bool:
     return WIDE or host_has("avx2", "fma", "f16c")
 
 
+def x8_available() -> bool:
+    """Whether this CPU runs Q4_1 weights with 8-bit activations (vpdpbusd, AVX512-VNNI)."""
+    return WIDE
+
+
 def mx_available(fmt: str) -> bool:
     """Whether this CPU runs MX format `fmt` here (mxfp6 also needs AVX512-VBMI's byte table lookups)."""
     return fmt in MX_KINDS and is_available() and (fmt != "mxfp6" or (WIDE and host_has("avx512vbmi")))
@@ -92,6 +106,8 @@ class VnniWeight:
     """[G, NB, 8, 32] uint8 (Q4_1, mxfp4), [G, NB, 16, 32] int8 (Q8_0, mxint8), [G, NB, 12, 32] uint8 (mxfp6)."""
     rotation: str = "none"
     """MX: none, or hadamard (the codes hold W H: x is turned per block before it is rounded; mx_weight.py)."""
+    x_bits: int = 16
+    """Bits x is rounded to: 16, or 8 (Q4_1 in the x8 layout, module docstring)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -120,17 +136,24 @@ class VnniWeight:
         return w.shape[0] % ROWS == 0
 
     @staticmethod
-    def from_blocks(w: QuantWeight) -> "VnniWeight":
+    def from_blocks(w: QuantWeight, x_bits: int = 16) -> "VnniWeight":
+        """w in the layout above; x_bits 8 (Q4_1 weights, where x8_available) for 8-bit activations."""
         n, nb = w.scales.shape
         g = n // ROWS
-        # [N, NB, 2T] -> [G, l, NB, T, e] -> [G, NB, T, l, e]: byte (t, 2l + e) is row l's byte 2t + e
-        qs = w.qs.reshape(g, ROWS, nb, -1, 2).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1, 2 * ROWS)
+        if x_bits == 8:
+            if w.kind != "q4_1" or not x8_available():
+                raise ValueError(f"8-bit activations need Q4_1 weights and AVX512-VNNI, not {w.kind}")
+            # [N, NB, 16] -> [G, l, NB, s, j] -> [G, NB, s, l, j]: byte (s, 4l + j) is row l's byte 4s + j
+            qs = w.qs.reshape(g, ROWS, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 4, 4 * ROWS)
+        else:
+            # [N, NB, 2T] -> [G, l, NB, T, e] -> [G, NB, T, l, e]: byte (t, 2l + e) is row l's byte 2t + e
+            qs = w.qs.reshape(g, ROWS, nb, -1, 2).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1, 2 * ROWS)
         parts = [w.scales] if w.kind == "q8_0" else [w.scales, w.mins]
         scales = np.stack([p.astype(np.float32).reshape(g, ROWS, nb).transpose(0, 2, 1) for p in parts], axis=2)
         half = scales.astype(np.float16)
         if np.array_equal(half.astype(np.float32), scales):  # a GGUF's own scales: float16, read as such (fewer bytes)
             scales = half.view(np.uint16)
-        return VnniWeight(w.kind, np.ascontiguousarray(scales), np.ascontiguousarray(qs))
+        return VnniWeight(w.kind, np.ascontiguousarray(scales), np.ascontiguousarray(qs), x_bits=x_bits)
 
     @staticmethod
     def from_mx(fmt: str, codes: np.ndarray, scales: np.ndarray, rotation: str = "none") -> VnniWeight | None:
@@ -203,11 +226,14 @@ def _hadamard_blocks(row):
 
 
 @njit(cache=True, nogil=True)
-def round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum):
+def round_row(x, i, norm, eps, gated, hadamard, qmax, xq, dx, dsum):
     """Row i of x: [M, K] float32 (or [M, 2K] gate | up) -> the input row (_input_row; turned per block by the Hadamard
     matrix with `hadamard`, for weights stored rotated) rounded per block of 32: xq[i] int16, dx[i] each block's scale
-    max |v| / 32767, dsum[i] dx * sum(xq) (Q4_1's m term). A block with a non-finite value gets scale NaN."""
+    max |v| / qmax (32767; or 127 for 8-bit activations, whose int8 values fill xq[i]'s first bytes), dsum[i]
+    dx * sum(xq) (Q4_1's m term). A block with a non-finite value gets scale NaN."""
     width = xq.shape[1]
+    x8 = qmax < 128
+    bytes_ = xq.view(np.int8)
     row = np.empty(width, np.float32)
     _input_row(x, i, norm, eps, gated, row)
     if hadamard:
@@ -216,12 +242,18 @@ def round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum):
         amax = np.float32(0.0)
         for j in range(b * BLOCK, (b + 1) * BLOCK):
             amax = max(amax, abs(row[j]))
-        scale = amax / np.float32(32767.0) if np.isfinite(amax) else np.float32(np.nan)
+        scale = amax / qmax if np.isfinite(amax) else np.float32(np.nan)
         total = np.float32(0.0)
-        for j in range(b * BLOCK, (b + 1) * BLOCK):
-            v = np.rint(row[j] / scale) if scale > 0 else np.float32(0.0)  # NaN scale: zeros, the NaN is in dx
-            xq[i, j] = np.int16(v)
-            total += v
+        if x8:
+            for j in range(b * BLOCK, (b + 1) * BLOCK):
+                v = np.rint(row[j] / scale) if scale > 0 else np.float32(0.0)  # NaN scale: zeros, the NaN is in dx
+                bytes_[i, j] = np.int8(v)
+                total += v
+        else:
+            for j in range(b * BLOCK, (b + 1) * BLOCK):
+                v = np.rint(row[j] / scale) if scale > 0 else np.float32(0.0)
+                xq[i, j] = np.int16(v)
+                total += v
         dx[i, b] = scale
         dsum[i, b] = scale * total
 
@@ -306,7 +338,19 @@ def _weight_vectors(builder, kind: str, qa, q_at, ks):
     return vs
 
 
-_BLOCK_BYTES = {"q4_1": 256, "q8_0": 512, "mxfp4": 256, "mxfp6": 384, "mxint8": 512}
+def _byte_vectors(builder, qa, q_at) -> list:
+    """LLVM IR: the vectors U_0 .. U_7 of the Q4_1 x8 block at element q_at of qs (module docstring), as <16 x i32>
+    whose lanes hold four unsigned bytes each."""
+    b64 = ir.VectorType(ir.IntType(8), 64)
+    vs = [None] * 8
+    for s in range(4):
+        raw = _vload(builder, builder.gep(qa.data, [builder.add(q_at, _I64(64 * s))]), b64)
+        vs[s] = builder.bitcast(builder.and_(raw, ir.Constant(b64, [15] * 64)), _VI)
+        vs[s + 4] = builder.bitcast(builder.lshr(raw, ir.Constant(b64, [4] * 64)), _VI)
+    return vs
+
+
+_BLOCK_BYTES = {"q4_1": 256, "q4_1x8": 256, "q8_0": 512, "mxfp4": 256, "mxfp6": 384, "mxint8": 512}
 """Bytes of qs a block of a group of ROWS rows takes."""
 
 
@@ -316,7 +360,7 @@ def _codegen(kind: str):
     pairs of values broadcast (in up to four independent chains), converted, scaled by d x dx and added (plus,
     Q4_1, m x dsum) to the row's sum vector, which is the group's 16 outputs. MX: d = 2^(s - 127) from the
     E8M0 byte moved into a float's exponent, dx times 2^-k."""
-    is_mx = kind in MX_KINDS
+    is_mx, x8 = kind in MX_KINDS, kind == "q4_1x8"
 
     def codegen(context, builder, signature, args):
         item = 1 if is_mx else gguf_scale_bytes(signature, 3)  # bytes of one scale
@@ -327,13 +371,13 @@ def _codegen(kind: str):
         num_blocks = cgutils.unpack_tuple(builder, da.shape, 2)[1]
         num_out = cgutils.unpack_tuple(builder, out.shape, 2)[1]
         block_bytes = _BLOCK_BYTES[kind]
-        nscales = 2 if kind == "q4_1" else 1  # scale vectors a block
+        nscales = 2 if kind.startswith("q4_1") else 1  # scale vectors a block
         scale_bytes = ROWS * nscales * item  # of a block in scales
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
         if WIDE:
-            vpdpwssd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI] * 3),
-                                                      "llvm.x86.avx512.vpdpwssd.512")
-            dot = lambda acc, v, x: builder.call(vpdpwssd, [acc, v, x])  # noqa: E731
+            name = "llvm.x86.avx512.vpdpbusd.512" if x8 else "llvm.x86.avx512.vpdpwssd.512"
+            vpdp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI] * 3), name)
+            dot = lambda acc, v, x: builder.call(vpdp, [acc, v, x])  # noqa: E731
         else:
             dot = lambda acc, v, x: pmaddwd_pairs(builder, acc, v, x)  # noqa: E731
         first = builder.mul(group, num_blocks)  # the group's first block
@@ -354,15 +398,21 @@ def _codegen(kind: str):
                     for line in range(0, step, 64):
                         prefetch_ir(builder, array.data, builder.add(byte, _I64(ahead + line)))
                 partials = [[ir.Constant(_VI, [0] * ROWS)] * chains for _ in range(count)]
-                for ks in _PARTS:
-                    vs = _weight_vectors(builder, kind, qa, q_at, ks)
+                for ks in ((0, 1, 2, 3),) if x8 else _PARTS:
+                    vs = _byte_vectors(builder, qa, q_at) if x8 else _weight_vectors(builder, kind, qa, q_at, ks)
                     for i in range(count):
                         block_x = builder.add(builder.mul(_I64(i), width), builder.mul(b, _I64(BLOCK)))
                         partial = partials[i]
-                        for n, t in enumerate(k + h for h in (0, 8) for k in ks):
-                            at_x = builder.gep(xa.data, [builder.add(block_x, _I64(2 * t))])
-                            pair = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=2)
-                            partial[n % chains] = dot(partial[n % chains], vs[t], _splat(builder, pair, _VI))
+                        for n, t in enumerate(k + h for h in ((0, 4) if x8 else (0, 8)) for k in ks):
+                            if x8:  # x's values 4t .. 4t + 3: four bytes, where round_row put them
+                                row_bytes = builder.mul(_I64(2 * i), width)  # the row's int16s, as bytes
+                                byte = builder.add(row_bytes, builder.add(builder.mul(b, _I64(BLOCK)), _I64(4 * t)))
+                                at_x = builder.gep(builder.bitcast(xa.data, ir.IntType(8).as_pointer()), [byte])
+                                x = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=1)
+                            else:  # x's values 2t, 2t + 1 as two 16-bit integers
+                                at_x = builder.gep(xa.data, [builder.add(block_x, _I64(2 * t))])
+                                x = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=2)
+                            partial[n % chains] = dot(partial[n % chains], vs[t], _splat(builder, x, _VI))
                 if is_mx:
                     e8m0 = _vload(builder, builder.gep(sa.data, [s_at]), ir.VectorType(ir.IntType(8), ROWS))
                     e8m0 = builder.zext(e8m0, _VI)
@@ -379,7 +429,7 @@ def _codegen(kind: str):
                         dxi = builder.fmul(dxi, ir.Constant(_F32, 2.0 ** -MX_KINDS[kind]))
                     acc = builder.call(fma, [builder.sitofp(total, _VF), builder.fmul(svec[0], _splat(builder, dxi, _VF)),
                                              builder.load(sums[i])])
-                    if kind == "q4_1":
+                    if nscales == 2:
                         dsi = builder.load(builder.gep(ma.data, [d_at]))
                         acc = builder.call(fma, [svec[1], _splat(builder, dsi, _VF), acc])
                     builder.store(acc, sums[i])
@@ -433,7 +483,30 @@ def _rows(typingctx, xq, dx, dsum, scales, qs, group, out):
               block_arrays(scales, qs), isinstance(group, types.Integer), c_array(out, 2, types.float32))
     if not all(checks):
         return None
-    return types.none(xq, dx, dsum, scales, qs, group, out), kind_codegen(_codegen, scales, qs, 4)
+    codegen = kind_codegen(_codegen, scales, qs, 4)
+    if x8_available() and not c_array(scales, 4, types.uint8) and c_array(qs, 4, types.uint8):
+        codegen = _q4_1_either(codegen)
+    return types.none(xq, dx, dsum, scales, qs, group, out), codegen
+
+
+def _q4_1_either(int16_codegen):
+    """Q4_1's codegen for either layout, told apart at run time by the width of qs (64 bytes: x8)."""
+    def either(context, builder, signature, args):
+        qa = context.make_array(signature.args[4])(context, builder, args[4])
+        width = cgutils.unpack_tuple(builder, qa.shape, 4)[3]
+        with builder.if_else(builder.icmp_signed("==", width, _I64(4 * ROWS))) as (x8, x16):
+            with x8:
+                _codegen("q4_1x8")(context, builder, signature, args)
+            with x16:
+                int16_codegen(context, builder, signature, args)
+        return context.get_dummy_value()
+    return either
+
+
+@njit(cache=True, nogil=True, inline="always")
+def is_x8(qs) -> bool:
+    """Whether qs holds Q4_1 in the x8 layout (8-bit activations)."""
+    return qs.shape[3] == 4 * ROWS
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -449,15 +522,16 @@ def matvec_rounded(xq, dx, dsum, scales, qs, out):
 def matvec(x, norm, eps, gated, hadamard, scales, qs, out):
     """out = (x, normed or gated, and turned, as round_row says) @ W.T."""
     num_blocks = qs.shape[1]
+    qmax = np.float32(127.0) if is_x8(qs) else np.float32(32767.0)
     xq = np.empty((x.shape[0], num_blocks * BLOCK), np.int16)
     dx = np.empty((x.shape[0], num_blocks), np.float32)
     dsum = np.empty((x.shape[0], num_blocks), np.float32)
     if hadamard and x.shape[0] > 1:  # the butterfly is scalar: rows in parallel
         for i in prange(x.shape[0]):
-            round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum)
+            round_row(x, i, norm, eps, gated, hadamard, qmax, xq, dx, dsum)
     else:  # a few rows (vectorized, the gate's exp too) cost less than a parallel region
         for i in range(x.shape[0]):
-            round_row(x, i, norm, eps, gated, hadamard, xq, dx, dsum)
+            round_row(x, i, norm, eps, gated, hadamard, qmax, xq, dx, dsum)
     matvec_rounded(xq, dx, dsum, scales, qs, out)
 
 

@@ -23,6 +23,8 @@ class BackendConfig:
     """On the CPU with dtype float32, the linear layers' weights and matmuls: auto, float32 or bfloat16."""
     gguf_blocks_max_tokens: int | None = None
     """On the CPU, steps of at most this many tokens multiply by the GGUF's own quantized blocks (None: the default)."""
+    activation_bits: int = 16
+    """On the CPU, the bits the integer-dot linears round activations to: 16, or 8 (Q4_1 blocks; gpu_model/loader.py)."""
     weight_format: str = "auto"
     """The linear layers' weight format (server.config.WEIGHT_FORMATS; gpu_model/weight_format.py)."""
     weight_rotation: str = "none"
@@ -80,13 +82,14 @@ class BackendConfig:
 
         weight_format = WeightFormat(self.weight_format, self.weight_rotation, self.weight_format_head)
         return load_model(model_dir, device, dtype, self.gguf_blocks_max_tokens, self.cpu_linear_dtype,
-                          weight_format, self.model_cache_dir)
+                          weight_format, self.model_cache_dir, self.activation_bits)
 
     @classmethod
     def from_serve_config(cls, cfg: ServeConfig) -> BackendConfig:
         recent = cfg.max_num_seqs if cfg.oaken_recent_blocks is None else cfg.oaken_recent_blocks
         return cls(device=cfg.device, dtype=cfg.dtype, cpu_linear_dtype=cfg.cpu_linear_dtype,
-                   gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens, weight_format=cfg.weight_format,
+                   gguf_blocks_max_tokens=cfg.gguf_blocks_max_tokens, activation_bits=cfg.activation_bits,
+                   weight_format=cfg.weight_format,
                    weight_rotation=cfg.weight_rotation, weight_format_head=cfg.weight_format_head,
                    model_cache_dir=cfg.model_cache_dir, kv_format=cfg.kv_format,
                    kv_capacity_bytes=cfg.kv_capacity_bytes(), block_size=cfg.block_size,

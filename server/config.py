@@ -97,6 +97,10 @@ class ServeConfig:
                                                     "(0 = never; default: 64 with float32 linears or weight_format gguf; "
                                                     "with bfloat16 ones 32 where the CPU has AVX512-VNNI and AMX, 16 with "
                                                     "AVX512-VNNI or AVX2, else 1; MX 2)")
+    activation_bits: int = _opt(16, "on the CPU, what the integer-dot linears round each activation block of 32 to: 16 "
+                                    "bits (a relative error of 2^-16), or 8 (llama.cpp's Q8 rounding: the GGUF's Q4_1 "
+                                    "blocks by vpdpbusd, 1.2-1.4x the rows a second at several rows a step, "
+                                    "perplexity +0.1 percent; needs AVX512-VNNI; docs/weight-formats.md)")
     weight_format: str = _opt("auto", "the linear layers' weights: auto (gguf blocks where the model has them, "
                                       "else cpu_linear_dtype), gguf (the GGUF's Q4_1/Q8_0 blocks), mxfp8, mxfp6, "
                                       "mxfp4, mxint8 (OCP MX, converted at load and cached), bf16 or fp32; see "
@@ -263,6 +267,7 @@ class ServeConfig:
             (self.block_size > 0 and self.max_num_seqs > 0, "block_size and max_num_seqs must be positive"),
             (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
             (self.gguf_blocks_max_tokens is None or self.gguf_blocks_max_tokens >= 0, "gguf_blocks_max_tokens must be >= 0"),
+            (self.activation_bits in (8, 16), f"activation_bits must be 8 or 16, not {self.activation_bits}"),
             (self.weight_format in WEIGHT_FORMATS,
              f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, not {self.weight_format!r}"),
             (self.weight_rotation in WEIGHT_ROTATIONS,

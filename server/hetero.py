@@ -274,8 +274,8 @@ class HeteroBackend(Backend):
         self.draft_worker = self.model_worker
         """What makes the drafts of chunks with self_draft: the model, or a copy in c.draft_weight_format."""
         if c.draft_weight_format is not None:
-            draft = replace(c, weight_format=c.draft_weight_format).load_model(model_dir, device,
-                                                                                pick_dtype(c.dtype, device))
+            draft = replace(c, weight_format=c.draft_weight_format, activation_bits=16).load_model(
+                model_dir, device, pick_dtype(c.dtype, device))
             self.draft_worker = model_worker(draft, None, device)
             log.info("speculative drafts: a copy of the model with %s weights", c.draft_weight_format)
         self.draft_model: DraftModel | None = None

@@ -1,6 +1,8 @@
 """The paged KV store and its kernels against plain NumPy references."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -174,7 +176,7 @@ def test_kernel_cache_is_keyed_by_the_package_sources(tmp_path, monkeypatch):
     subpackages' included."""
     import numba
 
-    from cpu_attn import numba_cache_dir, sampled
+    from cpu_attn import KERNEL_PACKAGES, numba_cache_dir, sampled
 
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "a.py").write_text("x = 1\n")
@@ -189,3 +191,7 @@ def test_kernel_cache_is_keyed_by_the_package_sources(tmp_path, monkeypatch):
     (tmp_path / "sub" / "c.py").write_text("z = 2\n")
     assert numba_cache_dir(tmp_path) != before
     assert sampled.sampled_decode_attention._cache._cache_path.startswith(numba.config.CACHE_DIR)
+    from gpu_model import cpu_decode  # its kernels inline gpu_model/quant_vnni.py's: its sources count too
+
+    assert cpu_decode._decode_layers._cache._cache_path.startswith(numba.config.CACHE_DIR)
+    assert Path(cpu_decode.__file__).parent in KERNEL_PACKAGES

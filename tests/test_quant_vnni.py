@@ -8,21 +8,26 @@ import torch
 from gpu_model.model import rms_norm
 from gpu_model.quant import from_gguf_rows
 from gpu_model.mx_weight import MXWeight, rotate
-from gpu_model.quant_vnni import VnniWeight, is_available, mx_available, vnni_matmul
+from gpu_model.quant_vnni import VnniWeight, is_available, mx_available, vnni_matmul, x8_available
 from tests.test_quant import random_blocks
 
 pytestmark = pytest.mark.skipif(not is_available(), reason="this CPU has no integer dots (AVX512-VNNI or AVX2)")
 
 
-def rounded(v: np.ndarray) -> np.ndarray:
-    """x rounded per block of 32 as the kernels do: scale max |v| / 32767 (float32), round half to even."""
+def rounded(v: np.ndarray, qmax: int = 32767) -> np.ndarray:
+    """x rounded per block of 32 as the kernels do: scale max |v| / qmax (float32), round half to even."""
     blocks = v.reshape(v.shape[0], -1, 32)
-    scale = (np.abs(blocks).max(-1, keepdims=True) / np.float32(32767)).astype(np.float32)
+    scale = (np.abs(blocks).max(-1, keepdims=True) / np.float32(qmax)).astype(np.float32)
     q = np.where(scale > 0, np.rint(blocks / np.where(scale > 0, scale, 1)), 0)
     return (q * scale.astype(np.float64)).reshape(v.shape)
 
 
-KINDS = ["q4_1", "q8_0", "mxfp4", "mxfp6", "mxint8"]
+KINDS = ["q4_1", "q4_1x8", "q8_0", "mxfp4", "mxfp6", "mxint8"]
+"""q4_1x8: Q4_1 with 8-bit activations (x rounded to max |x| / 127 per block)."""
+
+
+def qmax_of(kind: str) -> int:
+    return 127 if kind == "q4_1x8" else 32767
 
 
 class MXBlocks:
@@ -45,6 +50,11 @@ def weights(kind: str, num_rows: int, num_blocks: int, seed: int):
                                                                           ).repeat(32, axis=1)
         w = MXWeight.encode(dense.astype(np.float32), kind)
         return MXBlocks(w), VnniWeight.from_mx(kind, w.codes, w.scales)
+    if kind == "q4_1x8":
+        if not x8_available():
+            pytest.skip("this CPU has no 8-bit integer dots (AVX512-VNNI)")
+        w = from_gguf_rows(random_blocks("q4_1", num_rows, num_blocks, rng), "q4_1")
+        return w, VnniWeight.from_blocks(w, x_bits=8)
     w = from_gguf_rows(random_blocks(kind, num_rows, num_blocks, rng), kind)
     return w, VnniWeight.from_blocks(w)
 
@@ -57,11 +67,12 @@ def test_matches_numpy_twin_and_bound(kind, num_x):
     x = np.random.default_rng(7).standard_normal((num_x, w.shape[1])).astype(np.float32)
     got = vnni_matmul(x, packed)
     dense = w.dequantize().astype(np.float64)
-    twin = rounded(x) @ dense.T
+    qmax = qmax_of(kind)
+    twin = rounded(x, qmax) @ dense.T
     # the twin to float32 rounding of the sum of |terms|
-    np.testing.assert_allclose(got, twin, rtol=0, atol=1e-6 * (np.abs(rounded(x)) @ np.abs(dense).T).max())
-    # the exact product within the rounding of x: half a step (max |x_block| / 32767) per value
-    step = np.abs(x.reshape(num_x, -1, 32)).max(-1).repeat(32, axis=1) / 32767
+    np.testing.assert_allclose(got, twin, rtol=0, atol=1e-6 * (np.abs(rounded(x, qmax)) @ np.abs(dense).T).max())
+    # the exact product within the rounding of x: half a step (max |x_block| / qmax) per value
+    step = np.abs(x.reshape(num_x, -1, 32)).max(-1).repeat(32, axis=1) / qmax
     bound = (step / 2) @ np.abs(dense).T
     assert (np.abs(got - x.astype(np.float64) @ dense.T) <= bound * 1.01 + 1e-6).all()
 
@@ -93,8 +104,9 @@ def test_norm_and_gate_fused_into_the_rounding(kind):
     np.testing.assert_allclose(vnni_matmul(gate_up, packed, gated=True), vnni_matmul(act, packed), rtol=1e-4, atol=1e-4)
 
 
-def test_zeros_and_non_finite_inputs():
-    _, packed = weights("q4_1", num_rows=16, num_blocks=4, seed=4)
+@pytest.mark.parametrize("kind", ["q4_1", "q4_1x8"])
+def test_zeros_and_non_finite_inputs(kind):
+    _, packed = weights(kind, num_rows=16, num_blocks=4, seed=4)
     assert not vnni_matmul(np.zeros((2, 128), np.float32), packed).any()
     x = np.ones((2, 128), np.float32)
     x[0, 40] = np.nan
@@ -176,6 +188,36 @@ def test_default_model_layer_matches_the_float_kernels():
              (vnni.post_attention(3, x, attn), plain.post_attention(3, x, attn)), (vnni.logits(x), plain.logits(x))]
     for a, b in pairs:
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+
+
+def test_eight_bit_activations_on_the_default_model():
+    """activation_bits 8: the bundled model's Q4_1 linears take x rounded to int8 (the x8 layout, its other blocks
+    keep int16: its Q8_0 head) and give the 16-bit model's layer outputs and logits within 3 % of their scale; combinations
+    without Q4_1 integer dots are refused at load, in one line."""
+    from gpu_model.loader import ModelLoadError, load_model, resolve_model_dir
+    from gpu_model.weight_format import WeightFormat
+
+    if not x8_available():
+        pytest.skip("this CPU has no 8-bit integer dots (AVX512-VNNI)")
+    model_dir = resolve_model_dir(None)
+    x16, x8 = (load_model(model_dir, gguf_blocks_max_tokens=4, activation_bits=b) for b in (16, 8))
+    kinds = {(w.kind, w.x_bits) for w in x8.quant.values()}
+    assert ("q4_1", 8) in kinds and ("q4_1", 16) not in kinds
+    assert all(w is not None for w in x8.decode_weights)
+    x = torch.randn(3, x8.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = x8.rope(torch.tensor([5, 9, 11]))
+    attn = torch.randn(3, x8.cfg.num_heads * x8.cfg.head_dim, generator=torch.Generator().manual_seed(1))
+    pairs = [*zip(x8.pre_attention(3, x, cos, sin), x16.pre_attention(3, x, cos, sin)),
+             (x8.post_attention(3, x, attn), x16.post_attention(3, x, attn))]
+    for a, b in pairs:
+        assert 0 < ((a - b).abs().max() / b.abs().max()).item() < 3e-2
+    assert ((x8.logits(x) - x16.logits(x)).abs().max() / x16.logits(x).abs().max()).item() < 3e-2
+    with pytest.raises(ModelLoadError, match="activation_bits 8 needs"):
+        load_model(model_dir, weight_format=WeightFormat("mxfp4"), activation_bits=8)
+    with pytest.raises(ModelLoadError, match="activation_bits 8 needs"):
+        load_model(model_dir, cpu_linear_dtype="float32", activation_bits=8)
+    with pytest.raises(ValueError, match="8-bit activations need Q4_1"):
+        VnniWeight.from_blocks(from_gguf_rows(random_blocks("q8_0", 16, 2, np.random.default_rng(0)), "q8_0"), 8)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
