@@ -371,19 +371,53 @@ def verify_scratch(work: int, rows: int, group: int, block_size: int, head_dim: 
             np.empty((units, n), f32), np.empty((units, n), f32), np.empty((units, n, head_dim), f32))
 
 
+def verify_row_groups(num_kv_heads: int, seq_lens: np.ndarray, row_count: np.ndarray, block_size: int) -> np.ndarray:
+    """The row groups of a verify step whose rows are cut into the parts one-row decodes of their positions would be
+    cut into (split_parts of the same sequences): [G, 3] int64 (first row index r0, rows, splits), consecutive row
+    indexes that share splits and, where the context is cut, every sequence's block count. Each group is one
+    paged_verify_attention call (paged_verify_groups), so a row's sums are a decode's to the last bit; a context
+    cut into parts (one or two sequences) makes a second group where a step's rows cross a block's end."""
+    work, groups, last = len(seq_lens) * num_kv_heads, [], None
+    for r in range(int(row_count.max())):
+        lens = seq_lens + r
+        splits = split_parts(work, lens, block_size)
+        key = (splits, tuple((lens + block_size - 1) // block_size)) if splits > 1 else (1,)
+        if key == last:
+            groups[-1][1] += 1
+        else:
+            groups.append([r, 1, splits])
+            last = key
+    return np.array(groups, np.int64).reshape(-1, 3)
+
+
+@njit(cache=True, nogil=True)
+def paged_verify_groups(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, qs,
+                        scores, kb, vb, m, l, acc, groups):
+    """paged_verify_attention once per row group (verify_row_groups): group (r0, rows, splits) takes each
+    sequence's rows r0 .. r0 + rows - 1 (those it has), with the scratch's first work * splits units."""
+    work = seq_lens.shape[0] * k_cache.shape[1]
+    for g in range(groups.shape[0]):
+        r0, rows, units = groups[g, 0], groups[g, 1], work * groups[g, 2]
+        counts = np.minimum(np.maximum(row_count - r0, 0), rows).astype(np.int32)
+        paged_verify_attention(q, k_cache, v_cache, block_tables, (seq_lens + r0).astype(np.int32),
+                               (row_first + r0).astype(np.int32), counts, scale, out, lse, qs[:units], scores[:units],
+                               kb[:units], vb[:units], m[:units], l[:units], acc[:units])
+
+
 def attend_rows(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, scratch):
     """One layer's exact attention of a step's decode rows, from Numba code: paged_decode_attention (one row a
     sequence; scratch: attention_scratch as a tuple, row_first and row_count unused) or, where the scratch is
-    verify_scratch's seven arrays, paged_verify_attention (rows of draft tokens; block_tables, seq_lens,
-    row_first, row_count per sequence as there)."""
+    verify_scratch's seven arrays and verify_row_groups', paged_verify_groups (rows of draft tokens; block_tables,
+    seq_lens, row_first, row_count per sequence as there)."""
 
 
 @overload(attend_rows, jit_options={"nogil": True})
 def _attend_rows_impl(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, scratch):
-    if len(scratch) == 7:
+    if len(scratch) == 8:
         def verify(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, scratch):
-            paged_verify_attention(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse,
-                                   scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], scratch[5], scratch[6])
+            paged_verify_groups(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse,
+                                scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], scratch[5], scratch[6],
+                                scratch[7])
         return verify
 
     def decode(q, k_cache, v_cache, block_tables, seq_lens, row_first, row_count, scale, out, lse, scratch):

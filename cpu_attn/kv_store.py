@@ -17,8 +17,8 @@ from typing import Protocol
 import numpy as np
 
 from cpu_attn.calibrate import SPARSE_FRACTION, OakenThresholds
-from cpu_attn.kernels import (attention_scratch, gather_rows, paged_decode_attention, paged_verify_attention,
-                              split_parts, verify_scratch, write_kv, zeros_aligned)
+from cpu_attn.kernels import (attention_scratch, gather_rows, paged_decode_attention, paged_verify_groups,
+                              split_parts, verify_row_groups, verify_scratch, write_kv, zeros_aligned)
 from cpu_attn.kv_policy import compact_rows, paged_decode_attention_scored
 from cpu_attn.oaken.store import OakenKVStore
 
@@ -119,11 +119,12 @@ class PagedKVStore:
                                        split_parts(work, seq_lens, self.block_size)))
 
     def verify_rows_scratch(self, num_heads: int, seq_lens: np.ndarray, row_count: np.ndarray) -> tuple:
-        """paged_verify_attention's scratch for row_count[b] rows of sequence b, its first seeing seq_lens[b]
-        tokens."""
+        """paged_verify_groups' scratch and row groups for row_count[b] rows of sequence b, its first seeing
+        seq_lens[b] tokens (kernels.verify_row_groups: each row cut into a one-row decode's parts)."""
         work, most = len(seq_lens) * self.num_kv_heads, int(row_count.max())
-        splits = split_parts(work, seq_lens + row_count - 1, self.block_size, most)
-        return verify_scratch(work, most, num_heads // self.num_kv_heads, self.block_size, self.head_dim, splits)
+        groups = verify_row_groups(self.num_kv_heads, seq_lens, row_count, self.block_size)
+        return (*verify_scratch(work, most, num_heads // self.num_kv_heads, self.block_size, self.head_dim,
+                                int(groups[:, 2].max())), groups)
 
     def decode_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -156,14 +157,14 @@ class PagedKVStore:
 
     def verify_attention(self, layer: int, q: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
                          row_first: np.ndarray, row_count: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
-        """Consecutive positions per sequence (kernels.paged_verify_attention): q [T, Hq, D] float32, sequence b's
+        """Consecutive positions per sequence (kernels.paged_verify_groups): q [T, Hq, D] float32, sequence b's
         row_count[b] rows from row_first[b], its first row seeing seq_lens[b] tokens -> out [T, Hq, D], lse [T, Hq]."""
         num_rows, num_heads, head_dim = q.shape
         out = np.empty((num_rows, num_heads, head_dim), dtype=np.float32)
         lse = np.empty((num_rows, num_heads), dtype=np.float32)
-        paged_verify_attention(np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables,
-                               seq_lens, row_first, row_count, np.float32(scale), out, lse,
-                               *self.verify_rows_scratch(num_heads, seq_lens, row_count))
+        paged_verify_groups(np.ascontiguousarray(q, np.float32), self.k[layer], self.v[layer], block_tables, seq_lens,
+                            row_first, row_count, np.float32(scale), out, lse,
+                            *self.verify_rows_scratch(num_heads, seq_lens, row_count))
         return out, lse
 
 

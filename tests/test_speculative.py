@@ -281,12 +281,14 @@ def test_loadgen_reads_the_servers_acceptance(spec_server):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("lens_rows", [[(37, 5), (16, 1), (30, 3), (1, 4)], [(700, 5)]], ids=["batch", "parts"])
+@pytest.mark.parametrize("lens_rows", [[(37, 5), (16, 1), (30, 3), (1, 4)], [(700, 5)], [(702, 5)]],
+                         ids=["batch", "parts", "parts-edge"])
 def test_verify_attention_matches_a_numpy_reference_and_the_decode_kernel(dtype, lens_rows):
     """Rows of consecutive positions (a chunk with drafts) beside a one-row decode: each row's output is exact
-    softmax attention over its own prefix (NumPy), and the decode kernel's for that row alone (to the last bit
-    where neither cuts the context into parts). lens_rows: (first row's seq_len, rows) per sequence; "batch"
-    crosses or meets block edges, "parts" is one sequence long enough to be cut into parts."""
+    softmax attention over its own prefix (NumPy), and the decode kernel's for that row alone to the last bit, its
+    context cut into the parts a decode of its position cuts it into (kernels.verify_row_groups). lens_rows:
+    (first row's seq_len, rows) per sequence; "batch" crosses or meets block edges, "parts" is one sequence long
+    enough to be cut into parts, its rows crossing a block's end."""
     from cpu_attn.kernels import split_parts
     from cpu_attn.kv_store import PagedKVStore
 
@@ -322,7 +324,7 @@ def test_verify_attention_matches_a_numpy_reference_and_the_decode_kernel(dtype,
                 np.testing.assert_allclose(out[row, h], p @ v[: n + j, h // group] / p.sum(), rtol=2e-5, atol=2e-6)
                 np.testing.assert_allclose(lse[row, h], s.max() + np.log(p.sum()), rtol=1e-5, atol=1e-5)
             one, _ = store.decode_attention(0, q[row:row + 1], bt[i:i + 1], np.array([n + j], np.int32), d**-0.5)
-            np.testing.assert_allclose(out[row], one[0], rtol=1e-6 if cut == 1 else 1e-5, atol=1e-7 if cut == 1 else 1e-6)
+            np.testing.assert_array_equal(out[row], one[0])
 
 
 def test_draft_rows_over_oaken_and_magicpig_attend_as_decodes_of_their_positions():
