@@ -1,8 +1,9 @@
-"""The decode step's linear layers on the CPU, five ways in one run, on the bundled model's weights:
+"""The decode step's linear layers on the CPU, six ways in one run, on the bundled model's weights:
 the fp32 copy with BLAS, the GGUF's own Q4_1 blocks (gpu_model/quant.py: float32 products), the
-same blocks with integer dots (gpu_model/quant_vnni.py, CPUs with AVX512-VNNI or AVX2) and by AMX tiles
-(gpu_model/quant_amx.py, CPUs with AMX; served from TILE_MIN_TOKENS rows), and bf16 weights with
-oneDNN (`--cpu-linear-dtype bfloat16`, the default on CPUs with AVX512-BF16 or AMX).
+same blocks with integer dots (gpu_model/quant_vnni.py, CPUs with AVX512-VNNI or AVX2), with 8-bit
+activations (`--activation-bits 8`, AVX512-VNNI), and by AMX tiles (gpu_model/quant_amx.py, CPUs with AMX;
+served from TILE_MIN_TOKENS rows), and bf16 weights with oneDNN (`--cpu-linear-dtype bfloat16`, the default on
+CPUs with AVX512-BF16 or AMX).
 
     python -m benchmarks.bench_linears [--tokens 1 2 4 16 64 512] [--repeats 20] [--name linears]
 
@@ -25,7 +26,7 @@ from benchmarks.common import RESULTS, machine, print_table, times_ms, write_jso
 from gpu_model.loader import load_model, resolve_model_dir
 from gpu_model.model import LlamaModel
 from gpu_model.quant_amx import is_available as has_tiles
-from gpu_model.quant_vnni import VnniWeight
+from gpu_model.quant_vnni import VnniWeight, x8_available
 
 BLOCKS_MAX_TOKENS = 64
 
@@ -61,6 +62,7 @@ def main() -> None:
     # the blocks with integer dots (gpu_model/quant_vnni.py), as served by default where the CPU has them
     vnni = load_model(model_dir, gguf_blocks_max_tokens=BLOCKS_MAX_TOKENS, cpu_linear_dtype="auto")
     has_blocks, has_vnni = bool(blocks.quant), any(isinstance(q, VnniWeight) for q in vnni.quant.values())
+    x8 = load_model(model_dir, gguf_blocks_max_tokens=BLOCKS_MAX_TOKENS, activation_bits=8) if x8_available() else None
     mach = machine()
     gbs = mach["memory_read_gb_s"]
     nbytes = {"fp32": sum(w.numel() * 4 for w in fp32.matmul_weights().values()),
@@ -79,6 +81,10 @@ def main() -> None:
             row["vnni_ms"] = step_ms(vnni, t, args.repeats)
             row["vnni_vs_blocks"] = row["blocks_ms"] / row["vnni_ms"]
             row["bf16_vs_vnni"] = row["vnni_ms"] / row["bf16_ms"]
+            if x8 is not None:
+                x8.tile_rows = 0
+                row["x8_ms"] = step_ms(x8, t, args.repeats)
+                row["vnni_vs_x8"] = row["vnni_ms"] / row["x8_ms"]
             if has_tiles():
                 vnni.tile_rows = 1
                 row["tiles_ms"] = step_ms(vnni, t, args.repeats)
@@ -90,8 +96,8 @@ def main() -> None:
     print("weights per step: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in nbytes.items())
           + f"; read floors at {gbs} GB/s: " + ", ".join(f"{k} {v:.1f} ms" for k, v in floors.items()))
     print("ms per step (speed-ups: a / b > 1 means b is faster)")
-    print_table(rows, ["tokens", "fp32_ms", "blocks_ms", "vnni_ms", "tiles_ms", "bf16_ms", "bf16_vs_fp32",
-                       "bf16_vs_blocks", "vnni_vs_blocks", "bf16_vs_vnni", "vnni_vs_tiles"])
+    print_table(rows, ["tokens", "fp32_ms", "blocks_ms", "vnni_ms", "x8_ms", "tiles_ms", "bf16_ms", "bf16_vs_fp32",
+                       "bf16_vs_blocks", "vnni_vs_blocks", "bf16_vs_vnni", "vnni_vs_x8", "vnni_vs_tiles"])
     path = write_json(f"{args.name}.json", {"machine": mach, "weight_bytes": nbytes, "read_floor_ms": floors,
                                             "rows": rows})
     plot(rows, floors, RESULTS / f"{args.name}.png")
@@ -107,7 +113,8 @@ def plot(rows: list[dict], floors: dict[str, float], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label in (("fp32_ms", "fp32 (BLAS)"), ("blocks_ms", "Q4_1 blocks, float32 products"),
-                       ("vnni_ms", "blocks, integer dots"), ("tiles_ms", "blocks, AMX tiles"), ("bf16_ms", "bf16")):
+                       ("vnni_ms", "blocks, integer dots"), ("x8_ms", "blocks, integer dots, 8-bit x"),
+                       ("tiles_ms", "blocks, AMX tiles"), ("bf16_ms", "bf16")):
         points = [(r["tokens"], r[key]) for r in rows if key in r]
         if points:
             ax.plot(*zip(*points), marker="o", label=label)

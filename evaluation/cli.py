@@ -232,7 +232,7 @@ def _load_models(args, model_dir: Path, formats: list[str]):
             return model, None
         return model, load_model(model_dir, dtype=dtype, cpu_linear_dtype=args.cpu_linear_dtype)
     if args.activation_bits != 16:
-        raise SystemExit("hetserve eval: --activation-bits 8 takes --weight-format auto (the GGUF's Q4_1 blocks)")
+        raise SystemExit("hetserve eval: --activation-bits 8 takes --weight-format auto (the GGUF's blocks)")
     if len(formats) != 1 or args.attention != "exact" or args.task:
         raise SystemExit("hetserve eval: --weight-format scores perplexity with one --kv-format and exact attention")
     linear = "float32" if args.cpu_linear_dtype == "auto" else args.cpu_linear_dtype

@@ -192,7 +192,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     packed there for every step and the dense copies are dropped (weight_format.attach_device). A directory
     written by `hetserve quantize` loads its own MX weights.
 
-    `activation_bits` 8 rounds x to int8 per block for the GGUF's Q4_1 blocks (vpdpbusd, as llama.cpp's Q8
+    `activation_bits` 8 rounds x to int8 per block for the GGUF's blocks (vpdpbusd, as llama.cpp's Q8
     activations; gpu_model/quant_vnni.py): it needs their integer dots on a CPU with AVX512-VNNI."""
     if activation_bits not in (8, 16):
         raise ModelLoadError(f"activation_bits must be 8 or 16, not {activation_bits}")
@@ -231,7 +231,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     # float32 ones; an explicit float32 keeps the blocks' exact float products
     int_dots = has_int_dots() and (bf16 or cpu_linear_dtype == "auto")
     if activation_bits == 8 and not (int_dots and x8_available() and mx_weights is None and wf.name in ("auto", "gguf")):
-        raise ModelLoadError("activation_bits 8 needs the GGUF's Q4_1 blocks multiplied by integer dots (weight_format "
+        raise ModelLoadError("activation_bits 8 needs the GGUF's blocks multiplied by integer dots (weight_format "
                              "auto or gguf, cpu_linear_dtype auto or bfloat16) on a CPU with AVX512-VNNI")
     if mx_weights is not None:
         if int_dots and mx_available(wf.name):

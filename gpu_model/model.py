@@ -272,12 +272,9 @@ class LlamaModel(nn.Module):
     def attach_quant(self, sd: dict[str, QuantWeight], max_tokens: int, vnni: bool = False, x_bits: int = 16) -> None:
         """Use GGUF blocks (Hugging Face names) for steps of at most `max_tokens` tokens. With `vnni` (a CPU
         with AVX512-VNNI) they multiply x rounded to int16 per block (gpu_model/quant_vnni.py, ~2^-16 of
-        each value; Q4_1 blocks to int8 with x_bits 8); else x in float32, which gives the fp32 copy's products
-        exactly."""
+        each value; to int8 with x_bits 8); else x in float32, which gives the fp32 copy's products exactly."""
         def layout(w: QuantWeight) -> BlockWeight:
-            if not (vnni and VnniWeight.fits(w)):
-                return w
-            return VnniWeight.from_blocks(w, x_bits if w.kind == "q4_1" else 16)
+            return VnniWeight.from_blocks(w, x_bits) if vnni and VnniWeight.fits(w) else w
 
         for i in range(self.cfg.num_layers):
             p = f"model.layers.{i}."

@@ -38,14 +38,17 @@ bits per weight, scales included (4.25 / 6.25 / 8.25), in the same vector order:
            the 6-bit codes are looked up in a 64-byte table (vpermb, AVX512-VBMI)
     scales [G, NB, 1, 16] u8: E8M0 of the group's 16 rows
 
-With 8-bit activations (`x_bits` 8, Q4_1 and AVX512-VNNI only) x is rounded to max |x| / 127 per block, as
-llama.cpp's Q8 activations are, and a block's nibbles meet it in `vpdpbusd` (16 int32 lanes, each summing four
-products of an unsigned byte and a signed one): half the instructions of the int16 dots, where several rows of x
-a step make the kernel bound by them (verified draft tokens, many sequences a step). The nibbles are laid out so
-that lane l of a 64-byte vector holds four consecutive weights of row l:
+With 8-bit activations (`x_bits` 8, GGUF blocks on AVX512-VNNI only) x is rounded to max |x| / 127 per block, as
+llama.cpp's Q8 activations are, and meets the weights in `vpdpbusd` (16 int32 lanes, each summing four products
+of an unsigned byte and a signed one): half the instructions of the int16 dots, where several rows of x a step
+make the kernel bound by them (verified draft tokens, many sequences a step). The weights are the unsigned
+operand, laid out so that lane l of a 64-byte vector U_t holds four consecutive weights of row l, which meet x's
+values 4t .. 4t + 3:
 
     Q4_1 x8 qs [G, NB, 4, 64] u8: [g, b, s, 4l + j] = GGUF byte 4s + j of row 16 g + l's block b: weight 4s + j
-         (low nibble, U_s) and 16 + 4s + j (high nibble, U_s+4); U_t meets x's values 4t .. 4t + 3
+         (low nibble, U_s) and 16 + 4s + j (high nibble, U_s+4)
+    Q8_0 x8 qs [G, NB, 8, 64] u8: [g, b, t, 4l + j] = weight 4t + j of row 16 g + l's block b plus 128 (U_t);
+         the 128 x sum(xq) this adds leaves through a second scale, m = -128 d, as Q4_1's m term
 
 A group's weights are one sequential stream, read once per pass; the rows of x go X_ROWS at a time,
 sharing the widened weights (a second pass over a group finds them in L1).
@@ -107,7 +110,7 @@ class VnniWeight:
     rotation: str = "none"
     """MX: none, or hadamard (the codes hold W H: x is turned per block before it is rounded; mx_weight.py)."""
     x_bits: int = 16
-    """Bits x is rounded to: 16, or 8 (Q4_1 in the x8 layout, module docstring)."""
+    """Bits x is rounded to: 16, or 8 (Q4_1 or Q8_0 in the x8 layouts, module docstring)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -137,18 +140,21 @@ class VnniWeight:
 
     @staticmethod
     def from_blocks(w: QuantWeight, x_bits: int = 16) -> "VnniWeight":
-        """w in the layout above; x_bits 8 (Q4_1 weights, where x8_available) for 8-bit activations."""
+        """w in the layout above; x_bits 8 (where x8_available) for 8-bit activations."""
         n, nb = w.scales.shape
         g = n // ROWS
+        parts = [w.scales] if w.kind == "q8_0" else [w.scales, w.mins]
         if x_bits == 8:
-            if w.kind != "q4_1" or not x8_available():
-                raise ValueError(f"8-bit activations need Q4_1 weights and AVX512-VNNI, not {w.kind}")
-            # [N, NB, 16] -> [G, l, NB, s, j] -> [G, NB, s, l, j]: byte (s, 4l + j) is row l's byte 4s + j
-            qs = w.qs.reshape(g, ROWS, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 4, 4 * ROWS)
+            if not x8_available():
+                raise ValueError("8-bit activations need a CPU with AVX512-VNNI")
+            codes = w.qs if w.kind == "q4_1" else w.qs.view(np.uint8) ^ np.uint8(0x80)  # Q8_0: q + 128, unsigned
+            # [N, NB, 4T] -> [G, l, NB, T, j] -> [G, NB, T, l, j]: byte (t, 4l + j) is row l's byte 4t + j
+            qs = codes.reshape(g, ROWS, nb, -1, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1, 4 * ROWS)
+            if w.kind == "q8_0":
+                parts = [w.scales, np.float32(-128.0) * w.scales.astype(np.float32)]
         else:
             # [N, NB, 2T] -> [G, l, NB, T, e] -> [G, NB, T, l, e]: byte (t, 2l + e) is row l's byte 2t + e
             qs = w.qs.reshape(g, ROWS, nb, -1, 2).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1, 2 * ROWS)
-        parts = [w.scales] if w.kind == "q8_0" else [w.scales, w.mins]
         scales = np.stack([p.astype(np.float32).reshape(g, ROWS, nb).transpose(0, 2, 1) for p in parts], axis=2)
         half = scales.astype(np.float16)
         if np.array_equal(half.astype(np.float32), scales):  # a GGUF's own scales: float16, read as such (fewer bytes)
@@ -338,19 +344,22 @@ def _weight_vectors(builder, kind: str, qa, q_at, ks):
     return vs
 
 
-def _byte_vectors(builder, qa, q_at) -> list:
-    """LLVM IR: the vectors U_0 .. U_7 of the Q4_1 x8 block at element q_at of qs (module docstring), as <16 x i32>
-    whose lanes hold four unsigned bytes each."""
+def _byte_vectors(builder, kind: str, qa, q_at) -> list:
+    """LLVM IR: the vectors U_0 .. U_7 of the x8 block (q4_1x8 or q8_0x8) at element q_at of qs (module docstring),
+    as <16 x i32> whose lanes hold four unsigned bytes each."""
     b64 = ir.VectorType(ir.IntType(8), 64)
+    at = lambda t: builder.gep(qa.data, [builder.add(q_at, _I64(64 * t))])  # noqa: E731
+    if kind == "q8_0x8":
+        return [builder.bitcast(_vload(builder, at(t), b64), _VI) for t in range(8)]
     vs = [None] * 8
     for s in range(4):
-        raw = _vload(builder, builder.gep(qa.data, [builder.add(q_at, _I64(64 * s))]), b64)
+        raw = _vload(builder, at(s), b64)
         vs[s] = builder.bitcast(builder.and_(raw, ir.Constant(b64, [15] * 64)), _VI)
         vs[s + 4] = builder.bitcast(builder.lshr(raw, ir.Constant(b64, [4] * 64)), _VI)
     return vs
 
 
-_BLOCK_BYTES = {"q4_1": 256, "q4_1x8": 256, "q8_0": 512, "mxfp4": 256, "mxfp6": 384, "mxint8": 512}
+_BLOCK_BYTES = {"q4_1": 256, "q4_1x8": 256, "q8_0": 512, "q8_0x8": 512, "mxfp4": 256, "mxfp6": 384, "mxint8": 512}
 """Bytes of qs a block of a group of ROWS rows takes."""
 
 
@@ -358,9 +367,10 @@ def _codegen(kind: str):
     """LLVM IR of out[i, ROWS g : ROWS (g + 1)] for the one to X_ROWS rows i of x and the weight rows of group g
     (module docstring): per block, the 16 vectors V_t widened once, then per row of x 16 vpdpwssd with its
     pairs of values broadcast (in up to four independent chains), converted, scaled by d x dx and added (plus,
-    Q4_1, m x dsum) to the row's sum vector, which is the group's 16 outputs. MX: d = 2^(s - 127) from the
+    Q4_1, m x dsum) to the row's sum vector, which is the group's 16 outputs. x8 kinds: the 8 vectors U_t of
+    bytes, 8 vpdpbusd a row with its quads of bytes broadcast, and an m term (Q8_0's m = -128 d). MX: d = 2^(s - 127) from the
     E8M0 byte moved into a float's exponent, dx times 2^-k."""
-    is_mx, x8 = kind in MX_KINDS, kind == "q4_1x8"
+    is_mx, x8 = kind in MX_KINDS, kind in ("q4_1x8", "q8_0x8")
 
     def codegen(context, builder, signature, args):
         item = 1 if is_mx else gguf_scale_bytes(signature, 3)  # bytes of one scale
@@ -371,7 +381,7 @@ def _codegen(kind: str):
         num_blocks = cgutils.unpack_tuple(builder, da.shape, 2)[1]
         num_out = cgutils.unpack_tuple(builder, out.shape, 2)[1]
         block_bytes = _BLOCK_BYTES[kind]
-        nscales = 2 if kind.startswith("q4_1") else 1  # scale vectors a block
+        nscales = 2 if kind.startswith("q4_1") or x8 else 1  # scale vectors a block
         scale_bytes = ROWS * nscales * item  # of a block in scales
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
         if WIDE:
@@ -399,7 +409,7 @@ def _codegen(kind: str):
                         prefetch_ir(builder, array.data, builder.add(byte, _I64(ahead + line)))
                 partials = [[ir.Constant(_VI, [0] * ROWS)] * chains for _ in range(count)]
                 for ks in ((0, 1, 2, 3),) if x8 else _PARTS:
-                    vs = _byte_vectors(builder, qa, q_at) if x8 else _weight_vectors(builder, kind, qa, q_at, ks)
+                    vs = _byte_vectors(builder, kind, qa, q_at) if x8 else _weight_vectors(builder, kind, qa, q_at, ks)
                     for i in range(count):
                         block_x = builder.add(builder.mul(_I64(i), width), builder.mul(b, _I64(BLOCK)))
                         partial = partials[i]
@@ -485,18 +495,23 @@ def _rows(typingctx, xq, dx, dsum, scales, qs, group, out):
         return None
     codegen = kind_codegen(_codegen, scales, qs, 4)
     if x8_available() and not c_array(scales, 4, types.uint8) and c_array(qs, 4, types.uint8):
-        codegen = _q4_1_either(codegen)
+        codegen = _either_layout(codegen)
     return types.none(xq, dx, dsum, scales, qs, group, out), codegen
 
 
-def _q4_1_either(int16_codegen):
-    """Q4_1's codegen for either layout, told apart at run time by the width of qs (64 bytes: x8)."""
+def _either_layout(int16_codegen):
+    """The codegen for unsigned GGUF codes in any layout, told apart at run time by the shape of qs: 64 bytes wide,
+    x8 (4 planes Q4_1, 8 planes Q8_0); else Q4_1 for int16 x."""
     def either(context, builder, signature, args):
         qa = context.make_array(signature.args[4])(context, builder, args[4])
-        width = cgutils.unpack_tuple(builder, qa.shape, 4)[3]
+        _, _, planes, width = cgutils.unpack_tuple(builder, qa.shape, 4)
         with builder.if_else(builder.icmp_signed("==", width, _I64(4 * ROWS))) as (x8, x16):
             with x8:
-                _codegen("q4_1x8")(context, builder, signature, args)
+                with builder.if_else(builder.icmp_signed("==", planes, _I64(4))) as (q4, q8):
+                    with q4:
+                        _codegen("q4_1x8")(context, builder, signature, args)
+                    with q8:
+                        _codegen("q8_0x8")(context, builder, signature, args)
             with x16:
                 int16_codegen(context, builder, signature, args)
         return context.get_dummy_value()
@@ -505,7 +520,7 @@ def _q4_1_either(int16_codegen):
 
 @njit(cache=True, nogil=True, inline="always")
 def is_x8(qs) -> bool:
-    """Whether qs holds Q4_1 in the x8 layout (8-bit activations)."""
+    """Whether qs holds GGUF codes in an x8 layout (8-bit activations)."""
     return qs.shape[3] == 4 * ROWS
 
 

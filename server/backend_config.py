@@ -24,7 +24,7 @@ class BackendConfig:
     gguf_blocks_max_tokens: int | None = None
     """On the CPU, steps of at most this many tokens multiply by the GGUF's own quantized blocks (None: the default)."""
     activation_bits: int = 16
-    """On the CPU, the bits the integer-dot linears round activations to: 16, or 8 (Q4_1 blocks; gpu_model/loader.py)."""
+    """On the CPU, the bits the integer-dot linears round activations to: 16, or 8 (gpu_model/loader.py)."""
     weight_format: str = "auto"
     """The linear layers' weight format (server.config.WEIGHT_FORMATS; gpu_model/weight_format.py)."""
     weight_rotation: str = "none"

@@ -22,12 +22,12 @@ def rounded(v: np.ndarray, qmax: int = 32767) -> np.ndarray:
     return (q * scale.astype(np.float64)).reshape(v.shape)
 
 
-KINDS = ["q4_1", "q4_1x8", "q8_0", "mxfp4", "mxfp6", "mxint8"]
-"""q4_1x8: Q4_1 with 8-bit activations (x rounded to max |x| / 127 per block)."""
+KINDS = ["q4_1", "q4_1x8", "q8_0", "q8_0x8", "mxfp4", "mxfp6", "mxint8"]
+"""q4_1x8, q8_0x8: the GGUF kind with 8-bit activations (x rounded to max |x| / 127 per block)."""
 
 
 def qmax_of(kind: str) -> int:
-    return 127 if kind == "q4_1x8" else 32767
+    return 127 if kind.endswith("x8") else 32767
 
 
 class MXBlocks:
@@ -50,10 +50,10 @@ def weights(kind: str, num_rows: int, num_blocks: int, seed: int):
                                                                           ).repeat(32, axis=1)
         w = MXWeight.encode(dense.astype(np.float32), kind)
         return MXBlocks(w), VnniWeight.from_mx(kind, w.codes, w.scales)
-    if kind == "q4_1x8":
+    if kind.endswith("x8"):
         if not x8_available():
             pytest.skip("this CPU has no 8-bit integer dots (AVX512-VNNI)")
-        w = from_gguf_rows(random_blocks("q4_1", num_rows, num_blocks, rng), "q4_1")
+        w = from_gguf_rows(random_blocks(kind[:-2], num_rows, num_blocks, rng), kind[:-2])
         return w, VnniWeight.from_blocks(w, x_bits=8)
     w = from_gguf_rows(random_blocks(kind, num_rows, num_blocks, rng), kind)
     return w, VnniWeight.from_blocks(w)
@@ -104,7 +104,7 @@ def test_norm_and_gate_fused_into_the_rounding(kind):
     np.testing.assert_allclose(vnni_matmul(gate_up, packed, gated=True), vnni_matmul(act, packed), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q4_1x8"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_1x8", "q8_0x8"])
 def test_zeros_and_non_finite_inputs(kind):
     _, packed = weights(kind, num_rows=16, num_blocks=4, seed=4)
     assert not vnni_matmul(np.zeros((2, 128), np.float32), packed).any()
@@ -191,8 +191,8 @@ def test_default_model_layer_matches_the_float_kernels():
 
 
 def test_eight_bit_activations_on_the_default_model():
-    """activation_bits 8: the bundled model's Q4_1 linears take x rounded to int8 (the x8 layout, its other blocks
-    keep int16: its Q8_0 head) and give the 16-bit model's layer outputs and logits within 3 % of their scale; combinations
+    """activation_bits 8: the bundled model's blocks (Q4_1 linears, a Q8_0 head) take x rounded to int8 (the x8
+    layouts) and give the 16-bit model's layer outputs and logits within 3 % of their scale; combinations
     without Q4_1 integer dots are refused at load, in one line."""
     from gpu_model.loader import ModelLoadError, load_model, resolve_model_dir
     from gpu_model.weight_format import WeightFormat
@@ -201,23 +201,19 @@ def test_eight_bit_activations_on_the_default_model():
         pytest.skip("this CPU has no 8-bit integer dots (AVX512-VNNI)")
     model_dir = resolve_model_dir(None)
     x16, x8 = (load_model(model_dir, gguf_blocks_max_tokens=4, activation_bits=b) for b in (16, 8))
-    kinds = {(w.kind, w.x_bits) for w in x8.quant.values()}
-    assert ("q4_1", 8) in kinds and ("q4_1", 16) not in kinds
+    assert {w.x_bits for w in x8.quant.values()} == {8} and {w.kind for w in x8.quant.values()} == {"q4_1", "q8_0"}
     assert all(w is not None for w in x8.decode_weights)
     x = torch.randn(3, x8.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     cos, sin = x8.rope(torch.tensor([5, 9, 11]))
     attn = torch.randn(3, x8.cfg.num_heads * x8.cfg.head_dim, generator=torch.Generator().manual_seed(1))
     pairs = [*zip(x8.pre_attention(3, x, cos, sin), x16.pre_attention(3, x, cos, sin)),
-             (x8.post_attention(3, x, attn), x16.post_attention(3, x, attn))]
+             (x8.post_attention(3, x, attn), x16.post_attention(3, x, attn)), (x8.logits(x), x16.logits(x))]
     for a, b in pairs:
         assert 0 < ((a - b).abs().max() / b.abs().max()).item() < 3e-2
-    assert ((x8.logits(x) - x16.logits(x)).abs().max() / x16.logits(x).abs().max()).item() < 3e-2
     with pytest.raises(ModelLoadError, match="activation_bits 8 needs"):
         load_model(model_dir, weight_format=WeightFormat("mxfp4"), activation_bits=8)
     with pytest.raises(ModelLoadError, match="activation_bits 8 needs"):
         load_model(model_dir, cpu_linear_dtype="float32", activation_bits=8)
-    with pytest.raises(ValueError, match="8-bit activations need Q4_1"):
-        VnniWeight.from_blocks(from_gguf_rows(random_blocks("q8_0", 16, 2, np.random.default_rng(0)), "q8_0"), 8)
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])

@@ -52,6 +52,8 @@ class ServerConfig:
 
 CONFIGS = {c.name: c for c in (
     ServerConfig("hetserve-default", "hetserve", (), "hetserve as `make serve` starts it (local executor, defaults)"),
+    ServerConfig("hetserve-x8", "hetserve", ("--activation-bits", "8"),
+                 "hetserve as `make serve` starts it, with 8-bit activations (--activation-bits 8)"),
     ServerConfig("hetserve-ray", "hetserve", ("--executor", "ray"),
                  "hetserve, defaults, Ray executor (one actor holds the model and the KV)"),
     ServerConfig("hetserve-ray-actors", "hetserve", ("--executor", "ray", "--ray-cpu-actors", "1"),
