@@ -50,6 +50,11 @@ integer dots (gpu_model/quant_vnni.py): on a 2-core Xeon VM with AMX a step's li
 head) took 21 / 25 / 38 / 46 / 72 ms with the blocks and 49 / 55 / 58 / 54 / 69 ms with bf16 linears at
 6 / 8 / 12 / 16 / 24 tokens; a decode step of 8 sequences at 256 tokens of context 36 against 75 ms, of 16
 sequences 79 against 76 (2026-11-29). Without VNNI the blocks win at 1 token only."""
+GGUF_BLOCKS_MAX_TOKENS_X8 = 64
+"""The same with 8-bit activations (`activation_bits` 8, vpdpbusd) on CPUs without AMX: on a 2-core Zen 4 the
+bundled model's linears and head took 8.4-9.5 / 12.7 / 17-22 / 27 / 32 ms with them and 14-15 / 21 / 22-24 / 37 / 39 ms
+with bf16 linears at 16 / 24 / 32 / 48 / 64 tokens (benchmarks/bench_linears.py, warm caches, where the bf16 weights'
+2.8x the bytes do not show; 2026-12-03)."""
 GGUF_BLOCKS_MAX_TOKENS_TILES = 32
 """The same where the CPU also has AMX and steps of TILE_MIN_TOKENS or more multiply by tiles: a decode step of the
 bundled model (256 tokens of context) took 30 / 33 / 40 / 61 / 74 ms with the blocks and 46 / 45 / 50 / 55 / 63 ms with
@@ -69,9 +74,12 @@ faster (docs/weight-formats.md)."""
 MX_MAX_TOKENS_BF16 = 2
 
 
-def integer_dot_max_tokens() -> int:
-    """The largest step the integer-dot layout serves beside bf16 linears: more with AMX tiles."""
-    return GGUF_BLOCKS_MAX_TOKENS_TILES if has_tiles() else GGUF_BLOCKS_MAX_TOKENS_BF16
+def integer_dot_max_tokens(activation_bits: int = 16) -> int:
+    """The largest step the integer-dot layout serves beside bf16 linears: more with AMX tiles, or 8-bit activations
+    (which the tiles do not take)."""
+    if has_tiles():
+        return GGUF_BLOCKS_MAX_TOKENS_TILES
+    return GGUF_BLOCKS_MAX_TOKENS_X8 if activation_bits == 8 else GGUF_BLOCKS_MAX_TOKENS_BF16
 
 
 class ModelLoadError(Exception):
@@ -245,7 +253,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
         return model
     if gguf_blocks_max_tokens is None:
         if bf16 and wf.name == "auto":
-            gguf_blocks_max_tokens = integer_dot_max_tokens() if int_dots else 1
+            gguf_blocks_max_tokens = integer_dot_max_tokens(activation_bits) if int_dots else 1
         else:
             gguf_blocks_max_tokens = GGUF_BLOCKS_MAX_TOKENS
     if (model_dir / QUANT_FILE).exists() and gguf_blocks_max_tokens > 0:
