@@ -324,8 +324,8 @@ def eval_command(args: argparse.Namespace) -> None:
         r["weight_format"], r["weight_bits"] = args.weight_format, weight_bits(model)
         r["weight_rotation"], r["weight_format_head"] = args.weight_rotation, args.weight_format_head
         r["activation_bits"] = args.activation_bits
-        r["reference"] = ("fp32 KV" if weights_ref is None else
-                          f"{'16-bit activations' if args.activation_bits == 8 else 'dense fp32 weights'}, {formats[0]} KV")
+        other = "16-bit activations" if args.activation_bits == 8 else "dense fp32 weights"
+        r["reference"] = "fp32 KV" if weights_ref is None else f"{other}, {formats[0]} KV"
     print(f"{len(windows)} windows x {args.window_tokens} tokens of {text.name}, first {args.prefill_tokens} as prompt"
           f"{f' ({args.cached_prefix_tokens} from the cache)' if args.cached_prefix_tokens else ''}"
           f"{f' in chunks of {args.prefill_chunk_tokens}' if args.prefill_chunk_tokens else ''}; "

@@ -238,7 +238,8 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     # integer dots (x rounded to int16 per block) where this CPU has them, beside bf16 linears and by default beside
     # float32 ones; an explicit float32 keeps the blocks' exact float products
     int_dots = has_int_dots() and (bf16 or cpu_linear_dtype == "auto")
-    if activation_bits == 8 and not (int_dots and x8_available() and mx_weights is None and wf.name in ("auto", "gguf")):
+    gguf_dots = int_dots and mx_weights is None and wf.name in ("auto", "gguf")
+    if activation_bits == 8 and not (gguf_dots and x8_available()):
         raise ModelLoadError("activation_bits 8 needs the GGUF's blocks multiplied by integer dots (weight_format "
                              "auto or gguf, cpu_linear_dtype auto or bfloat16) on a CPU with AVX512-VNNI")
     if mx_weights is not None:

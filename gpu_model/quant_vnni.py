@@ -367,9 +367,9 @@ def _codegen(kind: str):
     """LLVM IR of out[i, ROWS g : ROWS (g + 1)] for the one to X_ROWS rows i of x and the weight rows of group g
     (module docstring): per block, the 16 vectors V_t widened once, then per row of x 16 vpdpwssd with its
     pairs of values broadcast (in up to four independent chains), converted, scaled by d x dx and added (plus,
-    Q4_1, m x dsum) to the row's sum vector, which is the group's 16 outputs. x8 kinds: the 8 vectors U_t of
-    bytes, 8 vpdpbusd a row with its quads of bytes broadcast, and an m term (Q8_0's m = -128 d). MX: d = 2^(s - 127) from the
-    E8M0 byte moved into a float's exponent, dx times 2^-k."""
+    Q4_1, m x dsum) to the row's sum vector, which is the group's 16 outputs. x8 kinds: the 8 vectors U_t
+    of bytes, 8 vpdpbusd a row with its quads of bytes broadcast, and an m term (Q8_0's m = -128 d). MX:
+    d = 2^(s - 127) from the E8M0 byte moved into a float's exponent, dx times 2^-k."""
     is_mx, x8 = kind in MX_KINDS, kind in ("q4_1x8", "q8_0x8")
 
     def codegen(context, builder, signature, args):

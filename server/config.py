@@ -97,9 +97,9 @@ class ServeConfig:
                                                     "(0 = never; default: 64 with float32 linears or weight_format gguf; "
                                                     "with bfloat16 ones 32 where the CPU has AVX512-VNNI and AMX, 16 with "
                                                     "AVX512-VNNI or AVX2 (64 with activation_bits 8), else 1; MX 2)")
-    activation_bits: int = _opt(16, "on the CPU, what the integer-dot linears round each activation block of 32 to: 16 "
-                                    "bits (a relative error of 2^-16), or 8 (llama.cpp's Q8 rounding: the GGUF's blocks "
-                                    "by vpdpbusd, 1.2-1.4x the rows a second at several rows a step, "
+    activation_bits: int = _opt(16, "on the CPU, what the integer-dot linears round each activation block of 32 "
+                                    "to: 16 bits (a relative error of 2^-16), or 8 (llama.cpp's Q8 rounding: the "
+                                    "GGUF's blocks by vpdpbusd, 1.2-1.4x the rows a second at several rows a step, "
                                     "perplexity +0.1 percent; needs AVX512-VNNI; docs/weight-formats.md)")
     weight_format: str = _opt("auto", "the linear layers' weights: auto (gguf blocks where the model has them, "
                                       "else cpu_linear_dtype), gguf (the GGUF's Q4_1/Q8_0 blocks), mxfp8, mxfp6, "
