@@ -281,23 +281,25 @@ def test_loadgen_reads_the_servers_acceptance(spec_server):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("lens_rows", [[(37, 5), (16, 1), (30, 3), (1, 4)], [(700, 5)], [(702, 5)]],
-                         ids=["batch", "parts", "parts-edge"])
+@pytest.mark.parametrize("lens_rows", [[(37, 5), (16, 1), (30, 3), (1, 4)], [(700, 5)], [(702, 5)],
+                                       [(702, 5), (650, 2)]], ids=["batch", "parts", "parts-edge", "two-uneven"])
 def test_verify_attention_matches_a_numpy_reference_and_the_decode_kernel(dtype, lens_rows):
     """Rows of consecutive positions (a chunk with drafts) beside a one-row decode: each row's output is exact
-    softmax attention over its own prefix (NumPy), and the decode kernel's for that row alone to the last bit, its
-    context cut into the parts a decode of its position cuts it into (kernels.verify_row_groups). lens_rows:
+    softmax attention over its own prefix (NumPy), and to the last bit the decode kernel's in a step of the same
+    sequences at row index j's positions, its context cut into the parts that decode cuts it into
+    (kernels.verify_row_groups). lens_rows:
     (first row's seq_len, rows) per sequence; "batch" crosses or meets block edges, "parts" is one sequence long
-    enough to be cut into parts, its rows crossing a block's end."""
+    enough to be cut into parts, its rows crossing a block's end; "two-uneven", two such sequences, one without rows
+    in the second row group."""
     from cpu_attn.kernels import split_parts
     from cpu_attn.kv_store import PagedKVStore
 
     rng = np.random.default_rng(0)
     hkv, group, d, bs = 3, 3, 64, 16
-    store = PagedKVStore(1, hkv, d, bs, 60, dtype)
+    store = PagedKVStore(1, hkv, d, bs, 100, dtype)
     cut = split_parts(hkv * len(lens_rows), np.array([n + r - 1 for n, r in lens_rows]), bs, max(r for _, r in lens_rows))
-    assert (cut > 1) == (len(lens_rows) == 1)
-    blocks, tables = list(rng.permutation(60)), []
+    assert (cut > 1) == (len(lens_rows) <= 2)
+    blocks, tables = list(rng.permutation(100)), []
     for n, r in lens_rows:  # disjoint blocks, in no order
         free = [int(blocks.pop()) for _ in range(-(-(n + r - 1) // bs))]
         tables.append(free)
@@ -323,8 +325,12 @@ def test_verify_attention_matches_a_numpy_reference_and_the_decode_kernel(dtype,
                 p = np.exp(s - s.max())
                 np.testing.assert_allclose(out[row, h], p @ v[: n + j, h // group] / p.sum(), rtol=2e-5, atol=2e-6)
                 np.testing.assert_allclose(lse[row, h], s.max() + np.log(p.sum()), rtol=1e-5, atol=1e-5)
-            one, _ = store.decode_attention(0, q[row:row + 1], bt[i:i + 1], np.array([n + j], np.int32), d**-0.5)
-            np.testing.assert_array_equal(out[row], one[0])
+    for j in range(max(r for _, r in lens_rows)):  # row index j: a decode step of every sequence at that position
+        rows = [first[i] + min(j, r - 1) for i, (_, r) in enumerate(lens_rows)]
+        one, _ = store.decode_attention(0, q[rows], bt, np.array([n + j for n, _ in lens_rows], np.int32), d**-0.5)
+        for i, (_, r) in enumerate(lens_rows):
+            if j < r:
+                np.testing.assert_array_equal(out[first[i] + j], one[i])
 
 
 def test_draft_rows_over_oaken_and_magicpig_attend_as_decodes_of_their_positions():
