@@ -481,17 +481,17 @@ _UNITS_PER_THREAD = 4  # units of work split_parts aims at: enough for the threa
 _PART_BLOCKS = 8  # the fewest blocks split_parts gives a part (128 tokens at block_size 16)
 
 
-def split_parts(work: int, seq_lens: np.ndarray, block_size: int, rows: int = 1) -> int:
-    """Into how many parts to cut each of `work` (sequence, kv-head) items of `rows` query rows each. Items
+def split_parts(work: int, seq_lens: np.ndarray, block_size: int) -> int:
+    """Into how many parts to cut each of `work` (sequence, kv-head) items of a decode. Items
     alone are too few at small batches: one sequence of SmolLM2 has 3 kv-heads, so two threads ran 2 + 1
-    of them (and sixteen threads 3 of 16). A part has at least _PART_BLOCKS / rows blocks; within that, the
+    of them (and sixteen threads 3 of 16). A part has at least _PART_BLOCKS blocks; within that, the
     parts are as many as make the units a multiple of the threads, so that no thread runs one unit more
     than another (one sequence at 4k tokens on two threads: 9 units took 1.16x the time of 12)."""
     threads = numba.get_num_threads()
     want = -(-_UNITS_PER_THREAD * threads // max(work, 1))
     if want <= 1 or work == 0:  # items enough (the common case: no pass over seq_lens)
         return 1
-    most = max(1, -(-int(seq_lens.max()) // block_size) // max(1, _PART_BLOCKS // rows))
+    most = max(1, -(-int(seq_lens.max()) // block_size) // _PART_BLOCKS)
     splits = min(want, most)
     while work * splits % threads and splits < most:
         splits += 1

@@ -89,7 +89,7 @@ def is_available() -> bool:
 
 
 def x8_available() -> bool:
-    """Whether this CPU runs Q4_1 weights with 8-bit activations (vpdpbusd, AVX512-VNNI)."""
+    """Whether this CPU runs GGUF blocks with 8-bit activations (vpdpbusd, AVX512-VNNI)."""
     return WIDE
 
 
@@ -250,16 +250,13 @@ def round_row(x, i, norm, eps, gated, hadamard, qmax, xq, dx, dsum):
             amax = max(amax, abs(row[j]))
         scale = amax / qmax if np.isfinite(amax) else np.float32(np.nan)
         total = np.float32(0.0)
-        if x8:
-            for j in range(b * BLOCK, (b + 1) * BLOCK):
-                v = np.rint(row[j] / scale) if scale > 0 else np.float32(0.0)  # NaN scale: zeros, the NaN is in dx
+        for j in range(b * BLOCK, (b + 1) * BLOCK):
+            v = np.rint(row[j] / scale) if scale > 0 else np.float32(0.0)  # NaN scale: zeros, the NaN is in dx
+            if x8:
                 bytes_[i, j] = np.int8(v)
-                total += v
-        else:
-            for j in range(b * BLOCK, (b + 1) * BLOCK):
-                v = np.rint(row[j] / scale) if scale > 0 else np.float32(0.0)
+            else:
                 xq[i, j] = np.int16(v)
-                total += v
+            total += v
         dx[i, b] = scale
         dsum[i, b] = scale * total
 
@@ -412,11 +409,12 @@ def _codegen(kind: str):
                     vs = _byte_vectors(builder, kind, qa, q_at) if x8 else _weight_vectors(builder, kind, qa, q_at, ks)
                     for i in range(count):
                         block_x = builder.add(builder.mul(_I64(i), width), builder.mul(b, _I64(BLOCK)))
+                        # x8: row i's int8 values fill the first bytes of its int16s (round_row)
+                        x_bytes = builder.add(builder.mul(_I64(2 * i), width), builder.mul(b, _I64(BLOCK)))
                         partial = partials[i]
                         for n, t in enumerate(k + h for h in ((0, 4) if x8 else (0, 8)) for k in ks):
-                            if x8:  # x's values 4t .. 4t + 3: four bytes, where round_row put them
-                                row_bytes = builder.mul(_I64(2 * i), width)  # the row's int16s, as bytes
-                                byte = builder.add(row_bytes, builder.add(builder.mul(b, _I64(BLOCK)), _I64(4 * t)))
+                            if x8:  # x's values 4t .. 4t + 3 as four bytes
+                                byte = builder.add(x_bytes, _I64(4 * t))
                                 at_x = builder.gep(builder.bitcast(xa.data, ir.IntType(8).as_pointer()), [byte])
                                 x = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=1)
                             else:  # x's values 2t, 2t + 1 as two 16-bit integers

@@ -297,7 +297,7 @@ def test_verify_attention_matches_a_numpy_reference_and_the_decode_kernel(dtype,
     rng = np.random.default_rng(0)
     hkv, group, d, bs = 3, 3, 64, 16
     store = PagedKVStore(1, hkv, d, bs, 100, dtype)
-    cut = split_parts(hkv * len(lens_rows), np.array([n + r - 1 for n, r in lens_rows]), bs, max(r for _, r in lens_rows))
+    cut = split_parts(hkv * len(lens_rows), np.array([n + r - 1 for n, r in lens_rows]), bs)
     assert (cut > 1) == (len(lens_rows) <= 2)
     blocks, tables = list(rng.permutation(100)), []
     for n, r in lens_rows:  # disjoint blocks, in no order
