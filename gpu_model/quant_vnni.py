@@ -72,11 +72,13 @@ from gpu_model.quant import BLOCK, PREFETCH_BYTES, QuantWeight
 WIDE = host_has("avx512vnni", "avx512bw")
 """Whether the integer dots run as AVX512-VNNI's vpdpwssd; else as AVX2's vpmaddwd + vpaddd (is_available)."""
 ROWS = 16  # weight rows a group: one per lane
-X_ROWS = 8 if WIDE else 4
+X_ROWS = 8 if WIDE else 6
 """Rows of x each pass over a group's weights takes, their sums in registers beside the widened weights (32 vectors
-of 16 lanes with AVX-512, 16 of 8 with AVX2; on a 2-core Zen 3, 2, 3, 6 or 8 rows a pass were slower than 4)."""
-_PARTS = ((0, 1, 2, 3), (4, 5, 6, 7)) if WIDE else tuple((k,) for k in range(8))
-"""The V_k (and V_k+8) widened at a time: 8 live V_t beside X_ROWS rows' sums with AVX-512, 2 with AVX2."""
+of 16 lanes with AVX-512, 16 of 8 with AVX2: two per row, beside one part's four; on a 2-core Zen 3, 5 and 6 rows
+took 0.75x the time with 6 a pass as with 4, 8 rows the same)."""
+_PARTS = ((0, 1, 2, 3), (4, 5, 6, 7))
+"""The V_k (and V_k+8) widened at a time with AVX-512: 8 live V_t beside X_ROWS rows' sums (AVX2: one k at a time,
+_codegen's looped)."""
 
 
 MX_KINDS = {"mxfp4": 1, "mxfp6": 3, "mxint8": 6}
@@ -296,48 +298,51 @@ def _mx_table(fmt: str) -> list[int]:
     return [int(v) & 0xFF for v in values]
 
 
-def _weight_vectors(builder, kind: str, qa, q_at, ks):
-    """LLVM IR: the vectors V_k and V_k+8 (k in ks, a part of 0..7) of the block at element q_at of qs (module
-    docstring), as <16 x i32>; the other entries None."""
+def _weight_pair(builder, kind: str, qa, q_at, k):
+    """LLVM IR: the vectors V_k and V_k+8 of the block at element q_at of qs (module docstring), as <16 x i32>; k an
+    i64 value in 0..7 (a constant, or the counter of a loop over a block's parts)."""
     b16, b32, b64 = (ir.VectorType(ir.IntType(8), n) for n in (16, 32, 64))
     w32 = ir.VectorType(ir.IntType(16), 32)
     c32 = lambda v: ir.Constant(b32, [v] * 32)  # noqa: E731
-    vs = [None] * 16
-    at = lambda offset: builder.gep(qa.data, [builder.add(q_at, _I64(offset))])  # noqa: E731
+
+    def at(base: int, per: int):  # element q_at + base + per k of qs
+        return builder.gep(qa.data, [builder.add(q_at, builder.add(_I64(base), builder.mul(k, _I64(per))))])
+
     if kind in ("q8_0", "mxint8"):
-        for k in ks:
-            for t in (k, k + 8):
-                vs[t] = builder.bitcast(builder.sext(_vload(builder, at(32 * t), b32), w32), _VI)
-        return vs
+        return tuple(builder.bitcast(builder.sext(_vload(builder, at(base, 32), b32), w32), _VI) for base in (0, 256))
+    raw = _vload(builder, at(0, 32), b32)
+    if kind == "q4_1":
+        q = builder.zext(raw, w32)
+        return (builder.bitcast(builder.and_(q, ir.Constant(w32, [15] * 32)), _VI),
+                builder.bitcast(builder.lshr(q, ir.Constant(w32, [4] * 32)), _VI))
+    low, high = builder.and_(raw, c32(15)), builder.lshr(raw, c32(4))
     if kind == "mxfp4":
         table = ir.Constant(b32, _mx_table(kind) * 2)  # pshufb looks up within each 16-byte half
         shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(b32, [b32, b32]),
                                                  "llvm.x86.avx2.pshuf.b")
-    elif kind == "mxfp6":
+        ints = [builder.call(shuffle, [table, low]), builder.call(shuffle, [table, high])]
+    else:  # mxfp6
         table = ir.Constant(b64, _mx_table(kind))
         lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(b64, [b64, b64]),
                                                 "llvm.x86.avx512.permvar.qi.512")
+        top16 = _vload(builder, at(256, 16), b16)  # byte j: the top bits of bytes j and j + 16
+        pairs = builder.and_(builder.shuffle_vector(top16, builder.lshr(top16, ir.Constant(b16, [4] * 16)),
+                                                    ir.Constant(ir.VectorType(_I32, 32), list(range(32)))), c32(15))
+        low = builder.or_(low, builder.shl(builder.and_(pairs, c32(3)), c32(4)))
+        high = builder.or_(high, builder.shl(builder.lshr(pairs, c32(2)), c32(4)))
+        both = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+        looked = builder.call(lookup, [table, both])
+        ints = [builder.shuffle_vector(looked, looked, ir.Constant(ir.VectorType(_I32, 32), list(range(h, h + 32))))
+                for h in (0, 32)]
+    return tuple(builder.bitcast(builder.sext(v, w32), _VI) for v in ints)
+
+
+def _weight_vectors(builder, kind: str, qa, q_at, ks):
+    """LLVM IR: the vectors V_k and V_k+8 (k in ks, a part of 0..7) of the block at element q_at of qs, as
+    <16 x i32>; the other entries None."""
+    vs = [None] * 16
     for k in ks:
-        raw = _vload(builder, at(32 * k), b32)
-        if kind == "q4_1":
-            q = builder.zext(raw, w32)
-            vs[k] = builder.bitcast(builder.and_(q, ir.Constant(w32, [15] * 32)), _VI)
-            vs[k + 8] = builder.bitcast(builder.lshr(q, ir.Constant(w32, [4] * 32)), _VI)
-            continue
-        low, high = builder.and_(raw, c32(15)), builder.lshr(raw, c32(4))
-        if kind == "mxfp4":
-            ints = [builder.call(shuffle, [table, low]), builder.call(shuffle, [table, high])]
-        else:
-            top16 = _vload(builder, at(256 + 16 * k), b16)  # byte j: the top bits of bytes j and j + 16
-            pairs = builder.and_(builder.shuffle_vector(top16, builder.lshr(top16, ir.Constant(b16, [4] * 16)),
-                                                        ir.Constant(ir.VectorType(_I32, 32), list(range(32)))), c32(15))
-            low = builder.or_(low, builder.shl(builder.and_(pairs, c32(3)), c32(4)))
-            high = builder.or_(high, builder.shl(builder.lshr(pairs, c32(2)), c32(4)))
-            both = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
-            looked = builder.call(lookup, [table, both])
-            ints = [builder.shuffle_vector(looked, looked, ir.Constant(ir.VectorType(_I32, 32), list(range(h, h + 32))))
-                    for h in (0, 32)]
-        vs[k], vs[k + 8] = (builder.bitcast(builder.sext(v, w32), _VI) for v in ints)
+        vs[k], vs[k + 8] = _weight_pair(builder, kind, qa, q_at, _I64(k))
     return vs
 
 
@@ -389,11 +394,53 @@ def _codegen(kind: str):
             dot = lambda acc, v, x: pmaddwd_pairs(builder, acc, v, x)  # noqa: E731
         first = builder.mul(group, num_blocks)  # the group's first block
 
+        def unrolled(count, b, q_at):
+            """Row i's integer dots of the block (partials[i], summed over its chains), every V_t in one go."""
+            chains = 2 if WIDE and count <= 4 else 1  # AVX2's chain is of vpaddd alone (latency 1)
+            partials = [[ir.Constant(_VI, [0] * ROWS)] * chains for _ in range(count)]
+            for ks in ((0, 1, 2, 3),) if x8 else _PARTS:
+                vs = _byte_vectors(builder, kind, qa, q_at) if x8 else _weight_vectors(builder, kind, qa, q_at, ks)
+                for i in range(count):
+                    block_x = builder.add(builder.mul(_I64(i), width), builder.mul(b, _I64(BLOCK)))
+                    # x8: row i's int8 values fill the first bytes of its int16s (round_row)
+                    x_bytes = builder.add(builder.mul(_I64(2 * i), width), builder.mul(b, _I64(BLOCK)))
+                    partial = partials[i]
+                    for n, t in enumerate(k + h for h in ((0, 4) if x8 else (0, 8)) for k in ks):
+                        if x8:  # x's values 4t .. 4t + 3 as four bytes
+                            byte = builder.add(x_bytes, _I64(4 * t))
+                            at_x = builder.gep(builder.bitcast(xa.data, ir.IntType(8).as_pointer()), [byte])
+                            x = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=1)
+                        else:  # x's values 2t, 2t + 1 as two 16-bit integers
+                            at_x = builder.gep(xa.data, [builder.add(block_x, _I64(2 * t))])
+                            x = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=2)
+                        partial[n % chains] = dot(partial[n % chains], vs[t], _splat(builder, x, _VI))
+            return partials
+
+        def looped(count, b, q_at):
+            """As unrolled, for AVX2: a loop over the block's eight parts, each widening V_k and V_k+8 and meeting
+            every row of x. Unrolled, LLVM widened all sixteen vectors first and spilled them (16 registers)."""
+            planes = cgutils.unpack_tuple(builder, qa.shape, 4)[2]  # a count LLVM cannot fold: the loop stays
+            num_parts = planes if kind in ("q4_1", "mxfp4") else builder.lshr(planes, _I64(1))
+            at_partial = [cgutils.alloca_once(builder, _VI) for _ in range(count)]
+            for acc in at_partial:
+                builder.store(ir.Constant(_VI, [0] * ROWS), acc)
+            with cgutils.for_range(builder, num_parts) as part:
+                k = part.index
+                vs = _weight_pair(builder, kind, qa, q_at, k)
+                for i in range(count):
+                    block_x = builder.add(builder.mul(_I64(i), width), builder.mul(b, _I64(BLOCK)))
+                    acc = builder.load(at_partial[i])
+                    for v, t in zip(vs, (k, builder.add(k, _I64(8)))):  # x's values 2t, 2t + 1
+                        at_x = builder.gep(xa.data, [builder.add(block_x, builder.mul(t, _I64(2)))])
+                        x = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=2)
+                        acc = dot(acc, v, _splat(builder, x, _VI))
+                    builder.store(acc, at_partial[i])
+            return [[builder.load(acc)] for acc in at_partial]
+
         def run(count):
             sums = [cgutils.alloca_once(builder, _VF) for _ in range(count)]  # registers
             for acc in sums:
                 builder.store(ir.Constant(_VF, [0.0] * ROWS), acc)
-            chains = 2 if WIDE and count <= 4 else 1  # AVX2's chain is of vpaddd alone (latency 1)
             with cgutils.for_range(builder, num_blocks) as loop:
                 b = loop.index
                 at = builder.add(first, b)
@@ -404,23 +451,7 @@ def _codegen(kind: str):
                     byte = builder.mul(offset, _I64(size))
                     for line in range(0, step, 64):
                         prefetch_ir(builder, array.data, builder.add(byte, _I64(ahead + line)))
-                partials = [[ir.Constant(_VI, [0] * ROWS)] * chains for _ in range(count)]
-                for ks in ((0, 1, 2, 3),) if x8 else _PARTS:
-                    vs = _byte_vectors(builder, kind, qa, q_at) if x8 else _weight_vectors(builder, kind, qa, q_at, ks)
-                    for i in range(count):
-                        block_x = builder.add(builder.mul(_I64(i), width), builder.mul(b, _I64(BLOCK)))
-                        # x8: row i's int8 values fill the first bytes of its int16s (round_row)
-                        x_bytes = builder.add(builder.mul(_I64(2 * i), width), builder.mul(b, _I64(BLOCK)))
-                        partial = partials[i]
-                        for n, t in enumerate(k + h for h in ((0, 4) if x8 else (0, 8)) for k in ks):
-                            if x8:  # x's values 4t .. 4t + 3 as four bytes
-                                byte = builder.add(x_bytes, _I64(4 * t))
-                                at_x = builder.gep(builder.bitcast(xa.data, ir.IntType(8).as_pointer()), [byte])
-                                x = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=1)
-                            else:  # x's values 2t, 2t + 1 as two 16-bit integers
-                                at_x = builder.gep(xa.data, [builder.add(block_x, _I64(2 * t))])
-                                x = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=2)
-                            partial[n % chains] = dot(partial[n % chains], vs[t], _splat(builder, x, _VI))
+                partials = (unrolled if WIDE or x8 or count == 1 else looped)(count, b, q_at)
                 if is_mx:
                     e8m0 = _vload(builder, builder.gep(sa.data, [s_at]), ir.VectorType(ir.IntType(8), ROWS))
                     e8m0 = builder.zext(e8m0, _VI)
