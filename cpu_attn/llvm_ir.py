@@ -189,6 +189,35 @@ def pmaddwd_pairs(builder, acc, x, y):
     return builder.add(acc, builder.shuffle_vector(sums[0], sums[1], both))
 
 
+def _half(builder, v, first: int, n: int):
+    """LLVM IR: lanes first .. first + n - 1 of vector v."""
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(first, first + n))))
+
+
+def _joined(builder, lo, hi):
+    """LLVM IR: vectors lo and hi (of n lanes each) as one of 2n lanes."""
+    n = lo.type.count
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+
+
+def pmaddubsw_quads(builder, u, x):
+    """LLVM IR: the <32 x i16> pairwise products of unsigned bytes u and signed bytes x (<64 x i8> each) by AVX2's
+    vpmaddubsw on each half: lane k = u[2k] x[2k] + u[2k + 1] x[2k + 1], saturated to int16 (callers keep the
+    products small enough not to be)."""
+    b32, w16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(_I16, 16)
+    madd = _llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [b32, b32])
+    halves = [builder.call(madd, [_half(builder, u, k, 32), _half(builder, x, k, 32)]) for k in (0, 32)]
+    return _joined(builder, *halves)
+
+
+def pmaddwd_ones(builder, v):
+    """LLVM IR: <32 x i16> v -> <16 x i32> whose lane l is v[2l] + v[2l + 1] (AVX2's vpmaddwd by ones on each half)."""
+    words, dwords = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    madd = _llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", dwords, [words, words])
+    ones = ir.Constant(words, [1] * 16)
+    return _joined(builder, *(builder.call(madd, [_half(builder, v, k, 16), ones]) for k in (0, 16)))
+
+
 @intrinsic
 def cycles(typingctx):
     """The CPU's cycle counter (LLVM's readcyclecounter: rdtsc on x86, constant rate), to split one kernel call's

@@ -241,7 +241,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.
     gguf_dots = int_dots and mx_weights is None and wf.name in ("auto", "gguf")
     if activation_bits == 8 and not (gguf_dots and x8_available()):
         raise ModelLoadError("activation_bits 8 needs the GGUF's blocks multiplied by integer dots (weight_format "
-                             "auto or gguf, cpu_linear_dtype auto or bfloat16) on a CPU with AVX512-VNNI")
+                             "auto or gguf, cpu_linear_dtype auto or bfloat16) on a CPU with AVX512-VNNI or AVX2")
     if mx_weights is not None:
         if int_dots and mx_available(wf.name):
             default = integer_dot_max_tokens() if bf16 else MX_MAX_TOKENS

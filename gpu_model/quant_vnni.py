@@ -38,7 +38,7 @@ bits per weight, scales included (4.25 / 6.25 / 8.25), in the same vector order:
            the 6-bit codes are looked up in a 64-byte table (vpermb, AVX512-VBMI)
     scales [G, NB, 1, 16] u8: E8M0 of the group's 16 rows
 
-With 8-bit activations (`x_bits` 8, GGUF blocks on AVX512-VNNI only) x is rounded to max |x| / 127 per block, as
+With 8-bit activations (`x_bits` 8: GGUF blocks on AVX512-VNNI, Q4_1 ones on AVX2) x is rounded to max |x| / 127 per block, as
 llama.cpp's Q8 activations are, and meets the weights in `vpdpbusd` (16 int32 lanes, each summing four products
 of an unsigned byte and a signed one): half the instructions of the int16 dots, where several rows of x a step
 make the kernel bound by them (verified draft tokens, many sequences a step). The weights are the unsigned
@@ -49,6 +49,10 @@ values 4t .. 4t + 3:
          (low nibble, U_s) and 16 + 4s + j (high nibble, U_s+4)
     Q8_0 x8 qs [G, NB, 8, 64] u8: [g, b, t, 4l + j] = weight 4t + j of row 16 g + l's block b plus 128 (U_t);
          the 128 x sum(xq) this adds leaves through a second scale, m = -128 d, as Q4_1's m term
+
+Without AVX-512 the Q4_1 x8 layout meets x in AVX2's `vpmaddubsw` (pairs of byte products as int16, summed over
+the block in int16, then one `vpmaddwd` by ones: the same integers as vpdpbusd); Q8_0 keeps 16-bit x there (its
+bytes plus 128 would saturate the int16 pairs).
 
 A group's weights are one sequential stream, read once per pass; the rows of x go X_ROWS at a time,
 sharing the widened weights (a second pass over a group finds them in L1).
@@ -64,7 +68,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attn.llvm_ir import by_row_count, c_array, host_has, pmaddwd_pairs, prefetch_ir
+from cpu_attn.llvm_ir import by_row_count, c_array, host_has, pmaddubsw_quads, pmaddwd_ones, pmaddwd_pairs, prefetch_ir
 from cpu_attn.softmax import fast_exp
 from gpu_model import mx
 from gpu_model.quant import BLOCK, PREFETCH_BYTES, QuantWeight
@@ -90,9 +94,10 @@ def is_available() -> bool:
     return WIDE or host_has("avx2", "fma", "f16c")
 
 
-def x8_available() -> bool:
-    """Whether this CPU runs GGUF blocks with 8-bit activations (vpdpbusd, AVX512-VNNI)."""
-    return WIDE
+def x8_available(kind: str = "q4_1") -> bool:
+    """Whether this CPU runs GGUF blocks of `kind` with 8-bit activations: Q4_1 with AVX512-VNNI (vpdpbusd) or AVX2
+    (vpmaddubsw), Q8_0 with AVX512-VNNI alone (its unsigned bytes would saturate vpmaddubsw's int16 pairs)."""
+    return WIDE or (kind == "q4_1" and is_available())
 
 
 def mx_available(fmt: str) -> bool:
@@ -142,13 +147,16 @@ class VnniWeight:
 
     @staticmethod
     def from_blocks(w: QuantWeight, x_bits: int = 16) -> "VnniWeight":
-        """w in the layout above; x_bits 8 (where x8_available) for 8-bit activations."""
+        """w in the layout above; x_bits 8 (where x8_available) for 8-bit activations. Q8_0 blocks where this CPU has
+        no 8-bit kernel for them (AVX2) keep 16-bit activations: a model's head then rounds x to int16."""
         n, nb = w.scales.shape
         g = n // ROWS
         parts = [w.scales] if w.kind == "q8_0" else [w.scales, w.mins]
-        if x_bits == 8:
+        if x_bits == 8 and not x8_available(w.kind):
             if not x8_available():
-                raise ValueError("8-bit activations need a CPU with AVX512-VNNI")
+                raise ValueError("8-bit activations need a CPU with AVX512-VNNI or AVX2")
+            x_bits = 16
+        if x_bits == 8:
             codes = w.qs if w.kind == "q4_1" else w.qs.view(np.uint8) ^ np.uint8(0x80)  # Q8_0: q + 128, unsigned
             # [N, NB, 4T] -> [G, l, NB, T, j] -> [G, NB, T, l, j]: byte (t, 4l + j) is row l's byte 4t + j
             qs = codes.reshape(g, ROWS, nb, -1, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1, 4 * ROWS)
@@ -437,6 +445,32 @@ def _codegen(kind: str):
                     builder.store(acc, at_partial[i])
             return [[builder.load(acc)] for acc in at_partial]
 
+        def looped_x8(count, b, q_at):
+            """As unrolled, for Q4_1 x8 on AVX2 (no vpdpbusd): a loop over the block's four 64-byte parts, whose U_s
+            and U_s+4 meet each row's quads s and s + 4 in vpmaddubsw (pairs of products as int16); a row's int16
+            sums add up over the block (16 products of a nibble and an int8: |sum| <= 16 * 15 * 127 < 2^15) and
+            one vpmaddwd by ones gives each lane's dot, as vpdpbusd would."""
+            b64, w32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(ir.IntType(16), 32)
+            num_parts = cgutils.unpack_tuple(builder, qa.shape, 4)[2]  # 4, a count LLVM cannot fold: the loop stays
+            at_sum = [cgutils.alloca_once(builder, w32) for _ in range(count)]
+            for acc in at_sum:
+                builder.store(ir.Constant(w32, [0] * 32), acc)
+            with cgutils.for_range(builder, num_parts) as part:
+                s = part.index
+                raw = _vload(builder, builder.gep(qa.data, [builder.add(q_at, builder.mul(s, _I64(64)))]), b64)
+                us = builder.and_(raw, ir.Constant(b64, [15] * 64)), builder.lshr(raw, ir.Constant(b64, [4] * 64))
+                for i in range(count):
+                    x_bytes = builder.add(builder.mul(_I64(2 * i), width), builder.mul(b, _I64(BLOCK)))
+                    acc = builder.load(at_sum[i])
+                    for u, t in zip(us, (s, builder.add(s, _I64(4)))):  # x's values 4t .. 4t + 3 as four bytes
+                        at_x = builder.gep(builder.bitcast(xa.data, ir.IntType(8).as_pointer()),
+                                           [builder.add(x_bytes, builder.mul(t, _I64(4)))])
+                        x = builder.load(builder.bitcast(at_x, _I32.as_pointer()), align=1)
+                        quads = builder.bitcast(_splat(builder, x, _VI), b64)
+                        acc = builder.add(acc, pmaddubsw_quads(builder, u, quads))
+                    builder.store(acc, at_sum[i])
+            return [[pmaddwd_ones(builder, builder.load(acc))] for acc in at_sum]
+
         def run(count):
             sums = [cgutils.alloca_once(builder, _VF) for _ in range(count)]  # registers
             for acc in sums:
@@ -451,7 +485,10 @@ def _codegen(kind: str):
                     byte = builder.mul(offset, _I64(size))
                     for line in range(0, step, 64):
                         prefetch_ir(builder, array.data, builder.add(byte, _I64(ahead + line)))
-                partials = (unrolled if WIDE or x8 or count == 1 else looped)(count, b, q_at)
+                if WIDE or (count == 1 and not x8):
+                    partials = unrolled(count, b, q_at)
+                else:
+                    partials = (looped_x8 if x8 else looped)(count, b, q_at)
                 if is_mx:
                     e8m0 = _vload(builder, builder.gep(sa.data, [s_at]), ir.VectorType(ir.IntType(8), ROWS))
                     e8m0 = builder.zext(e8m0, _VI)
@@ -530,17 +567,20 @@ def _rows(typingctx, xq, dx, dsum, scales, qs, group, out):
 
 def _either_layout(int16_codegen):
     """The codegen for unsigned GGUF codes in any layout, told apart at run time by the shape of qs: 64 bytes wide,
-    x8 (4 planes Q4_1, 8 planes Q8_0); else Q4_1 for int16 x."""
+    x8 (4 planes Q4_1, 8 planes Q8_0, the latter where x8_available says so); else Q4_1 for int16 x."""
     def either(context, builder, signature, args):
         qa = context.make_array(signature.args[4])(context, builder, args[4])
         _, _, planes, width = cgutils.unpack_tuple(builder, qa.shape, 4)
         with builder.if_else(builder.icmp_signed("==", width, _I64(4 * ROWS))) as (x8, x16):
             with x8:
-                with builder.if_else(builder.icmp_signed("==", planes, _I64(4))) as (q4, q8):
-                    with q4:
-                        _codegen("q4_1x8")(context, builder, signature, args)
-                    with q8:
-                        _codegen("q8_0x8")(context, builder, signature, args)
+                if not x8_available("q8_0"):  # no Q8_0 weight is laid out for 8-bit x here
+                    _codegen("q4_1x8")(context, builder, signature, args)
+                else:
+                    with builder.if_else(builder.icmp_signed("==", planes, _I64(4))) as (q4, q8):
+                        with q4:
+                            _codegen("q4_1x8")(context, builder, signature, args)
+                        with q8:
+                            _codegen("q8_0x8")(context, builder, signature, args)
             with x16:
                 int16_codegen(context, builder, signature, args)
         return context.get_dummy_value()

@@ -100,7 +100,8 @@ class ServeConfig:
     activation_bits: int = _opt(16, "on the CPU, what the integer-dot linears round each activation block of 32 "
                                     "to: 16 bits (a relative error of 2^-16), or 8 (llama.cpp's Q8 rounding: the "
                                     "GGUF's blocks by vpdpbusd, 1.2-1.4x the rows a second at several rows a step, "
-                                    "perplexity +0.1 percent; needs AVX512-VNNI; docs/weight-formats.md)")
+                                    "perplexity +0.1 percent; needs AVX512-VNNI, or AVX2, where the Q8_0 head "
+                                    "keeps 16 bits; docs/weight-formats.md)")
     weight_format: str = _opt("auto", "the linear layers' weights: auto (gguf blocks where the model has them, "
                                       "else cpu_linear_dtype), gguf (the GGUF's Q4_1/Q8_0 blocks), mxfp8, mxfp6, "
                                       "mxfp4, mxint8 (OCP MX, converted at load and cached), bf16 or fp32; see "
