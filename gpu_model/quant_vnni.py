@@ -379,7 +379,8 @@ def _codegen(kind: str):
     pairs of values broadcast (in up to four independent chains), converted, scaled by d x dx and added (plus,
     Q4_1, m x dsum) to the row's sum vector, which is the group's 16 outputs. x8 kinds: the 8 vectors U_t
     of bytes, 8 vpdpbusd a row with its quads of bytes broadcast, and an m term (Q8_0's m = -128 d). MX:
-    d = 2^(s - 127) from the E8M0 byte moved into a float's exponent, dx times 2^-k."""
+    d = 2^(s - 127) from the E8M0 byte moved into a float's exponent, dx times 2^-k. With AVX2 alone a block's
+    dots run as a loop over its parts (looped; looped_x8 for Q4_1 x8, by vpmaddubsw), except one row of 16-bit x."""
     is_mx, x8 = kind in MX_KINDS, kind in ("q4_1x8", "q8_0x8")
 
     def codegen(context, builder, signature, args):
