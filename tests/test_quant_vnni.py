@@ -192,8 +192,8 @@ def test_default_model_layer_matches_the_float_kernels():
 
 def test_eight_bit_activations_on_the_default_model():
     """activation_bits 8: the bundled model's blocks (Q4_1 linears, a Q8_0 head, the latter at 16 bits where the CPU
-    has no 8-bit kernel for Q8_0) take x rounded to int8 (the x8 layouts) and give the 16-bit model's layer outputs and logits within 3 % of their scale; combinations
-    without Q4_1 integer dots are refused at load, in one line."""
+    has no 8-bit kernel for Q8_0) take x rounded to int8 (the x8 layouts) and give the 16-bit model's layer outputs
+    and logits within 3 % of their scale; combinations without Q4_1 integer dots are refused at load, in one line."""
     from gpu_model.loader import ModelLoadError, load_model, resolve_model_dir
     from gpu_model.weight_format import WeightFormat
 
@@ -201,7 +201,8 @@ def test_eight_bit_activations_on_the_default_model():
         pytest.skip("this CPU has no 8-bit integer dots (AVX512-VNNI or AVX2)")
     model_dir = resolve_model_dir(None)
     x16, x8 = (load_model(model_dir, gguf_blocks_max_tokens=4, activation_bits=b) for b in (16, 8))
-    assert {(w.kind, w.x_bits) for w in x8.quant.values()} == {("q4_1", 8), ("q8_0", 8 if x8_available("q8_0") else 16)}
+    head_bits = 8 if x8_available("q8_0") else 16
+    assert {(w.kind, w.x_bits) for w in x8.quant.values()} == {("q4_1", 8), ("q8_0", head_bits)}
     assert all(w is not None for w in x8.decode_weights)
     x = torch.randn(3, x8.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     cos, sin = x8.rope(torch.tensor([5, 9, 11]))
