@@ -40,9 +40,9 @@ bits per weight, scales included (4.25 / 6.25 / 8.25), in the same vector order:
 
 With 8-bit activations (`x_bits` 8: GGUF blocks on AVX512-VNNI, Q4_1 ones on AVX2) x is rounded to max |x| / 127
 per block, as llama.cpp's Q8 activations are, and meets the weights in `vpdpbusd` (16 int32 lanes, each summing
-four products of an unsigned byte and a signed one): half the instructions of the int16 dots, where several rows of x a step
-make the kernel bound by them (verified draft tokens, many sequences a step). The weights are the unsigned
-operand, laid out so that lane l of a 64-byte vector U_t holds four consecutive weights of row l, which meet x's
+four products of an unsigned byte and a signed one): half the instructions of the int16 dots, where several rows
+of x a step make the kernel bound by them (verified draft tokens, many sequences a step). The weights are the
+unsigned operand, laid out so that lane l of a 64-byte vector U_t holds four consecutive weights of row l, which meet x's
 values 4t .. 4t + 3:
 
     Q4_1 x8 qs [G, NB, 4, 64] u8: [g, b, s, 4l + j] = GGUF byte 4s + j of row 16 g + l's block b: weight 4s + j
