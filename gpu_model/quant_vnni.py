@@ -42,8 +42,8 @@ With 8-bit activations (`x_bits` 8: GGUF blocks on AVX512-VNNI, Q4_1 ones on AVX
 per block, as llama.cpp's Q8 activations are, and meets the weights in `vpdpbusd` (16 int32 lanes, each summing
 four products of an unsigned byte and a signed one): half the instructions of the int16 dots, where several rows
 of x a step make the kernel bound by them (verified draft tokens, many sequences a step). The weights are the
-unsigned operand, laid out so that lane l of a 64-byte vector U_t holds four consecutive weights of row l, which meet x's
-values 4t .. 4t + 3:
+unsigned operand, laid out so that lane l of a 64-byte vector U_t holds four consecutive weights of row l, which
+meet x's values 4t .. 4t + 3:
 
     Q4_1 x8 qs [G, NB, 4, 64] u8: [g, b, s, 4l + j] = GGUF byte 4s + j of row 16 g + l's block b: weight 4s + j
          (low nibble, U_s) and 16 + 4s + j (high nibble, U_s+4)
