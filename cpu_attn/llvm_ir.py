@@ -176,19 +176,6 @@ def _llvm_fn(builder, name, ret, params):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
 
 
-def pmaddwd_pairs(builder, acc, x, y):
-    """LLVM IR: acc + the pairwise int16 dot products of x and y (<16 x i32> each, lane l: an int16 pair) in
-    AVX2, vpdpwssd's result without AVX-512: two vpmaddwd on the halves, two vpaddd. The sums wrap as
-    vpdpwssd's do; a pair of products overflows only where both are (-2^15)^2."""
-    words, dwords = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
-    madd = _llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", dwords, [words, words])
-    halves = [ir.Constant(dwords, list(range(k, k + 8))) for k in (0, 8)]
-    sums = [builder.call(madd, [builder.bitcast(builder.shuffle_vector(v, v, half), words) for v in (x, y)])
-            for half in halves]
-    both = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
-    return builder.add(acc, builder.shuffle_vector(sums[0], sums[1], both))
-
-
 def _half(builder, v, first: int, n: int):
     """LLVM IR: lanes first .. first + n - 1 of vector v."""
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(first, first + n))))
@@ -198,6 +185,16 @@ def _joined(builder, lo, hi):
     """LLVM IR: vectors lo and hi (of n lanes each) as one of 2n lanes."""
     n = lo.type.count
     return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+
+
+def pmaddwd_pairs(builder, acc, x, y):
+    """LLVM IR: acc + the pairwise int16 dot products of x and y (<16 x i32> each, lane l: an int16 pair) in
+    AVX2, vpdpwssd's result without AVX-512: two vpmaddwd on the halves, two vpaddd. The sums wrap as
+    vpdpwssd's do; a pair of products overflows only where both are (-2^15)^2."""
+    words, dwords = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    madd = _llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", dwords, [words, words])
+    sums = [builder.call(madd, [builder.bitcast(_half(builder, v, k, 8), words) for v in (x, y)]) for k in (0, 8)]
+    return builder.add(acc, _joined(builder, *sums))
 
 
 def pmaddubsw_quads(builder, u, x):
